@@ -1,0 +1,106 @@
+"""Batched, jitted generation with a KV cache: temperature, top-k, top-p, greedy, EOS stop."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from hilore_jax import model
+from hilore_jax.model_config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """Static decoding settings (hashable: a change recompiles the sampler)."""
+
+  max_new_tokens: int = 16
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0  # 0: off
+  greedy: bool = False
+
+  def __post_init__(self):
+    if self.max_new_tokens <= 0:
+      raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+    if not self.greedy and self.temperature <= 0:
+      raise ValueError(f"temperature must be > 0 (or set greedy), got {self.temperature}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def process_logits(logits_BV: jax.Array, sc: SamplingConfig) -> jax.Array:
+  """Logits of the sampling distribution: temperature, then top-k, then top-p (nucleus)."""
+  neg = jnp.finfo(jnp.float32).min
+  logits_BV = logits_BV.astype(jnp.float32) / sc.temperature
+  if sc.top_k:
+    kth = jax.lax.top_k(logits_BV, sc.top_k)[0][:, -1:]
+    logits_BV = jnp.where(logits_BV < kth, neg, logits_BV)
+  if sc.top_p < 1.0:
+    sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(sorted_BV, axis=-1)
+    # keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    cutoff = jnp.min(jnp.where(mass_before < sc.top_p, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+    logits_BV = jnp.where(logits_BV < cutoff, neg, logits_BV)
+  return logits_BV
+
+
+def left_align(ids_BP: jax.Array, mask_BP: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Move each row's real tokens to the right end (left padding), whatever the input padding side."""
+  order = jnp.argsort(mask_BP.astype(jnp.int32), axis=-1, stable=True)
+  return jnp.take_along_axis(ids_BP, order, -1), jnp.take_along_axis(mask_BP, order, -1)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sc", "eos_id", "pad_id"))
+def generate(cfg: ModelConfig, params: dict, prompt_ids_BP: jax.Array, prompt_mask_BP: jax.Array,
+             rng: jax.Array, sc: SamplingConfig, eos_id: int, pad_id: int) -> dict:
+  """Sample completions. Returns left-aligned prompt ids/mask and completion tokens/logprobs/mask [B, N].
+
+  logprobs are under the sampling distribution (after temperature/top-k/top-p; plain softmax if greedy).
+  The completion mask covers generated tokens up to and including EOS.
+  """
+  B, P = prompt_ids_BP.shape
+  N = sc.max_new_tokens
+  ids, mask = left_align(prompt_ids_BP, prompt_mask_BP)
+  mask = mask.astype(jnp.int32)
+  key_mask = jnp.concatenate([mask, jnp.zeros((B, N), jnp.int32)], axis=1)
+  cache = model.init_cache(cfg, B, P + N)
+  logits, cache = model.forward_cached(cfg, params, ids, model.default_positions(mask), key_mask, cache, 0)
+  lengths_B = mask.sum(-1)
+
+  def pick(logits_BV, key):
+    if sc.greedy:
+      logp = jax.nn.log_softmax(logits_BV.astype(jnp.float32), -1)
+      tok = jnp.argmax(logits_BV, -1)
+    else:
+      logp = jax.nn.log_softmax(process_logits(logits_BV, sc), -1)
+      tok = jax.random.categorical(key, logp, -1)
+    return tok, jnp.take_along_axis(logp, tok[:, None], -1)[:, 0]
+
+  def body(carry):
+    t, last_BV, cache, key_mask, done_B, toks, logps, rng = carry
+    rng, key = jax.random.split(rng)
+    tok, logp = pick(last_BV, key)
+    live = ~done_B
+    tok = jnp.where(live, tok, pad_id)
+    toks = toks.at[:, t].set(tok)
+    logps = logps.at[:, t].set(jnp.where(live, logp, 0.0))
+    key_mask = key_mask.at[:, P + t].set(live.astype(jnp.int32))
+    positions = (lengths_B + t)[:, None]
+    logits, cache = model.forward_cached(cfg, params, tok[:, None], positions, key_mask, cache, P + t)
+    done_B = done_B | (tok == eos_id)
+    return t + 1, logits[:, -1], cache, key_mask, done_B, toks, logps, rng
+
+  def cond(carry):
+    return (carry[0] < N) & ~jnp.all(carry[4])
+
+  init = (jnp.int32(0), logits[:, -1], cache, key_mask, jnp.zeros((B,), bool),
+          jnp.full((B, N), pad_id, jnp.int32), jnp.zeros((B, N), jnp.float32), rng)
+  _, _, _, key_mask, _, toks, logps, _ = jax.lax.while_loop(cond, body, init)
+  return {"prompt_ids": ids, "prompt_mask": mask, "tokens": toks, "logprobs": logps,
+          "mask": key_mask[:, P:]}

@@ -1,0 +1,22 @@
+"""Shared test fixtures: tiny odd-shaped configs, no network."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+from hilore_jax.model_config import ModelConfig  # noqa: E402
+
+
+@pytest.fixture
+def tiny_cfg():
+  # prime-ish sizes catch transposes; GQA with 2 query heads per kv head
+  return ModelConfig(vocab_size=31, hidden_size=24, intermediate_size=37, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path_factory, monkeypatch):
+  monkeypatch.setenv("HILORE_CACHE", str(tmp_path_factory.getbasetemp() / "hilore_cache"))

@@ -1,0 +1,101 @@
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hilore_jax import model, residuals
+from hilore_jax.model import LayerPolicy
+
+
+def _params(cfg, seed=0):
+  p = model.init_params(cfg, jax.random.PRNGKey(seed), init_std=0.3)
+  # non-trivial norms and biases so every tensor matters
+  leaves, tree = jax.tree_util.tree_flatten(p)
+  keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
+  leaves = [l + 0.1 * jax.random.normal(k, l.shape) for l, k in zip(leaves, keys)]
+  return jax.tree_util.tree_unflatten(tree, leaves)
+
+
+def test_forward_shapes_and_jit(tiny_cfg):
+  p = _params(tiny_cfg)
+  ids = jnp.arange(2 * 7).reshape(2, 7) % tiny_cfg.vocab_size
+  logits = jax.jit(model.forward, static_argnums=0)(tiny_cfg, p, ids)
+  chex.assert_shape(logits, (2, 7, tiny_cfg.vocab_size))
+  chex.assert_tree_all_finite(logits)
+
+
+def test_causal(tiny_cfg):
+  p = _params(tiny_cfg)
+  ids = jnp.array([[3, 5, 7, 11, 13]])
+  changed = ids.at[0, 4].set(2)
+  a, b = model.forward(tiny_cfg, p, ids), model.forward(tiny_cfg, p, changed)
+  np.testing.assert_allclose(a[0, :4], b[0, :4], atol=1e-6)
+  assert np.abs(a[0, 4] - b[0, 4]).max() > 1e-4
+
+
+def test_left_padding_matches_unpadded(tiny_cfg):
+  p = _params(tiny_cfg)
+  ids = jnp.array([[3, 5, 7, 11, 13]])
+  padded = jnp.array([[0, 0, 3, 5, 7, 11, 13]])
+  mask = jnp.array([[0, 0, 1, 1, 1, 1, 1]])
+  a = model.forward(tiny_cfg, p, ids)
+  b = model.forward(tiny_cfg, p, padded, mask)
+  np.testing.assert_allclose(a[0], b[0, 2:], atol=1e-5)
+
+
+def test_bf16_compute_with_fp32_params(tiny_cfg):
+  cfg = tiny_cfg.replace(dtype="bfloat16")
+  p = _params(cfg)
+  assert p["embed_VD"].dtype == jnp.float32
+  ids = jnp.array([[3, 5, 7, 11, 13]])
+  a = model.forward(tiny_cfg, p, ids)
+  b = model.forward(cfg, p, ids)
+  assert b.dtype == jnp.float32
+  np.testing.assert_allclose(a, b, atol=0.1)
+  assert np.abs(np.asarray(a) - np.asarray(b)).max() > 0  # it really ran in bf16
+
+
+def _loss(cfg, p, ids, policies):
+  return jnp.sum(jax.nn.log_softmax(model.forward(cfg, p, ids, layer_policies=policies))[..., 1] ** 2)
+
+
+def test_per_layer_policies_give_same_gradients_and_save_what_they_say(tiny_cfg):
+  p = _params(tiny_cfg)
+  ids = jnp.array([[3, 5, 7, 11, 13, 17, 19]])
+  policies = (model.NO_REMAT, model.FULL_REMAT, LayerPolicy(remat=True, save=(model.MLP_GATE, model.ATTN_NORM)))
+  g_ref = jax.grad(_loss, argnums=1)(tiny_cfg, p, ids, model.uniform_policies(tiny_cfg, model.NO_REMAT))
+  g = jax.grad(_loss, argnums=1)(tiny_cfg, p, ids, policies)
+  chex.assert_trees_all_close(g, g_ref, rtol=1e-5, atol=1e-6)
+
+  def saved(pols):
+    return residuals.saved_residuals(lambda q: _loss(tiny_cfg, q, ids, pols), p)
+
+  def count(pols, name):
+    return residuals.count_named(saved(pols), name)
+
+  none = model.uniform_policies(tiny_cfg, model.NO_REMAT)
+  full = model.uniform_policies(tiny_cfg, model.FULL_REMAT)
+  assert count(none, model.MLP_GATE) == tiny_cfg.num_hidden_layers
+  assert count(full, model.MLP_GATE) == 0
+  assert count(policies, model.MLP_GATE) == 2  # layer 0 (no remat) and layer 2 (saves it by name)
+  assert count(policies, model.MLP_UP) == 1  # only layer 0
+  assert count(policies, model.ATTN_NORM) == 2
+  assert len(saved(full)) < len(saved(policies)) < len(saved(none))
+
+
+def test_layer_policy_validation(tiny_cfg):
+  with pytest.raises(ValueError, match="unknown checkpoint names"):
+    LayerPolicy(remat=True, save=("nope",))
+  with pytest.raises(ValueError, match="3 layers"):
+    model.forward(tiny_cfg, _params(tiny_cfg), jnp.array([[1, 2]]), layer_policies=(model.NO_REMAT,))
+
+
+def test_config_validation():
+  from hilore_jax.model_config import ModelConfig
+  with pytest.raises(ValueError, match="num_key_value_heads"):
+    ModelConfig(num_attention_heads=4, num_key_value_heads=3)
+  with pytest.raises(ValueError, match="rope scaling"):
+    ModelConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0})
+  with pytest.raises(ValueError, match="dtype"):
+    ModelConfig(dtype="float64x")

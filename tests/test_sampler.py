@@ -1,0 +1,94 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hilore_jax import model, sampler
+from hilore_jax.sampler import SamplingConfig
+
+EOS, PAD = 1, 0
+
+
+@pytest.fixture
+def setup(tiny_cfg):
+  return tiny_cfg, model.init_params(tiny_cfg, jax.random.PRNGKey(3), init_std=0.4)
+
+
+def _greedy_by_recompute(cfg, params, prompt, n):
+  seq = list(prompt)
+  out = []
+  for _ in range(n):
+    tok = int(jnp.argmax(model.forward(cfg, params, jnp.array([seq]))[0, -1]))
+    out.append(tok)
+    if tok == EOS:
+      break
+    seq.append(tok)
+  return out
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_greedy_with_cache_equals_full_recompute(setup, side):
+  cfg, params = setup
+  prompts = [[3, 4, 5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17]]
+  P = max(map(len, prompts))
+  pad = lambda p: [PAD] * (P - len(p)) + p if side == "left" else p + [PAD] * (P - len(p))
+  ids = jnp.array([pad(p) for p in prompts])
+  mask = jnp.array([pad([1] * len(p)) for p in prompts])
+  sc = SamplingConfig(max_new_tokens=9, greedy=True)
+  out = sampler.generate(cfg, params, ids, mask, jax.random.PRNGKey(0), sc, eos_id=EOS, pad_id=PAD)
+  for b, p in enumerate(prompts):
+    want = _greedy_by_recompute(cfg, params, p, 9)
+    n = int(out["mask"][b].sum())
+    assert out["tokens"][b, :n].tolist() == want
+    assert out["mask"][b, n:].sum() == 0 and (out["tokens"][b, n:] == PAD).all()
+    assert out["prompt_ids"][b, P - len(p):].tolist() == p  # returned left-aligned
+
+
+def test_stops_on_eos_and_logprobs_are_policy_logprobs(setup):
+  cfg, params = setup
+  # make EOS the argmax after token 20 by boosting its logit through a large lm-head column
+  params = jax.tree_util.tree_map(lambda x: x, params)
+  params["lm_head_DV"] = params["lm_head_DV"].at[:, EOS].set(params["embed_VD"][20] * 50.0)
+  ids = jnp.array([[5, 6, 20], [5, 6, 7]])
+  mask = jnp.ones_like(ids)
+  out = sampler.generate(cfg, params, ids, mask, jax.random.PRNGKey(0), SamplingConfig(8, greedy=True), EOS, PAD)
+  assert out["tokens"][0, 0] == EOS and out["mask"][0].tolist() == [1] + [0] * 7
+  # logprob of each kept token equals the full-forward log-softmax at that position
+  b = 1
+  n = int(out["mask"][b].sum())
+  seq = jnp.concatenate([ids[b], out["tokens"][b, :n]])[None]
+  logp = jax.nn.log_softmax(model.forward(cfg, params, seq)[0], -1)
+  want = logp[2:2 + n][jnp.arange(n), seq[0, 3:3 + n]]
+  np.testing.assert_allclose(out["logprobs"][b, :n], want, atol=1e-5)
+
+
+def test_top_k_and_top_p_restrict_support():
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+  k2 = sampler.process_logits(logits, SamplingConfig(top_k=2))
+  assert (k2[0, 2:] < -1e30).all() and (k2[0, :2] > -1e30).all()
+  p = sampler.process_logits(logits, SamplingConfig(top_p=0.7))  # 0.5 + 0.3 reaches 0.7
+  assert (p[0, :2] > -1e30).all() and (p[0, 2:] < -1e30).all()
+  t = sampler.process_logits(logits, SamplingConfig(temperature=0.5))
+  np.testing.assert_allclose(t, logits * 2.0, rtol=1e-6)
+
+
+def test_sampling_is_seeded_and_respects_top_k(setup):
+  cfg, params = setup
+  ids = jnp.tile(jnp.array([[3, 4, 5]]), (16, 1))
+  mask = jnp.ones_like(ids)
+  sc = SamplingConfig(max_new_tokens=5, top_k=1, temperature=0.7)
+  a = sampler.generate(cfg, params, ids, mask, jax.random.PRNGKey(0), sc, EOS, PAD)
+  g = sampler.generate(cfg, params, ids, mask, jax.random.PRNGKey(0), SamplingConfig(5, greedy=True), EOS, PAD)
+  np.testing.assert_array_equal(a["tokens"], g["tokens"])  # top-1 sampling is greedy
+  sc = SamplingConfig(max_new_tokens=5, temperature=1.5)
+  x = sampler.generate(cfg, params, ids, mask, jax.random.PRNGKey(1), sc, EOS, PAD)
+  y = sampler.generate(cfg, params, ids, mask, jax.random.PRNGKey(1), sc, EOS, PAD)
+  np.testing.assert_array_equal(x["tokens"], y["tokens"])
+  assert len({tuple(r) for r in np.asarray(x["tokens"])}) > 1  # rows really sample
+
+
+def test_bad_sampling_config():
+  with pytest.raises(ValueError, match="top_p"):
+    SamplingConfig(top_p=0.0)
+  with pytest.raises(ValueError, match="temperature"):
+    SamplingConfig(temperature=0.0)
