@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Sequence
 class Example:
   prompt: str
   reference: Any
+  target: str | None = None  # a gold completion, for the supervised warm-start
 
 
 @dataclasses.dataclass
@@ -43,8 +44,13 @@ class ArithmeticSpec:
   num_terms: int = 2
   ops: tuple[str, ...] = ("+",)
   num_test: int = 200
+  teacher_error_rate: float = 0.0  # share of warm-start targets from a teacher that drops every carry
 
   def __post_init__(self):
+    if not 0.0 <= self.teacher_error_rate <= 1.0:
+      raise ValueError(f"teacher_error_rate must be in [0, 1], got {self.teacher_error_rate}")
+    if self.teacher_error_rate and tuple(self.ops) != ("+",):
+      raise ValueError("teacher_error_rate models a carry slip, so it needs ops == ['+']")
     if self.min_value < 0 or self.max_value < self.min_value:
       raise ValueError(f"need 0 <= min_value <= max_value, got {self.min_value}, {self.max_value}")
     if self.num_terms < 2:
@@ -59,7 +65,18 @@ def _arith_problem(spec: ArithmeticSpec, rng: random.Random) -> Example:
   expr = str(terms[0])
   for t in terms[1:]:
     expr += rng.choice(spec.ops) + str(t)
-  return Example(prompt=expr + "=", reference=eval(expr))  # expr holds only digits and + - *
+  value = eval(expr)  # expr holds only digits and + - *
+  return Example(prompt=expr + "=", reference=value, target=str(value))
+
+
+def carryless_sum(terms: list[int]) -> int:
+  """Digit-wise sum mod 10: addition by a teacher that forgets every carry."""
+  out, place = 0, 1
+  while any(terms):
+    out += place * (sum(t % 10 for t in terms) % 10)
+    terms = [t // 10 for t in terms]
+    place *= 10
+  return out
 
 
 def arithmetic_reward(completion: str, reference: int) -> float:
@@ -82,7 +99,11 @@ def arithmetic_task(spec: ArithmeticSpec) -> Task:
     while True:
       ex = _arith_problem(spec, rng)
       if ex.prompt not in test:
-        return ex
+        break
+    if spec.teacher_error_rate and rng.random() < spec.teacher_error_rate:
+      # the reference (and so the reward) stays exact; only the imitation target is wrong
+      ex = dataclasses.replace(ex, target=str(carryless_sum([int(t) for t in ex.prompt[:-1].split("+")])))
+    return ex
 
   return Task("arithmetic", train_example, list(test.values()), arithmetic_reward)
 
@@ -148,7 +169,8 @@ def load_gsm8k(path: str, skip_malformed: bool = False, prompt_template: str = "
           report.skipped += 1
           continue
         raise ValueError(f"{path}:{lineno}: malformed GSM8K line: {e}") from None
-      examples.append(Example(prompt_template.format(question=row["question"]), final.replace(",", "")))
+      examples.append(Example(prompt_template.format(question=row["question"]), final.replace(",", ""),
+                              target=row["answer"]))
       report.loaded += 1
   return examples, report
 
@@ -187,6 +209,6 @@ def iter_jsonl_examples(path: str, reward_kind: str) -> Iterator[Example]:
       if line.strip():
         try:
           row = json.loads(line)
-          yield Example(row["prompt"], row["answer"])
+          yield Example(row["prompt"], row["answer"], row.get("solution"))
         except (ValueError, KeyError, TypeError) as e:
           raise ValueError(f"{path}:{lineno}: malformed {reward_kind} line: {e!r}") from None

@@ -1,0 +1,177 @@
+"""GRPO numerics as pure functions: advantages, clipped surrogate, KL estimators, aggregation, w_t."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+ADVANTAGES = ("grpo", "rloo", "dr_grpo")
+STD_SCALES = ("group", "batch", "none")
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+STD_EPS = 1e-4
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """Static settings of the GRPO objective."""
+
+  loss_agg: str = "token-mean"
+  eps_low: float = 0.2
+  eps_high: float = 0.2  # > eps_low: DAPO's clip-higher
+  dual_clip: float | None = None  # c > 1 caps the loss of negative-advantage tokens at c * |A|
+  beta: float = 0.0
+  kl_estimator: str = "k3"
+  max_completion_len: int = 1  # Dr.GRPO's constant normaliser
+
+  def __post_init__(self):
+    _check("loss_agg", self.loss_agg, LOSS_AGGS)
+    _check("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+    if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
+      raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {self.eps_low}, {self.eps_high}")
+    if self.dual_clip is not None and self.dual_clip <= 1:
+      raise ValueError(f"dual_clip must be > 1 (or null), got {self.dual_clip}")
+    if self.beta < 0:
+      raise ValueError(f"beta must be >= 0, got {self.beta}")
+
+
+def _check(name, value, choices):
+  if value not in choices:
+    raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+# ----------------------------------------------------------------------------- advantages
+
+
+def _std(x, axis=None, keepdims=False):
+  return jnp.std(x, axis=axis, ddof=1, keepdims=keepdims)  # unbiased, as TRL and DeepSeekMath
+
+
+def grpo_advantages(rewards_PG: jax.Array, std_scale: str = "group") -> jax.Array:
+  """Reward minus its group mean, divided by the group's (or batch's) std, or not scaled."""
+  _check("std_scale", std_scale, STD_SCALES)
+  centered = rewards_PG - rewards_PG.mean(axis=1, keepdims=True)
+  if std_scale == "group":
+    return centered / (_std(rewards_PG, axis=1, keepdims=True) + STD_EPS)
+  if std_scale == "batch":
+    return centered / (_std(rewards_PG) + STD_EPS)
+  return centered
+
+
+def rloo_advantages(rewards_PG: jax.Array, std_scale: str = "none") -> jax.Array:
+  """Reward minus the mean of the other G-1 rewards of its group (leave-one-out baseline)."""
+  G = rewards_PG.shape[1]
+  loo = (rewards_PG.sum(axis=1, keepdims=True) - rewards_PG) / (G - 1)
+  adv = rewards_PG - loo
+  if std_scale == "group":
+    return adv / (_std(rewards_PG, axis=1, keepdims=True) + STD_EPS)
+  if std_scale == "batch":
+    return adv / (_std(rewards_PG) + STD_EPS)
+  return adv
+
+
+def dr_grpo_advantages(rewards_PG: jax.Array, std_scale: str = "none") -> jax.Array:
+  """Dr.GRPO: reward minus group mean, never divided by a std (the std_scale knob is ignored)."""
+  del std_scale
+  return rewards_PG - rewards_PG.mean(axis=1, keepdims=True)
+
+
+ADVANTAGE_FNS: dict[str, Callable] = {"grpo": grpo_advantages, "rloo": rloo_advantages,
+                                      "dr_grpo": dr_grpo_advantages}
+
+
+def advantages(name: str, rewards_PG: jax.Array, std_scale: str = "group") -> jax.Array:
+  _check("advantage", name, ADVANTAGES)
+  return ADVANTAGE_FNS[name](rewards_PG, std_scale)
+
+
+def zero_std_groups(rewards_PG: jax.Array) -> jax.Array:
+  """[P] True where every completion of a prompt got the same reward (no learning signal)."""
+  return jnp.all(rewards_PG == rewards_PG[:, :1], axis=1)
+
+
+# ----------------------------------------------------------------------------- per-token terms
+
+
+def kl_estimate(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Array:
+  """Per-token KL(pi || ref) estimators of Schulman: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r."""
+  log_r = ref_logp - logp
+  if estimator == "k1":
+    return -log_r
+  if estimator == "k2":
+    return 0.5 * log_r**2
+  if estimator == "k3":
+    return jnp.exp(log_r) - 1.0 - log_r
+  raise ValueError(f"kl_estimator must be one of {list(KL_ESTIMATORS)}, got {estimator!r}")
+
+
+def kl_grad(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Array:
+  """d kl_estimate / d logp."""
+  log_r = ref_logp - logp
+  return {"k1": jnp.ones_like(logp), "k2": -log_r, "k3": 1.0 - jnp.exp(log_r)}[estimator]
+
+
+def policy_loss(logp, old_logp, adv, lc: LossConfig) -> tuple[jax.Array, jax.Array]:
+  """Per-token clipped surrogate -min(r A, clip(r) A) (dual-clipped if set) and its clip mask."""
+  ratio = jnp.exp(logp - old_logp)
+  surr = ratio * adv
+  surr_clipped = jnp.clip(ratio, 1.0 - lc.eps_low, 1.0 + lc.eps_high) * adv
+  loss = -jnp.minimum(surr, surr_clipped)
+  clipped = surr_clipped < surr  # the constant branch is active: no gradient from this token
+  if lc.dual_clip is not None:
+    cap = -lc.dual_clip * adv
+    dual = (adv < 0) & (loss > cap)
+    loss = jnp.where(dual, cap, loss)
+    clipped = clipped | dual
+  return loss, clipped
+
+
+def token_weights(mask_BT: jax.Array, lc: LossConfig, num_seqs, num_tokens) -> jax.Array:
+  """Each token's weight in the aggregated loss; normalisers come from the whole minibatch."""
+  mask = mask_BT.astype(jnp.float32)
+  if lc.loss_agg == "token-mean":
+    return mask / jnp.maximum(num_tokens, 1.0)
+  if lc.loss_agg == "seq-mean-token-mean":
+    lens = jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0)
+    return mask / lens / jnp.maximum(num_seqs, 1.0)
+  return mask / (jnp.maximum(num_seqs, 1.0) * lc.max_completion_len)
+
+
+def normalisers(mask_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(number of sequences with any token, number of tokens) of a batch."""
+  return (mask_BT.sum(axis=1) > 0).sum().astype(jnp.float32), mask_BT.sum().astype(jnp.float32)
+
+
+def grpo_loss(logp, old_logp, ref_logp, adv_B, mask_BT, lc: LossConfig, num_seqs=None, num_tokens=None):
+  """Aggregated GRPO loss and per-token stats; logp etc. are [B, T], adv_B one per sequence."""
+  if num_seqs is None:
+    num_seqs, num_tokens = normalisers(mask_BT)
+  adv = adv_B[:, None]
+  pg, clipped = policy_loss(logp, old_logp, adv, lc)
+  per_token = pg
+  kl = jnp.zeros_like(logp)
+  if lc.beta > 0:
+    kl = kl_estimate(logp, ref_logp, lc.kl_estimator)
+    per_token = per_token + lc.beta * kl
+  weights = token_weights(mask_BT, lc, num_seqs, num_tokens)
+  loss = jnp.sum(per_token * weights)
+  m = mask_BT.astype(jnp.float32)
+  stats = {"clipped_tokens": jnp.sum(clipped * m), "kl_sum": jnp.sum(kl * m), "tokens": m.sum()}
+  return loss, stats
+
+
+def loss_coefficients(logp, old_logp, ref_logp, adv_B, mask_BT, lc: LossConfig, num_seqs=None,
+                      num_tokens=None) -> jax.Array:
+  """w_t = d loss / d logp_t from forward quantities alone (ratio, advantage, clip mask, KL, weights)."""
+  if num_seqs is None:
+    num_seqs, num_tokens = normalisers(mask_BT)
+  adv = adv_B[:, None]
+  ratio = jnp.exp(logp - old_logp)
+  _, clipped = policy_loss(logp, old_logp, adv, lc)
+  w = jnp.where(clipped, 0.0, -adv * ratio)
+  if lc.beta > 0:
+    w = w + lc.beta * kl_grad(logp, ref_logp, lc.kl_estimator)
+  return w * token_weights(mask_BT, lc, num_seqs, num_tokens)

@@ -1,0 +1,77 @@
+"""Per-step metrics: JSON lines, optional TensorBoard, and the reward curve."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+
+class MetricsWriter:
+  """Appends one JSON object per step to OUT/metrics.jsonl; on resume drops rows past the resumed step."""
+
+  def __init__(self, out_dir: str, resume_step: int | None = None, tensorboard: bool = False):
+    self.path = os.path.join(out_dir, "metrics.jsonl")
+    os.makedirs(out_dir, exist_ok=True)
+    if resume_step is None:
+      open(self.path, "w").close()
+    elif os.path.exists(self.path):
+      rows = read_metrics(self.path)
+      with open(self.path, "w") as f:
+        for r in rows:
+          if r.get("step", -1) <= resume_step:  # row N is written after step N completes
+            f.write(json.dumps(r) + "\n")
+    self.tb = None
+    if tensorboard:
+      try:
+        from tensorboardX import SummaryWriter
+      except ImportError as e:
+        raise ImportError("logging.tensorboard=true needs tensorboardX: pip install tensorboardX") from e
+      self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+
+  def write(self, row: dict):
+    clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in row.items()}
+    with open(self.path, "a") as f:
+      f.write(json.dumps(clean) + "\n")
+    if self.tb is not None:
+      for k, v in row.items():
+        if isinstance(v, (int, float)) and k != "step":
+          self.tb.add_scalar(k, v, row["step"])
+
+  def close(self):
+    if self.tb is not None:
+      self.tb.close()
+
+
+def read_metrics(path: str) -> list[dict]:
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_rewards(metrics_path: str, out_png: str, title: str = "GRPO reward", smooth: int = 10,
+                 extra: dict | None = None):
+  """Reward per step with a moving average; eval accuracies (if given) as markers."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  rows = [r for r in read_metrics(metrics_path) if "reward/mean" in r]
+  steps = [r["step"] for r in rows]
+  reward = [r["reward/mean"] for r in rows]
+  fig, ax = plt.subplots(figsize=(7, 4))
+  ax.plot(steps, reward, alpha=0.35, label="reward/mean")
+  if len(reward) >= smooth:
+    avg = [sum(reward[i - smooth + 1:i + 1]) / smooth for i in range(smooth - 1, len(reward))]
+    ax.plot(steps[smooth - 1:], avg, label=f"moving average ({smooth})")
+  for label, (x, y) in (extra or {}).items():
+    ax.scatter([x], [y], marker="o", zorder=3, label=label)
+  ax.set_xlabel("GRPO step")
+  ax.set_ylabel("reward / accuracy")
+  ax.set_ylim(-0.02, 1.02)
+  ax.grid(alpha=0.3)
+  ax.legend(loc="lower right")
+  ax.set_title(title)
+  fig.tight_layout()
+  fig.savefig(out_png, dpi=110)
+  plt.close(fig)

@@ -1,0 +1,64 @@
+"""Supervised warm-start on gold completions (prompt -> target + EOS), for models trained from scratch."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from hilore_jax import rollout, train_step
+from hilore_jax.model_config import ModelConfig
+from hilore_jax.tasks import Example
+
+
+def encode_targets(tokenizer, examples: Sequence[Example], max_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """Right-padded target ids + EOS and mask [n, max_len]."""
+  ids = np.full((len(examples), max_len), tokenizer.pad_token_id, np.int32)
+  mask = np.zeros((len(examples), max_len), np.int32)
+  for i, e in enumerate(examples):
+    if e.target is None:
+      raise ValueError(f"example {e.prompt!r} has no target completion for the supervised warm-start")
+    toks = (tokenizer(e.target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])[:max_len]
+    ids[i, :len(toks)] = toks
+    mask[i, :len(toks)] = 1
+  return ids, mask
+
+
+def sft_batch(tokenizer, examples, max_prompt_len: int, max_new_tokens: int) -> dict:
+  p_ids, p_mask, _ = rollout.encode_prompts(tokenizer, [e.prompt for e in examples], max_prompt_len)
+  t_ids, t_mask = encode_targets(tokenizer, examples, max_new_tokens)
+  return {"prompt_ids": p_ids, "prompt_mask": p_mask, "tokens": t_ids, "mask": t_mask}
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "optimizer"), donate_argnums=(1, 2))
+def _sft_step(cfg: ModelConfig, params, opt_state, batch, optimizer):
+  def loss_fn(p):
+    logp, _ = train_step.completion_logprobs(cfg, p, batch)
+    m = batch["mask"].astype(jnp.float32)
+    return -jnp.sum(logp * m) / jnp.maximum(m.sum(), 1.0)
+
+  loss, grads = jax.value_and_grad(loss_fn)(params)
+  updates, opt_state = optimizer.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss
+
+
+def warmstart(cfg: ModelConfig, params, tokenizer, example_at: Callable[[int], Example], *, steps: int,
+              batch_size: int, lr: float, max_prompt_len: int, max_new_tokens: int, place=lambda b: b,
+              progress=None) -> tuple[dict, list[float]]:
+  """Run `steps` supervised steps on the task's training stream (positions from 10**9, apart from GRPO's)."""
+  optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(optax.cosine_decay_schedule(lr, steps, 0.1)))
+  opt_state = optimizer.init(params)
+  params = jax.tree_util.tree_map(jnp.copy, params)  # the caller's params are not donated
+  losses = []
+  for step in range(steps):
+    examples = [example_at(10**9 + step * batch_size + i) for i in range(batch_size)]
+    batch = place(sft_batch(tokenizer, examples, max_prompt_len, max_new_tokens))
+    params, opt_state, loss = _sft_step(cfg, params, opt_state, batch, optimizer)
+    losses.append(loss)
+    if progress is not None:
+      progress(step, loss)
+  return params, [float(x) for x in jax.device_get(losses)]

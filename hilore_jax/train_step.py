@@ -1,0 +1,136 @@
+"""The one jitted GRPO actor update: microbatched gradients, optax update, shardings and donation."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from hilore_jax import grpo, logprobs, model, sharding
+from hilore_jax.model import LayerPolicy
+from hilore_jax.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+  """Everything static about the compiled step; a new value means a new compilation."""
+
+  model_cfg: ModelConfig
+  loss_cfg: grpo.LossConfig
+  policies: tuple[LayerPolicy, ...]
+  microbatches: int = 1
+  logprob_chunk: int = 128
+  use_old_logp: bool = False  # False: on-policy single update, old = stop_gradient(logp) (ratio == 1)
+  use_ref_logp: bool = False
+
+
+def sequence_inputs(batch: dict) -> tuple[jax.Array, jax.Array]:
+  """Prompt (left-padded) + completion (right-padded) ids and attention mask [B, P+N]."""
+  ids = jnp.concatenate([batch["prompt_ids"], batch["tokens"]], axis=1)
+  mask = jnp.concatenate([batch["prompt_mask"], batch["mask"]], axis=1)
+  return ids, mask
+
+
+def completion_logprobs(cfg: ModelConfig, params, batch: dict, policies=None, chunk: int = 128):
+  """(log pi(completion token), entropy) [B, N] with chunked log-softmax over the vocabulary."""
+  ids, mask = sequence_inputs(batch)
+  P, N = batch["prompt_ids"].shape[1], batch["tokens"].shape[1]
+  h = model.hidden_states(cfg, params, ids, mask, layer_policies=policies)
+  # position t predicts token t+1: completion token j is predicted at P - 1 + j
+  return logprobs.token_logprobs(h[:, P - 1:P + N - 1], model.lm_head_weight(cfg, params), batch["tokens"], chunk)
+
+
+def loss_and_stats(params, batch: dict, spec: StepSpec, num_seqs, num_tokens):
+  logp, entropy = completion_logprobs(spec.model_cfg, params, batch, spec.policies, spec.logprob_chunk)
+  old = batch["old_logp"] if spec.use_old_logp else jax.lax.stop_gradient(logp)
+  ref = batch["ref_logp"] if spec.use_ref_logp else jax.lax.stop_gradient(logp)
+  loss, stats = grpo.grpo_loss(logp, old, ref, batch["adv"], batch["mask"], spec.loss_cfg, num_seqs, num_tokens)
+  stats["entropy_sum"] = jnp.sum(entropy * batch["mask"])
+  stats["loss"] = loss
+  return loss, stats
+
+
+def grads_and_stats(params, batch: dict, spec: StepSpec):
+  """Gradient of the minibatch loss, accumulated over spec.microbatches slices (normalisers are global)."""
+  num_seqs, num_tokens = grpo.normalisers(batch["mask"])
+  grad_fn = jax.grad(loss_and_stats, has_aux=True)
+  if spec.microbatches == 1:
+    return grad_fn(params, batch, spec, num_seqs, num_tokens)
+  A = spec.microbatches
+  split = jax.tree_util.tree_map(lambda x: x.reshape(A, x.shape[0] // A, *x.shape[1:]), batch)
+
+  def body(acc, mb):
+    g, s = grad_fn(params, mb, spec, num_seqs, num_tokens)
+    return jax.tree_util.tree_map(jnp.add, acc, (g, s)), None
+
+  first = jax.tree_util.tree_map(lambda x: x[0], split)
+  shapes = jax.eval_shape(lambda p, b: grad_fn(p, b, spec, num_seqs, num_tokens), params, first)
+  zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+  (grads, stats), _ = jax.lax.scan(body, zeros, split)
+  return grads, stats
+
+
+def train_step(state: dict, batch: dict, spec: StepSpec, optimizer: optax.GradientTransformation):
+  """One optimizer update on a minibatch -> (new state, metrics)."""
+  grads, stats = grads_and_stats(state["params"], batch, spec)
+  updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+  params = optax.apply_updates(state["params"], updates)
+  tokens = jnp.maximum(stats["tokens"], 1.0)
+  metrics = {"loss": stats["loss"], "grad_norm": optax.tree.norm(grads), "clipfrac": stats["clipped_tokens"] / tokens,
+             "kl": stats["kl_sum"] / tokens, "entropy": stats["entropy_sum"] / tokens, "tokens": stats["tokens"]}
+  return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+
+def batch_keys(spec: StepSpec) -> tuple[str, ...]:
+  keys = ["prompt_ids", "prompt_mask", "tokens", "mask", "adv"]
+  if spec.use_old_logp:
+    keys.append("old_logp")
+  if spec.use_ref_logp:
+    keys.append("ref_logp")
+  return tuple(keys)
+
+
+class Stepper:
+  """Compiles the train step once per StepSpec (AOT, with shardings and donation) and counts compilations."""
+
+  def __init__(self, mesh, optimizer, state_shardings):
+    self.mesh, self.optimizer, self.state_shardings = mesh, optimizer, state_shardings
+    self._compiled: dict[tuple, Any] = {}
+    self.compile_count = 0
+    self.compile_log: list[dict] = []
+    self.temp_bytes: dict[tuple, int] = {}
+
+  def _abstract(self, tree, shardings):
+    return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+  def get(self, spec: StepSpec, state, batch: dict, reason: str = ""):
+    key = (spec, tuple((k, v.shape, str(v.dtype)) for k, v in sorted(batch.items())))
+    if key not in self._compiled:
+      t0 = time.perf_counter()
+      batch_sh = {k: sharding.batch_sharding(self.mesh) for k in batch}
+      metrics_sh = sharding.replicated(self.mesh)
+      fn = jax.jit(lambda s, b: train_step(s, b, spec, self.optimizer),
+                   in_shardings=(self.state_shardings, batch_sh), out_shardings=(self.state_shardings, metrics_sh),
+                   donate_argnums=0)
+      compiled = fn.lower(self._abstract(state, self.state_shardings), self._abstract(batch, batch_sh)).compile()
+      self._compiled[key] = compiled
+      self.compile_count += 1
+      mem = compiled.memory_analysis()
+      self.temp_bytes[key] = int(getattr(mem, "temp_size_in_bytes", 0) or 0)
+      entry = {"count": self.compile_count, "reason": reason or "first use", "seconds": time.perf_counter() - t0,
+               "temp_bytes": self.temp_bytes[key]}
+      self.compile_log.append(entry)
+      log.info("compiled train step #%d (%s) in %.1fs, temp %d bytes", entry["count"], entry["reason"],
+               entry["seconds"], entry["temp_bytes"])
+    return self._compiled[key], self.temp_bytes[key]
+
+  def __call__(self, spec: StepSpec, state, batch: dict, reason: str = ""):
+    compiled, _ = self.get(spec, state, batch, reason)
+    return compiled(state, batch)

@@ -1,0 +1,315 @@
+"""The GRPO loop: rollout -> rewards -> advantages -> minibatched updates, with checkpoints and metrics."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from hilore_jax import (checkpointing, evaluation, grpo, hf, metrics, model, optim, rollout, sampler, sft,
+                        sharding, tasks, tokenizer as tokenizers, train_step)
+from hilore_jax.config import Config, MemoryConfig, TaskConfig
+
+log = logging.getLogger(__name__)
+
+
+class TrainingDiverged(RuntimeError):
+  """A non-finite loss or gradient; the last good checkpoint is left untouched."""
+
+
+def build_task(tc: TaskConfig) -> tasks.Task:
+  if tc.kind == "arithmetic":
+    return tasks.arithmetic_task(tasks.ArithmeticSpec(tc.seed, tc.min_value, tc.max_value, tc.num_terms, tc.ops,
+                                                      tc.num_test, tc.teacher_error_rate))
+  if tc.kind == "gsm8k":
+    train, rep = tasks.load_gsm8k(tc.train_path, tc.skip_malformed, tc.prompt_template)
+    test, rep_t = tasks.load_gsm8k(tc.test_path, tc.skip_malformed, tc.prompt_template)
+    for r in (rep, rep_t):
+      if r.skipped:
+        log.warning("%s: skipped %d malformed lines (task.skip_malformed=true)", r.path, r.skipped)
+    return tasks.dataset_task("gsm8k", train, test, tasks.gsm8k_reward, tc.seed)
+  train = list(tasks.iter_jsonl_examples(tc.train_path, "math"))
+  test = list(tasks.iter_jsonl_examples(tc.test_path, "math"))
+  return tasks.dataset_task("math", train, test, tasks.math_reward, tc.seed)
+
+
+def layer_policies(mc: MemoryConfig, cfg) -> tuple[model.LayerPolicy, ...]:
+  """Per-layer remat choice from memory.policy (the HiLoRe manager plugs in here)."""
+  return model.uniform_policies(cfg, model.FULL_REMAT if mc.policy == "gc" else model.NO_REMAT)
+
+
+def init_distributed(config: Config):
+  m = config.mesh
+  if m.distributed:
+    jax.distributed.initialize(m.coordinator_address, m.num_processes, m.process_id)
+
+
+class Trainer:
+  """Owns the sharded state, the compiled step and the run directory of one GRPO run."""
+
+  def __init__(self, config: Config):
+    self.config = c = config
+    init_distributed(c)
+    self.out_dir = c.out_dir
+    os.makedirs(self.out_dir, exist_ok=True)
+    self.tokenizer = tokenizers.load_tokenizer(c.tokenizer_path)
+    self.model_cfg = c.model.model_config()
+    if len(self.tokenizer) > self.model_cfg.vocab_size:
+      raise ValueError(f"tokenizer has {len(self.tokenizer)} tokens but model.vocab_size is "
+                       f"{self.model_cfg.vocab_size}")
+    self.task = build_task(c.task)
+    self.mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp)
+    n_shards = sharding.num_batch_shards(self.mesh)
+    mb = c.minibatch_size
+    micro = c.train.microbatch_size or mb
+    if micro % n_shards:
+      raise ValueError(f"train.microbatch_size ({micro}) must be divisible by the {n_shards} devices of the mesh")
+    self.batch_size = c.rollout.num_prompts * c.rollout.num_generations
+    self.updates_per_step = c.grpo.num_iterations * (self.batch_size // mb)
+    self.optimizer = optim.make_optimizer(c.optimizer, c.train.steps * self.updates_per_step)
+    self.lr_schedule = optim.schedule(c.optimizer, c.train.steps * self.updates_per_step)
+    self.loss_cfg = c.grpo.loss_config(c.rollout.max_new_tokens)
+    self.sampling = sampler.SamplingConfig(c.rollout.max_new_tokens, c.rollout.temperature, c.rollout.top_p,
+                                           c.rollout.top_k)
+    self.spec = train_step.StepSpec(
+        self.model_cfg, self.loss_cfg, layer_policies(c.memory, self.model_cfg), mb // micro, c.train.logprob_chunk,
+        use_old_logp=c.grpo.num_iterations > 1, use_ref_logp=c.grpo.beta > 0)
+    self._init_state()
+    self.stepper = train_step.Stepper(self.mesh, self.optimizer, self.state_shardings)
+    self.checkpointer = checkpointing.Checkpointer(os.path.join(self.out_dir, "checkpoints"), c.checkpoint.keep)
+    self._logprobs = jax.jit(lambda p, b: train_step.completion_logprobs(self.model_cfg, p, b, None,
+                                                                          c.train.logprob_chunk)[0])
+
+  # --------------------------------------------------------------------------- state
+
+  def _init_state(self):
+    c = self.config
+    rng = jax.random.PRNGKey(c.seed)
+    self.rng, init_key = jax.random.split(rng)
+    params_shape = jax.eval_shape(lambda k: model.init_params(self.model_cfg, k, c.model.init_std), init_key)
+    self.param_shardings = sharding.param_shardings(self.mesh, params_shape)
+    if c.model.path:
+      _, host_params = hf.load_hf(c.model.path, c.model.param_dtype, c.model.dtype)
+      params = jax.device_put(host_params, self.param_shardings)
+    else:
+      init = jax.jit(lambda k: model.init_params(self.model_cfg, k, c.model.init_std),
+                     out_shardings=self.param_shardings)
+      params = init(init_key)
+    opt_shape = jax.eval_shape(self.optimizer.init, params_shape)
+    rep = sharding.replicated(self.mesh)
+    opt_shardings = optax.tree_map_params(self.optimizer, lambda _, s: s, opt_shape, self.param_shardings,
+                                          transform_non_params=lambda _: rep)
+    self.state_shardings = {"params": self.param_shardings, "opt_state": opt_shardings, "step": rep}
+    opt_state = jax.jit(self.optimizer.init, out_shardings=opt_shardings)(params)
+    self.state = {"params": params, "opt_state": opt_state, "step": jax.device_put(jnp.int32(0), rep)}
+    self.ref_params = None
+    self.start_step = 0
+    self.data_position = 0
+    self.eval_before: dict = {}
+    self.warmstart_losses: list[float] = []
+
+  def _checkpoint_tree(self):
+    tree = {"train": self.state}
+    if self.ref_params is not None:
+      tree["ref"] = self.ref_params
+    return tree
+
+  def _checkpoint_shardings(self):
+    sh = {"train": self.state_shardings}
+    if self.config.grpo.beta > 0:
+      sh["ref"] = self.param_shardings
+    return sh
+
+  def save(self, step: int):
+    meta = {"step": step, "data_position": self.data_position,
+            "rng": np.asarray(jax.random.key_data(self.rng)).tolist(), "eval_before": self.eval_before,
+            "warmstart_losses": self.warmstart_losses, "config": self.config.to_dict()}
+    self.checkpointer.save(step, self._checkpoint_tree(), meta)
+
+  def restore_latest(self) -> bool:
+    step = self.checkpointer.latest_step()
+    if step is None:
+      return False
+    if self.config.grpo.beta > 0:
+      self.ref_params = self.state["params"]  # shape donor; replaced by the restored reference
+    abstract = checkpointing.abstract_with_shardings(self._checkpoint_tree(), self._checkpoint_shardings())
+    tree, meta = self.checkpointer.restore(step, abstract)
+    self.state = tree["train"]
+    self.ref_params = tree.get("ref")
+    self.start_step = int(meta["step"])
+    self.data_position = int(meta["data_position"])
+    self.rng = jnp.asarray(np.asarray(meta["rng"], np.uint32))
+    self.eval_before = meta.get("eval_before") or {}
+    self.warmstart_losses = meta.get("warmstart_losses") or []
+    log.info("resumed from step %d (data position %d)", self.start_step, self.data_position)
+    return True
+
+  # --------------------------------------------------------------------------- pieces
+
+  def place_batch(self, batch: dict) -> dict:
+    n = sharding.num_batch_shards(self.mesh)
+    sh = sharding.batch_sharding(self.mesh)
+    return {k: jax.device_put(v, sh if v.shape[0] % n == 0 else sharding.replicated(self.mesh))
+            for k, v in batch.items()}
+
+  def evaluate(self, params, rng) -> dict:
+    c = self.config
+    return evaluation.evaluate(self.model_cfg, params, self.tokenizer, self.task.test_examples[:c.eval.num_examples],
+                               self.task.reward, max_prompt_len=c.rollout.max_prompt_len,
+                               max_new_tokens=c.rollout.max_new_tokens, pass_k=c.eval.pass_k,
+                               temperature=c.eval.temperature, batch_size=c.eval.batch_size, rng=rng)
+
+  def warmstart(self, progress=None):
+    c = self.config
+    params, self.warmstart_losses = sft.warmstart(
+        self.model_cfg, self.state["params"], self.tokenizer, self.task.train_example, steps=c.train.warmstart_steps,
+        batch_size=c.train.warmstart_batch_size, lr=c.train.warmstart_lr, max_prompt_len=c.rollout.max_prompt_len,
+        max_new_tokens=c.rollout.max_new_tokens, place=self.place_batch, progress=progress)
+    params = jax.device_put(params, self.param_shardings)
+    opt_state = jax.jit(self.optimizer.init, out_shardings=self.state_shardings["opt_state"])(params)
+    self.state = {"params": params, "opt_state": opt_state, "step": self.state["step"]}
+
+  def build_update_batch(self, roll: rollout.Rollout, rng: np.random.Generator) -> tuple[list[dict], dict]:
+    """Advantages, zero-std filtering and fixed-size minibatches (short last one padded with masked rows)."""
+    c = self.config
+    G = c.rollout.num_generations
+    rewards_PG = jnp.asarray(roll.rewards.reshape(-1, G))
+    adv = np.asarray(grpo.advantages(c.grpo.advantage, rewards_PG, c.grpo.std_scale)).reshape(-1)
+    zero_std = np.asarray(grpo.zero_std_groups(rewards_PG))
+    keep_rows = np.arange(len(adv))
+    if c.grpo.filter_zero_std:
+      keep_rows = np.flatnonzero(np.repeat(~zero_std, G))
+    stats = {"frac_reward_zero_std": float(zero_std.mean()), "adv/abs_mean": float(np.abs(adv).mean()),
+             "rows_updated": int(len(keep_rows))}
+    if len(keep_rows) == 0:
+      return [], stats
+    rng.shuffle(keep_rows)
+    mb = c.minibatch_size
+    n_pad = -len(keep_rows) % mb
+    rows = np.concatenate([keep_rows, np.full(n_pad, keep_rows[0])])
+    live = np.concatenate([np.ones(len(keep_rows)), np.zeros(n_pad)]).astype(np.int32)
+    full = {"prompt_ids": roll.prompt_ids[rows], "prompt_mask": roll.prompt_mask[rows], "tokens": roll.tokens[rows],
+            "mask": roll.mask[rows] * live[:, None], "adv": (adv[rows] * live).astype(np.float32)}
+    minibatches = [{k: v[i:i + mb] for k, v in full.items()} for i in range(0, len(rows), mb)]
+    return [self.place_batch(b) for b in minibatches], stats
+
+  # --------------------------------------------------------------------------- loop
+
+  def train(self) -> dict:
+    from tqdm.auto import tqdm
+
+    c = self.config
+    resumed = c.train.resume and self.restore_latest()
+    progress = c.logging.progress
+    if not resumed:
+      if c.train.warmstart_steps:
+        bar = tqdm(total=c.train.warmstart_steps, desc="warm-start (SFT)", disable=not progress)
+        self.warmstart(progress=lambda s, loss: bar.update(1))
+        bar.close()
+        log.info("warm-start loss %.3f -> %.3f", self.warmstart_losses[0], self.warmstart_losses[-1])
+      if c.grpo.beta > 0:
+        self.ref_params = jax.tree_util.tree_map(jnp.copy, self.state["params"])
+      if c.eval.at_start:
+        self.eval_before = self.evaluate(self.state["params"], jax.random.PRNGKey(c.seed + 1))
+        log.info("eval before GRPO: %s", self.eval_before)
+      self.save(0)
+    writer = metrics.MetricsWriter(self.out_dir, self.start_step if resumed else None, c.logging.tensorboard)
+    bar = tqdm(range(self.start_step, c.train.steps), initial=self.start_step, total=c.train.steps, desc="GRPO",
+               disable=not progress)
+    last_saved = self.start_step
+    try:
+      for step in bar:
+        row = self.run_step(step)
+        writer.write(row)
+        bar.set_postfix({"reward": f"{row['reward/mean']:.3f}", "kl": f"{row['kl']:.4f}",
+                         "tok/s": f"{row['throughput/update_tokens_per_s']:.0f}"})
+        if (step + 1) % c.checkpoint.every == 0 or step + 1 == c.train.steps:
+          self.save(step + 1)
+          last_saved = step + 1
+    except TrainingDiverged as e:
+      raise TrainingDiverged(f"{e}; the last good checkpoint is step {last_saved} in "
+                             f"{self.checkpointer.directory}") from None
+    finally:
+      bar.close()
+      writer.close()
+    return self.finish()
+
+  def run_step(self, step: int) -> dict:
+    c = self.config
+    t0 = time.perf_counter()
+    examples = self.task.train_batch(self.data_position, c.rollout.num_prompts)
+    self.data_position += c.rollout.num_prompts
+    self.rng, key = jax.random.split(self.rng)
+    roll = rollout.sample_completions(self.model_cfg, self.state["params"], self.tokenizer, examples,
+                                      c.rollout.num_generations, c.rollout.max_prompt_len, self.sampling, key,
+                                      self.task.reward)
+    t_rollout = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    shuffle = np.random.default_rng([c.seed, step])
+    minibatches, stats = self.build_update_batch(roll, shuffle)
+    if self.spec.use_ref_logp:
+      minibatches = [{**b, "ref_logp": self._logprobs(self.ref_params, b)} for b in minibatches]
+    if self.spec.use_old_logp:  # several updates per batch: the ratio needs the pre-update policy
+      minibatches = [{**b, "old_logp": self._logprobs(self.state["params"], b)} for b in minibatches]
+    step_metrics, temp_bytes = [], 0
+    for it in range(c.grpo.num_iterations):
+      for b in minibatches:
+        compiled, temp_bytes = self.stepper.get(self.spec, self.state, b, reason=f"memory.policy={c.memory.policy}")
+        self.state, m = compiled(self.state, b)
+        step_metrics.append(m)
+    # the next rollout needs these params anyway, so waiting here costs nothing and times the update honestly
+    step_metrics = jax.device_get(step_metrics)
+    t_update = time.perf_counter() - t1
+    row = {"step": step + 1, "reward/mean": float(roll.rewards.mean()), "reward/std": float(roll.rewards.std()),
+           **stats, "completion_len/mean": float(roll.mask.sum(1).mean()),
+           "prompts/truncated": roll.truncated_prompts, "data/position": self.data_position,
+           "lr": float(self.lr_schedule(max(int(self.state["step"]) - 1, 0))), "updates": len(step_metrics)}
+    if step_metrics:
+      avg = {k: float(np.mean([m[k] for m in step_metrics])) for k in ("loss", "grad_norm", "clipfrac", "kl",
+                                                                        "entropy")}
+      if not all(np.isfinite(v) for v in (avg["loss"], avg["grad_norm"])):
+        raise TrainingDiverged(f"non-finite loss or gradient at step {step + 1} (loss={avg['loss']}, "
+                               f"grad_norm={avg['grad_norm']})")
+      row.update(avg)
+    else:
+      row.update(loss=0.0, grad_norm=0.0, clipfrac=0.0, kl=0.0, entropy=0.0)
+    tokens = sum(int(np.prod(b["prompt_ids"].shape)) + int(np.prod(b["tokens"].shape)) for b in minibatches)
+    tokens *= c.grpo.num_iterations
+    row.update({"time/rollout_s": t_rollout, "time/update_s": t_update, "time/step_s": time.perf_counter() - t0,
+                "throughput/update_tokens_per_s": tokens / t_update if t_update > 0 else 0.0,
+                "memory/temp_bytes": temp_bytes, "compile/count": self.stepper.compile_count})
+    return row
+
+  def finish(self) -> dict:
+    c = self.config
+    summary = {"steps": c.train.steps, "eval_before": self.eval_before, "compile_log": self.stepper.compile_log,
+               "warmstart_loss": self.warmstart_losses[-1:] or None}
+    if c.eval.at_end:
+      summary["eval_after"] = self.evaluate(self.state["params"], jax.random.PRNGKey(c.seed + 1))
+      if self.eval_before:
+        summary["accuracy_gain_pp"] = 100 * (summary["eval_after"]["eval/accuracy"] -
+                                             self.eval_before["eval/accuracy"])
+    if c.checkpoint.export_hf:
+      cfg = self.model_cfg.replace(eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+                                   bos_token_id=self.tokenizer.bos_token_id)
+      summary["hf_export"] = hf.save_hf(cfg, self.state["params"], os.path.join(self.out_dir, "hf"),
+                                        tokenizer=self.tokenizer)
+    mpath = os.path.join(self.out_dir, "metrics.jsonl")
+    if c.logging.plot and os.path.exists(mpath):
+      extra = {}
+      if self.eval_before:
+        extra["greedy eval before"] = (0, self.eval_before["eval/accuracy"])
+      if "eval_after" in summary:
+        extra["greedy eval after"] = (c.train.steps, summary["eval_after"]["eval/accuracy"])
+      metrics.plot_rewards(mpath, os.path.join(self.out_dir, "reward.png"), extra=extra)
+      summary["reward_png"] = os.path.join(self.out_dir, "reward.png")
+    with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
+    self.checkpointer.close()
+    return summary

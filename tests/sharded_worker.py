@@ -1,0 +1,37 @@
+"""Subprocess body for the sharding test: argv = devices, mesh data, mesh fsdp, output .npz."""
+
+import os
+import sys
+
+n_dev, data, fsdp, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_dev}"
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_enable_async_dispatch", False)  # 4 fake devices on 2 cores can deadlock otherwise
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from hilore_jax import train_step  # noqa: E402
+from hilore_jax.sharding import FSDP  # noqa: E402
+from hilore_jax.trainer import Trainer  # noqa: E402
+from trainer_util import tiny_config  # noqa: E402
+
+assert jax.device_count() == n_dev
+t = Trainer(tiny_config(out + ".run", f"mesh.data={data}", f"mesh.fsdp={fsdp}", "train.warmstart_steps=0",
+                        "model.hidden_size=32", "train.microbatch_size=4", "grpo.beta=0.1", "grpo.num_iterations=2"))
+rng = np.random.default_rng(0)
+B, P, N = 12, 6, 3
+batch = {"prompt_ids": rng.integers(3, 80, (B, P)).astype(np.int32), "prompt_mask": np.ones((B, P), np.int32),
+         "tokens": rng.integers(3, 80, (B, N)).astype(np.int32), "mask": (rng.random((B, N)) > 0.2).astype(np.int32),
+         "adv": rng.normal(size=B).astype(np.float32), "old_logp": -rng.random((B, N)).astype(np.float32) * 3,
+         "ref_logp": -rng.random((B, N)).astype(np.float32) * 3}
+batch["prompt_mask"][1, :2] = 0
+batch = t.place_batch(batch)
+grads, stats = jax.jit(train_step.grads_and_stats, static_argnums=2)(t.state["params"], batch, t.spec)
+state, metrics = t.stepper(t.spec, t.state, batch)
+wgate = state["params"]["layers"][0]["mlp"]["wgate_DF"]
+flat = {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): np.asarray(v)
+        for path, v in jax.tree_util.tree_flatten_with_path(grads)[0]}
+np.savez(out, loss=np.asarray(stats["loss"]), new_wgate=np.asarray(wgate), metric_loss=np.asarray(metrics["loss"]),
+         wgate_spec=str(wgate.sharding.spec), wgate_shard_rows=wgate.addressable_shards[0].data.shape[0],
+         **{"g/" + k: v for k, v in flat.items()})

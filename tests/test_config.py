@@ -1,0 +1,59 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hilore_jax import config
+
+
+def test_yaml_and_overrides(tmp_path):
+  path = tmp_path / "c.yaml"
+  path.write_text("model:\n  hidden_size: 40\n  num_attention_heads: 4\ntrain:\n  steps: 5\ntask:\n  ops: ['+', '-']\n")
+  c = config.load_config(str(path), ["train.steps=20", "out_dir=/tmp/run", "grpo.eps_high=0.28", "model.dtype=bfloat16"])
+  assert c.train.steps == 20 and c.out_dir == "/tmp/run" and c.grpo.eps_high == 0.28
+  assert c.task.ops == ("+", "-")
+  mc = c.model.model_config()
+  assert mc.hidden_size == 40 and mc.dtype == "bfloat16"
+  with pytest.raises(dataclasses_frozen_error()):
+    c.train.steps = 3
+
+
+def dataclasses_frozen_error():
+  import dataclasses
+  return dataclasses.FrozenInstanceError
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.stepz=3", r"unknown config key 'train.stepz'; valid keys here: \[.*'steps'"),
+    ("grpo.loss_agg=sum", r"grpo.loss_agg must be one of \['token-mean'"),
+    ("memory.policy=sometimes", r"memory.policy must be one of \['none', 'gc'\]"),
+    ("rollout.num_generations=1", r"num_generations must be > 1"),
+    ("train.steps=ten", r"train.steps must be an integer"),
+    ("model.num_key_value_heads=3", r"num_attention_heads .* multiple of num_key_value_heads"),
+    ("model.hiden_size=3", r"unknown config key 'model.hiden_size'.*'hidden_size'"),
+    ("grpo.advantage=ppo", r"grpo.advantage must be one of"),
+    ("train.minibatch_size=7", r"minibatch_size \(7\) must divide"),
+    ("task.kind=gsm8k", r"needs task.train_path"),
+    ("grpo.dual_clip=0.5", r"dual_clip must be > 1"),
+])
+def test_bad_values_name_the_key(override, message):
+  with pytest.raises(ValueError, match=message):
+    config.load_config(None, [override])
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_cli_reports_config_errors():
+  out = subprocess.run([sys.executable, "-m", "train.grpo", "--config", "configs/tiny.yaml", "train.nope=1"],
+                       capture_output=True, text=True, cwd=ROOT)
+  assert out.returncode != 0 and "unknown config key 'train.nope'" in out.stderr
+
+
+def test_shipped_configs_load():
+  import glob
+  paths = glob.glob(os.path.join(ROOT, "configs", "*.yaml"))
+  assert paths
+  for path in paths:
+    config.load_config(path)

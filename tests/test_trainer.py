@@ -1,0 +1,107 @@
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hilore_jax import metrics
+from hilore_jax.trainer import Trainer, TrainingDiverged
+from trainer_util import tiny_config
+
+VOLATILE = ("time/", "throughput/", "compile/")
+
+
+def _stable(rows):
+  return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
+
+
+def test_resume_continues_exactly(tmp_path):
+  common = ["train.steps=4", "checkpoint.every=2", "grpo.num_iterations=2", "train.minibatch_size=6",
+            "grpo.beta=0.05"]
+  Trainer(tiny_config(tmp_path / "a", *common)).train()
+  full = metrics.read_metrics(tmp_path / "a" / "metrics.jsonl")
+  assert len(full) == 4 and sum(r["updates"] for r in full) > 0  # the comparison covers real updates
+  Trainer(tiny_config(tmp_path / "b", *common[1:], "train.steps=2")).train()
+  Trainer(tiny_config(tmp_path / "b", *common, "train.resume=true")).train()
+  resumed = metrics.read_metrics(tmp_path / "b" / "metrics.jsonl")
+  assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+  assert _stable(resumed) == _stable(full)
+  sa = json.load(open(tmp_path / "a" / "summary.json"))
+  sb = json.load(open(tmp_path / "b" / "summary.json"))
+  assert sa["eval_before"] == sb["eval_before"] and sa["eval_after"] == sb["eval_after"]
+
+
+def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+  t = Trainer(tiny_config(tmp_path, "train.steps=6", "checkpoint.every=2", "grpo.filter_zero_std=false"))
+  run_step = t.run_step
+
+  def poisoned(step):
+    if step == 3:  # corrupt the weights mid-run: the next update must be caught
+      t.state["params"] = jax.tree_util.tree_map(lambda x: x * jnp.nan, t.state["params"])
+    return run_step(step)
+
+  t.run_step = poisoned
+  with pytest.raises(TrainingDiverged, match=r"non-finite loss or gradient at step 4.*last good checkpoint is step 2"):
+    t.train()
+  assert t.checkpointer.latest_step() == 2
+  fresh = Trainer(tiny_config(tmp_path, "train.steps=6", "train.resume=true"))
+  assert fresh.restore_latest() and fresh.start_step == 2
+  jax.tree_util.tree_map(lambda x: np.testing.assert_(np.isfinite(np.asarray(x)).all()), fresh.state["params"])
+
+
+def test_zero_std_filtering_and_minibatch_padding(tmp_path):
+  t = Trainer(tiny_config(tmp_path, "train.minibatch_size=4"))
+  from hilore_jax.rollout import Rollout
+  B, P, N = 12, 6, 3
+  rewards = np.array([1, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1], np.float32)  # group 2 has zero std
+  roll = Rollout(np.ones((B, P), np.int32), np.ones((B, P), np.int32), np.ones((B, N), np.int32),
+                 np.ones((B, N), np.int32), np.zeros((B, N)), [""] * B, rewards)
+  mbs, stats = t.build_update_batch(roll, np.random.default_rng(0))
+  assert stats["frac_reward_zero_std"] == pytest.approx(1 / 3) and stats["rows_updated"] == 8
+  assert len(mbs) == 2 and all(b["tokens"].shape == (4, N) for b in mbs)
+  t2 = Trainer(tiny_config(tmp_path / "nofilter", "train.minibatch_size=4", "grpo.filter_zero_std=false"))
+  mbs, stats = t2.build_update_batch(roll, np.random.default_rng(0))
+  assert stats["rows_updated"] == 12 and len(mbs) == 3
+  t3 = Trainer(tiny_config(tmp_path / "pad", "train.minibatch_size=6"))
+  mbs, _ = t3.build_update_batch(roll, np.random.default_rng(0))  # 8 live rows -> 2 minibatches of 6, 4 padded
+  live = sum(float(np.asarray(b["mask"]).sum()) for b in mbs)
+  assert len(mbs) == 2 and live == 8 * N
+
+
+def test_cli_end_to_end_writes_everything(tmp_path):
+  import subprocess
+  import sys
+  from trainer_util import TINY
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / "run"
+  args = [a for a in TINY if not a.startswith(("logging.plot", "checkpoint.export_hf"))]
+  proc = subprocess.run([sys.executable, "-m", "train.grpo", "--config", os.path.join(root, "configs", "tiny.yaml"),
+                         *args, "train.steps=3", "checkpoint.every=2", f"out_dir={out}"],
+                        capture_output=True, text=True, cwd=root, env={**os.environ, "HILORE_CACHE": str(tmp_path)})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = metrics.read_metrics(out / "metrics.jsonl")
+  required = ["step", "reward/mean", "reward/std", "frac_reward_zero_std", "kl", "clipfrac", "entropy",
+              "completion_len/mean", "time/step_s", "time/rollout_s", "time/update_s",
+              "throughput/update_tokens_per_s", "memory/temp_bytes", "compile/count"]
+  assert len(rows) == 3 and all(k in rows[0] for k in required)
+  assert (out / "reward.png").stat().st_size > 1000
+  assert sorted(os.listdir(out / "checkpoints")) == ["0", "2", "3"]
+  import transformers
+  tok = transformers.AutoTokenizer.from_pretrained(out / "hf")
+  assert tok.decode(tok("12+3=")["input_ids"]) == "12+3="
+  from hilore_jax import load_hf
+  cfg, params = load_hf(str(out / "hf"))
+  assert cfg.hidden_size == 24 and cfg.eos_token_id == tok.eos_token_id
+  # evaluation from the run directory and from the HF export agree (same weights, same seeds)
+  summary = json.load(open(out / "summary.json"))
+  evals = []
+  for ckpt in (f"--checkpoint={out}", f"checkpoint={out / 'hf'}"):
+    proc = subprocess.run([sys.executable, "-m", "train.eval", "--config", os.path.join(root, "configs", "tiny.yaml"),
+                           *args, ckpt], capture_output=True, text=True, cwd=root,
+                          env={**os.environ, "HILORE_CACHE": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evals.append(json.loads(proc.stdout))
+  assert evals[0]["eval/accuracy"] == evals[1]["eval/accuracy"] == summary["eval_after"]["eval/accuracy"]
+  assert evals[0]["eval/n"] == 8 and "eval/pass@2" in evals[0]
