@@ -61,7 +61,8 @@ class TaskConfig:
   num_terms: int = 2
   ops: tuple[str, ...] = ("+",)
   num_test: int = 200
-  teacher_error_rate: float = 0.0  # warm-start targets that drop every carry (GRPO's reward stays exact)
+  teacher_error_rate: float = 0.0  # warm-start targets one too high (GRPO's reward stays exact)
+  fixed_width: bool = False  # zero-padded operands and gold answers ('07+45=' -> '052')
   train_path: str | None = None  # gsm8k / math JSONL
   test_path: str | None = None
   skip_malformed: bool = False

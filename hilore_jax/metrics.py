@@ -70,7 +70,7 @@ def plot_rewards(metrics_path: str, out_png: str, title: str = "GRPO reward", sm
   ax.set_ylabel("reward / accuracy")
   ax.set_ylim(-0.02, 1.02)
   ax.grid(alpha=0.3)
-  ax.legend(loc="lower right")
+  ax.legend(loc="upper left", fontsize=8)
   ax.set_title(title)
   fig.tight_layout()
   fig.savefig(out_png, dpi=110)

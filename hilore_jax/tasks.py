@@ -44,13 +44,12 @@ class ArithmeticSpec:
   num_terms: int = 2
   ops: tuple[str, ...] = ("+",)
   num_test: int = 200
-  teacher_error_rate: float = 0.0  # share of warm-start targets from a teacher that drops every carry
+  teacher_error_rate: float = 0.0  # share of warm-start targets where the teacher answers one too high
+  fixed_width: bool = False  # zero-pad operands and gold answers to a fixed width ('07+45=' -> '052')
 
   def __post_init__(self):
     if not 0.0 <= self.teacher_error_rate <= 1.0:
       raise ValueError(f"teacher_error_rate must be in [0, 1], got {self.teacher_error_rate}")
-    if self.teacher_error_rate and tuple(self.ops) != ("+",):
-      raise ValueError("teacher_error_rate models a carry slip, so it needs ops == ['+']")
     if self.min_value < 0 or self.max_value < self.min_value:
       raise ValueError(f"need 0 <= min_value <= max_value, got {self.min_value}, {self.max_value}")
     if self.num_terms < 2:
@@ -60,23 +59,23 @@ class ArithmeticSpec:
       raise ValueError(f"ops must be a non-empty subset of ['+', '-', '*'], got {list(self.ops)}")
 
 
+def _answer_width(spec: ArithmeticSpec) -> int:
+  hi = spec.max_value
+  biggest = max(hi * spec.num_terms, hi**spec.num_terms if "*" in spec.ops else 0)
+  return len(str(biggest)) + ("-" in spec.ops)
+
+
 def _arith_problem(spec: ArithmeticSpec, rng: random.Random) -> Example:
   terms = [rng.randint(spec.min_value, spec.max_value) for _ in range(spec.num_terms)]
+  width = len(str(spec.max_value)) if spec.fixed_width else 0
+  ops = [rng.choice(spec.ops) for _ in terms[1:]]
   expr = str(terms[0])
-  for t in terms[1:]:
-    expr += rng.choice(spec.ops) + str(t)
+  for op, t in zip(ops, terms[1:]):
+    expr += op + str(t)
   value = eval(expr)  # expr holds only digits and + - *
-  return Example(prompt=expr + "=", reference=value, target=str(value))
-
-
-def carryless_sum(terms: list[int]) -> int:
-  """Digit-wise sum mod 10: addition by a teacher that forgets every carry."""
-  out, place = 0, 1
-  while any(terms):
-    out += place * (sum(t % 10 for t in terms) % 10)
-    terms = [t // 10 for t in terms]
-    place *= 10
-  return out
+  shown = str(terms[0]).zfill(width) + "".join(op + str(t).zfill(width) for op, t in zip(ops, terms[1:]))
+  target = str(value).zfill(_answer_width(spec)) if spec.fixed_width and value >= 0 else str(value)
+  return Example(prompt=shown + "=", reference=value, target=target)
 
 
 def arithmetic_reward(completion: str, reference: int) -> float:
@@ -101,8 +100,8 @@ def arithmetic_task(spec: ArithmeticSpec) -> Task:
       if ex.prompt not in test:
         break
     if spec.teacher_error_rate and rng.random() < spec.teacher_error_rate:
-      # the reference (and so the reward) stays exact; only the imitation target is wrong
-      ex = dataclasses.replace(ex, target=str(carryless_sum([int(t) for t in ex.prompt[:-1].split("+")])))
+      # a biased teacher: the reference (and so GRPO's reward) stays exact, only the imitation target is off
+      ex = dataclasses.replace(ex, target=str(ex.reference + 1).zfill(len(ex.target)))
     return ex
 
   return Task("arithmetic", train_example, list(test.values()), arithmetic_reward)

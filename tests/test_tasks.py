@@ -86,3 +86,24 @@ def test_arithmetic_task_is_seeded_and_disjoint():
 def test_bad_arithmetic_spec():
   with pytest.raises(ValueError, match="ops"):
     tasks.ArithmeticSpec(ops=("/",))
+
+
+def test_fixed_width_format():
+  t = tasks.arithmetic_task(tasks.ArithmeticSpec(seed=1, max_value=99, fixed_width=True))
+  for e in t.train_batch(0, 50):
+    a, b = e.prompt[:-1].split("+")
+    assert len(a) == len(b) == 2 and int(a) + int(b) == e.reference
+    assert len(e.target) == 3 and int(e.target) == e.reference
+    assert t.reward(e.target, e.reference) == 1.0  # '052' is 52
+
+
+def test_biased_teacher_changes_only_warmstart_targets():
+  clean = tasks.arithmetic_task(tasks.ArithmeticSpec(seed=2, fixed_width=True))
+  biased = tasks.arithmetic_task(tasks.ArithmeticSpec(seed=2, fixed_width=True, teacher_error_rate=0.6))
+  a, b = clean.train_batch(0, 400), biased.train_batch(0, 400)
+  assert [e.prompt for e in a] == [e.prompt for e in b] and [e.reference for e in a] == [e.reference for e in b]
+  wrong = [e for e in b if int(e.target) != e.reference]
+  assert 0.5 < len(wrong) / 400 < 0.7
+  assert all(int(e.target) == e.reference + 1 and len(e.target) == 3 for e in wrong)
+  assert all(e.target == str(e.reference).zfill(3) for e in a)
+  assert clean.test_examples == biased.test_examples
