@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from hilore_jax import lowp
 from hilore_jax.model_config import ModelConfig
 
 # Per-layer tensors that backward may keep; the HiLoRe memory manager allocates these units.
@@ -27,21 +28,40 @@ MLP_DOWN_IN = "mlp_down_in"      # silu(gate) * up, the down-projection input
 MLP_OUT = "mlp_out"              # down-projection output
 CHECKPOINT_NAMES = (LAYER_INPUT, ATTN_NORM, Q, K, V, ATTN_PROBS, ATTN_CTX, ATTN_OUT, MLP_INPUT, MLP_NORM,
                     MLP_GATE, MLP_UP, MLP_SILU, MLP_DOWN_IN, MLP_OUT)
+# Units that can be kept as int8 (L): projection inputs, whose only backward use is the weight gradient.
+LOWP_UNITS = (ATTN_NORM, ATTN_CTX, MLP_NORM, MLP_DOWN_IN)
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerPolicy:
-  """How one layer keeps activations for backward: no remat, or remat saving only `save` names."""
+  """How one layer keeps activations for backward.
+
+  remat=False keeps everything (H). remat=True keeps the `save` names in compute dtype (H), the `lowp` units as
+  int8 codes plus scales (L), and recomputes the rest (R).
+  """
 
   remat: bool = False
   save: tuple[str, ...] = ()
+  lowp: tuple[str, ...] = ()
+  group_size: int = 64
 
   def __post_init__(self):
     unknown = sorted(set(self.save) - set(CHECKPOINT_NAMES))
     if unknown:
       raise ValueError(f"unknown checkpoint names {unknown}; valid: {list(CHECKPOINT_NAMES)}")
-    if self.save and not self.remat:
-      raise ValueError("LayerPolicy.save only applies when remat=True")
+    bad = sorted(set(self.lowp) - set(LOWP_UNITS))
+    if bad:
+      raise ValueError(f"units {bad} cannot be kept low-precision; L units: {list(LOWP_UNITS)}")
+    if (self.save or self.lowp) and not self.remat:
+      raise ValueError("LayerPolicy.save / lowp only apply when remat=True")
+    both = sorted(set(self.save) & set(self.lowp))
+    if both:
+      raise ValueError(f"units {both} are both saved (H) and low-precision (L)")
+
+  @property
+  def saved_names(self) -> tuple[str, ...]:
+    """Names the checkpoint policy keeps: H units and the int8 codes/scales of L units."""
+    return tuple(self.save) + tuple(n for u in self.lowp for n in lowp.code_names(u))
 
 
 NO_REMAT = LayerPolicy(remat=False)
@@ -134,6 +154,14 @@ def _proj(x, w, b, spec):
   return y if b is None else y + b.astype(x.dtype)
 
 
+def _projections(x, unit: str, ws: tuple, bs: tuple, specs: tuple, policy: LayerPolicy | None):
+  """Projections of one input; through the int8-residual custom VJP when the unit is L."""
+  if policy is None or unit not in policy.lowp:
+    return tuple(_proj(x, w, b, s) for w, b, s in zip(ws, bs, specs))
+  ys = lowp.project(x, ws, specs, unit, policy.group_size)
+  return tuple(y if b is None else y + b.astype(y.dtype) for y, b in zip(ys, bs))
+
+
 def attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS) -> tuple[jax.Array, jax.Array]:
   """Grouped-query attention; softmax in float32. Returns (context [B,T,N,H], probs [B,K,G,T,S])."""
   B, T, N, H = q_BTNH.shape
@@ -146,14 +174,16 @@ def attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS) -> tuple[jax.Array, jax.Array]:
   return ctx.reshape(B, T, N, H), probs
 
 
-def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, cos_BTH, sin_BTH, mask_BTS, kv_cache=None, cache_index=None):
+def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, cos_BTH, sin_BTH, mask_BTS, kv_cache=None, cache_index=None,
+                  policy: LayerPolicy | None = None):
   """One pre-norm decoder layer; with kv_cache=(k, v) writes this step's k/v at cache_index first."""
   x_BTD = checkpoint_name(x_BTD, LAYER_INPUT)
   a = p["attn"]
   h = checkpoint_name(rms_norm(x_BTD, p["attn_norm_D"], cfg.rms_norm_eps), ATTN_NORM)
-  q = _proj(h, a["wq_DNH"], a.get("bq_NH"), "btd,dnh->btnh")
-  k = _proj(h, a["wk_DKH"], a.get("bk_KH"), "btd,dkh->btkh")
-  v = checkpoint_name(_proj(h, a["wv_DKH"], a.get("bv_KH"), "btd,dkh->btkh"), V)
+  q, k, v = _projections(h, ATTN_NORM, (a["wq_DNH"], a["wk_DKH"], a["wv_DKH"]),
+                         (a.get("bq_NH"), a.get("bk_KH"), a.get("bv_KH")),
+                         ("btd,dnh->btnh", "btd,dkh->btkh", "btd,dkh->btkh"), policy)
+  v = checkpoint_name(v, V)
   q = checkpoint_name(apply_rope(q, cos_BTH, sin_BTH), Q)
   k = checkpoint_name(apply_rope(k, cos_BTH, sin_BTH), K)
   new_cache = None
@@ -164,23 +194,26 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, cos_BTH, sin_BTH, mask_BTS, 
     new_cache, k, v = (ck, cv), ck.astype(q.dtype), cv.astype(q.dtype)
   ctx, _ = attention(q, k, v, mask_BTS)
   ctx = checkpoint_name(ctx, ATTN_CTX)
-  attn_out = checkpoint_name(_proj(ctx, a["wo_NHD"], a.get("bo_D"), "btnh,nhd->btd"), ATTN_OUT)
+  (attn_out,) = _projections(ctx, ATTN_CTX, (a["wo_NHD"],), (a.get("bo_D"),), ("btnh,nhd->btd",), policy)
+  attn_out = checkpoint_name(attn_out, ATTN_OUT)
   x_BTD = checkpoint_name(x_BTD + attn_out, MLP_INPUT)
   m = p["mlp"]
   h = checkpoint_name(rms_norm(x_BTD, p["mlp_norm_D"], cfg.rms_norm_eps), MLP_NORM)
-  gate = checkpoint_name(_proj(h, m["wgate_DF"], m.get("bgate_F"), "btd,df->btf"), MLP_GATE)
-  up = checkpoint_name(_proj(h, m["wup_DF"], m.get("bup_F"), "btd,df->btf"), MLP_UP)
+  gate, up = _projections(h, MLP_NORM, (m["wgate_DF"], m["wup_DF"]), (m.get("bgate_F"), m.get("bup_F")),
+                          ("btd,df->btf", "btd,df->btf"), policy)
+  gate, up = checkpoint_name(gate, MLP_GATE), checkpoint_name(up, MLP_UP)
   act = checkpoint_name(jax.nn.silu(gate), MLP_SILU)
   down_in = checkpoint_name(act * up, MLP_DOWN_IN)
-  out = checkpoint_name(_proj(down_in, m["wdown_FD"], m.get("bdown_D"), "btf,fd->btd"), MLP_OUT)
+  (out,) = _projections(down_in, MLP_DOWN_IN, (m["wdown_FD"],), (m.get("bdown_D"),), ("btf,fd->btd",), policy)
+  out = checkpoint_name(out, MLP_OUT)
   return x_BTD + out, new_cache
 
 
 def _remat_layer(cfg: ModelConfig, policy: LayerPolicy):
-  fn = lambda p, x, cos, sin, mask: decoder_layer(cfg, p, x, cos, sin, mask)[0]
+  fn = lambda p, x, cos, sin, mask: decoder_layer(cfg, p, x, cos, sin, mask, policy=policy)[0]
   if not policy.remat:
     return fn
-  return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(*policy.save))
+  return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(*policy.saved_names))
 
 
 def default_positions(attention_mask_BT: jax.Array) -> jax.Array:

@@ -12,7 +12,7 @@ import jax
 
 @dataclasses.dataclass(frozen=True)
 class Residual:
-  dtype: str  # short dtype, e.g. 'f32', 'bf16', 's8'
+  dtype: str  # short dtype, e.g. 'f32', 'bf16', 'i8'
   shape: tuple[int, ...]
   source: str  # e.g. "named 'mlp_gate' from ...", "from the argument p"
 

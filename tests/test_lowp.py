@@ -1,0 +1,91 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hilore_jax import codec, lowp, model, residuals
+from hilore_jax.model import LayerPolicy
+
+
+def test_int8_codes_by_hand():
+  x = jnp.array([[1.0, -2.0, 0.5, 0.0, 127.0]])
+  codes, scale = codec.quantize_int8(x, group_size=3)  # groups [1, -2, .5] and [0, 127, pad]
+  np.testing.assert_allclose(scale[..., 0], [[2 / 127, 1.0]], rtol=1e-6)
+  assert codes.dtype == jnp.int8
+  assert codes[0, 0].tolist() == [64, -127, 32] and codes[0, 1].tolist() == [0, 127, 0]  # round(127/2)=64 (half-even: 63.5->64)
+  back = codec.dequantize_int8(codes, scale, x.shape, jnp.float32)
+  assert np.all(np.abs(back - x) <= np.repeat(np.asarray(scale[..., 0]), 3, -1)[..., :5] / 2 + 1e-7)
+  assert codec.code_bytes((2, 5), group_size=3) == 2 * (6 + 8)
+
+
+def test_bounded_error_on_random_data():
+  x = jax.random.normal(jax.random.PRNGKey(0), (3, 7, 50)) * 3
+  codes, scale = codec.quantize_int8(x, 16)
+  err = jnp.abs(codec.dequantize_int8(codes, scale, x.shape, jnp.float32) - x)
+  assert float(err.max()) <= float(scale.max()) / 2 + 1e-6
+  assert 0 < float(jnp.linalg.norm(err) / jnp.linalg.norm(x)) < 0.01
+
+
+def _params(cfg):
+  p = model.init_params(cfg, jax.random.PRNGKey(0), init_std=0.3)
+  leaves, tree = jax.tree_util.tree_flatten(p)
+  keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
+  return jax.tree_util.tree_unflatten(tree, [l + 0.1 * jax.random.normal(k, l.shape) for l, k in zip(leaves, keys)])
+
+
+def _loss(cfg, p, ids, policies):
+  return jnp.sum(jax.nn.log_softmax(model.forward(cfg, p, ids, layer_policies=policies))[..., 1:4] ** 2)
+
+
+IDS = jnp.array([[3, 5, 7, 11, 13, 17, 19], [2, 4, 6, 8, 10, 12, 14]])
+HLR = LayerPolicy(remat=True, save=(model.MLP_GATE, model.MLP_UP, model.Q, model.K, model.V),
+                  lowp=(model.MLP_DOWN_IN, model.ATTN_CTX), group_size=8)
+
+
+@pytest.mark.parametrize("dtype,short", [("float32", "f32"), ("bfloat16", "bf16")])
+def test_saved_residuals_prove_h_l_r(tiny_cfg, dtype, short):
+  cfg = tiny_cfg.replace(dtype=dtype)
+  p = _params(cfg)
+  res = residuals.saved_residuals(lambda q: _loss(cfg, q, IDS, (HLR,) * 3), p)
+  names = [r.name for r in res]
+  for name in HLR.save:  # H: saved, in compute dtype
+    hits = [r for r in res if r.name == name]
+    assert len(hits) == 3 and all(r.dtype == short for r in hits), name
+  for unit in HLR.lowp:  # L: int8 codes + float32 scales, no float copy
+    cname, sname = lowp.code_names(unit)
+    assert [r.dtype for r in res if r.name == cname] == ["i8"] * 3
+    assert [r.dtype for r in res if r.name == sname] == ["f32"] * 3
+    assert unit not in names
+  for unit in (model.ATTN_NORM, model.MLP_NORM, model.ATTN_PROBS, model.MLP_SILU):  # R: absent
+    assert unit not in names
+  # the int8 code of mlp_down_in has the float tensor's element count (F=37 padded to groups of 8 -> 40)
+  code = next(r for r in res if r.name == "mlp_down_in:int8")
+  assert code.shape == (2, 7, 5, 8)
+
+
+def test_r_and_h_exact_l_bounded(tiny_cfg):
+  p = _params(tiny_cfg)
+  grad = lambda pols: jax.jit(jax.grad(_loss, argnums=1), static_argnums=(0, 3))(tiny_cfg, p, IDS, pols)
+  flat = lambda g: jnp.concatenate([x.ravel() for x in jax.tree_util.tree_leaves(g)])
+  rel_err = lambda g, ref: float(jnp.linalg.norm(flat(g) - flat(ref)) / jnp.linalg.norm(flat(ref)))
+  g_h = grad((model.NO_REMAT,) * 3)
+  g_r = grad((model.FULL_REMAT,) * 3)
+  assert rel_err(g_r, g_h) <= 1e-5  # recomputation is exact up to float reassociation
+  assert float(jnp.abs(flat(g_r) - flat(g_h)).max()) <= 1e-5 * float(jnp.abs(flat(g_h)).max())
+  all_l = LayerPolicy(remat=True, lowp=model.LOWP_UNITS, group_size=8)
+  g_l = grad((all_l,) * 3)
+  rel = rel_err(g_l, g_h)
+  print(f"relative gradient error with every L unit int8: {rel:.2e}")
+  assert 1e-6 < rel < 0.02  # really quantized, and bounded
+  # L touches only weight gradients of the projections its units feed; embeddings see it only through backprop
+  np.testing.assert_allclose(_loss(tiny_cfg, p, IDS, (all_l,) * 3), _loss(tiny_cfg, p, IDS, (model.NO_REMAT,) * 3),
+                             rtol=1e-6)
+
+
+def test_policy_validation():
+  with pytest.raises(ValueError, match="cannot be kept low-precision"):
+    LayerPolicy(remat=True, lowp=(model.MLP_GATE,))
+  with pytest.raises(ValueError, match="both saved"):
+    LayerPolicy(remat=True, save=(model.MLP_NORM,), lowp=(model.MLP_NORM,))
+  with pytest.raises(ValueError, match="only apply when remat"):
+    LayerPolicy(lowp=(model.MLP_NORM,))
