@@ -1,0 +1,74 @@
+import itertools
+
+import numpy as np
+import pytest
+
+from hilore_jax import allocator
+from hilore_jax.allocator import H, L, R, UnitCost
+
+
+def _brute(units, budget, delta):
+  best = None
+  for choice in itertools.product((H, L, R), repeat=len(units)):
+    if any(c == L and u.bytes_l is None for u, c in zip(units, choice)):
+      continue
+    a = allocator._summary(units, choice)
+    if a.bytes <= budget and a.risk <= delta + 1e-12 and (best is None or a.time_s < best.time_s - 1e-12):
+      best = a
+  return best
+
+
+def _random_units(rng, n):
+  out = []
+  for i in range(n):
+    bh = int(rng.integers(4, 40)) * 1024
+    out.append(UnitCost(f"u{i}", bh, bh // 4 if rng.random() < 0.7 else None, float(rng.uniform(0.1, 3.0)),
+                        float(rng.uniform(0.0, 0.2)), float(rng.uniform(0.0, 0.01))))
+  return out
+
+
+def test_exact_solver_is_optimal():
+  rng = np.random.default_rng(0)
+  for _ in range(20):
+    units = _random_units(rng, 5)
+    budget = int(rng.integers(0, sum(u.bytes_h for u in units)))
+    delta = float(rng.uniform(0, 0.02))
+    assert allocator.exact(units, budget, delta).time_s == pytest.approx(_brute(units, budget, delta).time_s)
+
+
+def test_greedy_equals_exact_on_uniform_instances():
+  # equal sizes per kind: taking the best time per byte first is optimal
+  rng = np.random.default_rng(1)
+  for _ in range(10):
+    units = [UnitCost(f"u{i}", 1000, 250, float(rng.uniform(0.1, 2)), 0.01, 0.001) for i in range(6)]
+    for budget in (0, 250, 1000, 2500, 4000, 6000):
+      for delta in (0.0, 0.002, 1.0):
+        g, e = allocator.greedy(units, budget, delta), allocator.exact(units, budget, delta)
+        assert g.time_s == pytest.approx(e.time_s), (budget, delta)
+
+
+def test_greedy_respects_budgets_and_is_monotone():
+  rng = np.random.default_rng(2)
+  units = _random_units(rng, 12)
+  total = sum(u.bytes_h for u in units)
+  prev = np.inf
+  gaps = []
+  for budget in np.linspace(0, total, 15).astype(int):
+    a = allocator.greedy(units, int(budget), 0.01)
+    assert a.bytes <= budget and a.risk <= 0.01 + 1e-12
+    assert a.time_s <= prev + 1e-12  # more memory never makes it slower
+    prev = a.time_s
+    gaps.append(allocator.optimality_gap(units, int(budget), 0.01))
+  assert min(gaps) >= -1e-9  # never better than optimal
+  assert allocator.greedy(units, total, 0.0).choice == (H,) * 12
+
+
+def test_zero_risk_units_go_to_l_first():
+  units = [UnitCost("exposed", 1000, 250, 1.0, 0.0, 0.5), UnitCost("quiet", 1000, 250, 1.0, 0.0, 0.0)]
+  a = allocator.greedy(units, 250, risk_budget=0.1)
+  assert a.choice == (R, L)
+
+
+def test_infeasible_budget():
+  with pytest.raises(allocator.InfeasibleBudget, match="below what full recomputation needs"):
+    allocator.greedy([UnitCost("u", 10, 2, 1.0)], -5, 0.0)

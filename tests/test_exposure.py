@@ -1,0 +1,46 @@
+import jax.numpy as jnp
+import numpy as np
+
+from hilore_jax import exposure, grpo
+from hilore_jax.exposure import ExposureSwitches
+
+
+def _inputs():
+  logp = jnp.log(jnp.array([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]))
+  old = logp - jnp.array([[0.0, 0.5, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # one clipped token
+  adv = jnp.array([1.0, 0.0, -2.0])  # the middle group has zero advantage
+  mask = jnp.array([[1, 1, 1], [1, 1, 0], [1, 0, 0]])
+  return logp, old, logp, adv, mask
+
+
+def test_token_weights_by_hand():
+  logp, old, ref, adv, mask = _inputs()
+  lc = grpo.LossConfig(loss_agg="token-mean", eps_low=0.2, eps_high=0.2)
+  w = exposure.token_weights(logp, old, ref, adv, mask, lc)
+  # 6 tokens: |A * ratio| / 6 where unclipped; ratio exp(0.5) > 1.2 with A > 0 is clipped -> 0
+  np.testing.assert_allclose(w, [[1 / 6, 0.0, 1 / 6], [0, 0, 0], [2 / 6, 0, 0]], rtol=1e-6)
+  no_clip = exposure.token_weights(logp, old, ref, adv, mask, lc, ExposureSwitches(ratio_clip=False))
+  np.testing.assert_allclose(no_clip, [[1 / 6] * 3, [0, 0, 0], [2 / 6, 0, 0]], rtol=1e-6)
+  no_mask = exposure.token_weights(logp, old, ref, adv, mask, lc, ExposureSwitches(update_mask=False))
+  np.testing.assert_allclose(no_mask[2], [2 / 9] * 3, rtol=1e-6)  # all 9 positions count
+
+
+def test_kl_switch():
+  logp, old, _, adv, mask = _inputs()
+  ref = logp - 0.3
+  lc = grpo.LossConfig(beta=0.5, kl_estimator="k1")
+  on = exposure.token_weights(logp, logp, ref, adv * 0, mask, lc)
+  off = exposure.token_weights(logp, logp, ref, adv * 0, mask, lc, ExposureSwitches(kl=False))
+  np.testing.assert_allclose(on, 0.5 * mask / 6, rtol=1e-6)  # k1's gradient is 1
+  assert float(off.sum()) == 0.0
+
+
+def test_unit_exposure_and_ablations():
+  w = jnp.array([[1.0, 0.0], [0.5, 0.5]])
+  act = jnp.array([[[2.0, 9.0], [1.0, 1.0]], [[0.0, 0.0], [0.0, 0.0]], [[1.0, 1.0], [1.0, 1.0]]])
+  s = jnp.array([1.0, 5.0, 0.1])
+  np.testing.assert_allclose(exposure.unit_exposure(w, act, s), [2 + 0.5 + 0.5, 0.0, 0.1 * 2], rtol=1e-6)
+  np.testing.assert_allclose(exposure.unit_exposure(w, act, s, ExposureSwitches(activation=False)),
+                             [2.0, 10.0, 0.2], rtol=1e-6)
+  np.testing.assert_allclose(exposure.unit_exposure(w, act, s, ExposureSwitches(susceptibility=False)),
+                             [3.0, 0.0, 2.0], rtol=1e-6)
