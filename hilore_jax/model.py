@@ -174,12 +174,23 @@ def attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS) -> tuple[jax.Array, jax.Array]:
   return ctx.reshape(B, T, N, H), probs
 
 
+def _token_rms(x) -> jax.Array:
+  """[B, T] root-mean-square of each token's slice of x [B, T, ...]."""
+  x32 = x.astype(jnp.float32).reshape(*x.shape[:2], -1)
+  return jnp.sqrt(jnp.mean(x32 * x32, axis=-1))
+
+
 def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, cos_BTH, sin_BTH, mask_BTS, kv_cache=None, cache_index=None,
-                  policy: LayerPolicy | None = None):
-  """One pre-norm decoder layer; with kv_cache=(k, v) writes this step's k/v at cache_index first."""
+                  policy: LayerPolicy | None = None, taps: dict | None = None):
+  """One pre-norm decoder layer; with kv_cache=(k, v) writes this step's k/v at cache_index first.
+
+  taps, if given, receives each L-capable unit's per-token RMS [B, T] (for exposure).
+  """
+  tap = (lambda name, t: taps.__setitem__(name, _token_rms(t))) if taps is not None else (lambda name, t: None)
   x_BTD = checkpoint_name(x_BTD, LAYER_INPUT)
   a = p["attn"]
   h = checkpoint_name(rms_norm(x_BTD, p["attn_norm_D"], cfg.rms_norm_eps), ATTN_NORM)
+  tap(ATTN_NORM, h)
   q, k, v = _projections(h, ATTN_NORM, (a["wq_DNH"], a["wk_DKH"], a["wv_DKH"]),
                          (a.get("bq_NH"), a.get("bk_KH"), a.get("bv_KH")),
                          ("btd,dnh->btnh", "btd,dkh->btkh", "btd,dkh->btkh"), policy)
@@ -194,16 +205,19 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, cos_BTH, sin_BTH, mask_BTS, 
     new_cache, k, v = (ck, cv), ck.astype(q.dtype), cv.astype(q.dtype)
   ctx, _ = attention(q, k, v, mask_BTS)
   ctx = checkpoint_name(ctx, ATTN_CTX)
+  tap(ATTN_CTX, ctx)
   (attn_out,) = _projections(ctx, ATTN_CTX, (a["wo_NHD"],), (a.get("bo_D"),), ("btnh,nhd->btd",), policy)
   attn_out = checkpoint_name(attn_out, ATTN_OUT)
   x_BTD = checkpoint_name(x_BTD + attn_out, MLP_INPUT)
   m = p["mlp"]
   h = checkpoint_name(rms_norm(x_BTD, p["mlp_norm_D"], cfg.rms_norm_eps), MLP_NORM)
+  tap(MLP_NORM, h)
   gate, up = _projections(h, MLP_NORM, (m["wgate_DF"], m["wup_DF"]), (m.get("bgate_F"), m.get("bup_F")),
                           ("btd,df->btf", "btd,df->btf"), policy)
   gate, up = checkpoint_name(gate, MLP_GATE), checkpoint_name(up, MLP_UP)
   act = checkpoint_name(jax.nn.silu(gate), MLP_SILU)
   down_in = checkpoint_name(act * up, MLP_DOWN_IN)
+  tap(MLP_DOWN_IN, down_in)
   (out,) = _projections(down_in, MLP_DOWN_IN, (m["wdown_FD"],), (m.get("bdown_D"),), ("btf,fd->btd",), policy)
   out = checkpoint_name(out, MLP_OUT)
   return x_BTD + out, new_cache
@@ -231,8 +245,12 @@ def lm_head_weight(cfg: ModelConfig, params: dict) -> jax.Array:
 
 
 def hidden_states(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array, attention_mask_BT=None, *,
-                  positions_BT=None, layer_policies: Sequence[LayerPolicy] | None = None) -> jax.Array:
-  """Final-norm hidden states [B, T, D]; each layer runs under its own remat policy."""
+                  positions_BT=None, layer_policies: Sequence[LayerPolicy] | None = None,
+                  taps: list | None = None) -> jax.Array:
+  """Final-norm hidden states [B, T, D]; each layer runs under its own remat policy.
+
+  taps, if a list, gets one dict per layer of per-token unit magnitudes (layers then run without remat).
+  """
   B, T = input_ids_BT.shape
   if attention_mask_BT is None:
     attention_mask_BT = jnp.ones((B, T), jnp.int32)
@@ -246,7 +264,11 @@ def hidden_states(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array, atten
   cos, sin = rope_cos_sin(cfg, positions_BT)
   x = embed(cfg, params, input_ids_BT)
   for p, policy in zip(params["layers"], policies):
-    x = _remat_layer(cfg, policy)(p, x, cos, sin, mask_BTS)
+    if taps is not None:
+      taps.append({})
+      x = decoder_layer(cfg, p, x, cos, sin, mask_BTS, taps=taps[-1])[0]
+    else:
+      x = _remat_layer(cfg, policy)(p, x, cos, sin, mask_BTS)
   return rms_norm(x, params["final_norm_D"], cfg.rms_norm_eps)
 
 
