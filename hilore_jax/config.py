@@ -12,6 +12,7 @@ import yaml
 
 from hilore_jax import grpo
 from hilore_jax.model_config import ModelConfig
+from hilore_jax.tasks import ArithmeticSpec
 
 _ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("dtype", "param_dtype"))
 
@@ -55,14 +56,8 @@ class ModelSection:
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
   kind: str = "arithmetic"  # arithmetic | gsm8k | math
-  seed: int = 0
-  min_value: int = 0
-  max_value: int = 99
-  num_terms: int = 2
-  ops: tuple[str, ...] = ("+",)
-  num_test: int = 200
-  teacher_error_rate: float = 0.0  # warm-start targets one too high (GRPO's reward stays exact)
-  fixed_width: bool = False  # zero-padded operands and gold answers ('07+45=' -> '052')
+  seed: int = 0  # shuffling of dataset tasks
+  arithmetic: ArithmeticSpec = ArithmeticSpec()  # task.arithmetic.max_value, ... (the synthetic task's knobs)
   train_path: str | None = None  # gsm8k / math JSONL
   test_path: str | None = None
   skip_malformed: bool = False

@@ -50,27 +50,25 @@ def _std(x, axis=None, keepdims=False):
   return jnp.std(x, axis=axis, ddof=1, keepdims=keepdims)  # unbiased, as TRL and DeepSeekMath
 
 
+def _scaled(adv_PG: jax.Array, rewards_PG: jax.Array, std_scale: str) -> jax.Array:
+  _check("std_scale", std_scale, STD_SCALES)
+  if std_scale == "group":
+    return adv_PG / (_std(rewards_PG, axis=1, keepdims=True) + STD_EPS)
+  if std_scale == "batch":
+    return adv_PG / (_std(rewards_PG) + STD_EPS)
+  return adv_PG
+
+
 def grpo_advantages(rewards_PG: jax.Array, std_scale: str = "group") -> jax.Array:
   """Reward minus its group mean, divided by the group's (or batch's) std, or not scaled."""
-  _check("std_scale", std_scale, STD_SCALES)
-  centered = rewards_PG - rewards_PG.mean(axis=1, keepdims=True)
-  if std_scale == "group":
-    return centered / (_std(rewards_PG, axis=1, keepdims=True) + STD_EPS)
-  if std_scale == "batch":
-    return centered / (_std(rewards_PG) + STD_EPS)
-  return centered
+  return _scaled(rewards_PG - rewards_PG.mean(axis=1, keepdims=True), rewards_PG, std_scale)
 
 
 def rloo_advantages(rewards_PG: jax.Array, std_scale: str = "none") -> jax.Array:
   """Reward minus the mean of the other G-1 rewards of its group (leave-one-out baseline)."""
   G = rewards_PG.shape[1]
   loo = (rewards_PG.sum(axis=1, keepdims=True) - rewards_PG) / (G - 1)
-  adv = rewards_PG - loo
-  if std_scale == "group":
-    return adv / (_std(rewards_PG, axis=1, keepdims=True) + STD_EPS)
-  if std_scale == "batch":
-    return adv / (_std(rewards_PG) + STD_EPS)
-  return adv
+  return _scaled(rewards_PG - loo, rewards_PG, std_scale)
 
 
 def dr_grpo_advantages(rewards_PG: jax.Array, std_scale: str = "none") -> jax.Array:

@@ -25,9 +25,7 @@ class TrainingDiverged(RuntimeError):
 
 def build_task(tc: TaskConfig) -> tasks.Task:
   if tc.kind == "arithmetic":
-    return tasks.arithmetic_task(tasks.ArithmeticSpec(tc.seed, tc.min_value, tc.max_value, tc.num_terms, tc.ops,
-                                                      tc.num_test, tc.teacher_error_rate,
-                                                      tc.fixed_width))
+    return tasks.arithmetic_task(tc.arithmetic)
   if tc.kind == "gsm8k":
     train, rep = tasks.load_gsm8k(tc.train_path, tc.skip_malformed, tc.prompt_template)
     test, rep_t = tasks.load_gsm8k(tc.test_path, tc.skip_malformed, tc.prompt_template)

@@ -11,6 +11,7 @@ jax.config.update("jax_cpu_enable_async_dispatch", False)  # 4 fake devices on 2
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout, not an install
 from hilore_jax import train_step  # noqa: E402
 from hilore_jax.sharding import FSDP  # noqa: E402
 from hilore_jax.trainer import Trainer  # noqa: E402

@@ -9,10 +9,10 @@ from hilore_jax import config
 
 def test_yaml_and_overrides(tmp_path):
   path = tmp_path / "c.yaml"
-  path.write_text("model:\n  hidden_size: 40\n  num_attention_heads: 4\ntrain:\n  steps: 5\ntask:\n  ops: ['+', '-']\n")
+  path.write_text("model:\n  hidden_size: 40\n  num_attention_heads: 4\ntrain:\n  steps: 5\ntask:\n  arithmetic:\n    ops: ['+', '-']\n")
   c = config.load_config(str(path), ["train.steps=20", "out_dir=/tmp/run", "grpo.eps_high=0.28", "model.dtype=bfloat16"])
   assert c.train.steps == 20 and c.out_dir == "/tmp/run" and c.grpo.eps_high == 0.28
-  assert c.task.ops == ("+", "-")
+  assert c.task.arithmetic.ops == ("+", "-")
   mc = c.model.model_config()
   assert mc.hidden_size == 40 and mc.dtype == "bfloat16"
   with pytest.raises(dataclasses_frozen_error()):
@@ -36,6 +36,8 @@ def dataclasses_frozen_error():
     ("train.minibatch_size=7", r"minibatch_size \(7\) must divide"),
     ("task.kind=gsm8k", r"needs task.train_path"),
     ("grpo.dual_clip=0.5", r"dual_clip must be > 1"),
+    ("task.arithmetic.ops=['/']", r"ops must be a non-empty subset"),
+    ("task.arithmetic.max_valu=3", r"unknown config key 'task.arithmetic.max_valu'"),
 ])
 def test_bad_values_name_the_key(override, message):
   with pytest.raises(ValueError, match=message):

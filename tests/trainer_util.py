@@ -5,7 +5,7 @@ from hilore_jax import config
 TINY = [
     "model.vocab_size=80", "model.hidden_size=24", "model.intermediate_size=37", "model.num_hidden_layers=2",
     "model.num_attention_heads=4", "model.num_key_value_heads=2",
-    "task.max_value=9", "task.num_test=16",
+    "task.arithmetic.max_value=9", "task.arithmetic.num_test=16",
     "rollout.num_prompts=3", "rollout.num_generations=4", "rollout.max_prompt_len=6", "rollout.max_new_tokens=3",
     "train.warmstart_steps=40", "train.warmstart_batch_size=16", "train.warmstart_lr=0.01", "train.minibatch_size=0",
     "optimizer.lr=0.001", "eval.num_examples=8", "eval.pass_k=2", "logging.progress=false", "logging.plot=false",
