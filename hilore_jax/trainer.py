@@ -204,6 +204,11 @@ class Trainer:
     from tqdm.auto import tqdm
 
     c = self.config
+    if not c.train.resume and self.checkpointer.latest_step() is not None:
+      # never overwrite another run's checkpoints by accident
+      raise FileExistsError(f"{self.checkpointer.directory} already holds checkpoints (latest step "
+                            f"{self.checkpointer.latest_step()}): pass train.resume=true to continue that run, "
+                            f"or choose a new out_dir")
     resumed = c.train.resume and self.restore_latest()
     progress = c.logging.progress
     if not resumed:

@@ -33,6 +33,15 @@ def test_resume_continues_exactly(tmp_path):
   assert sa["eval_before"] == sb["eval_before"] and sa["eval_after"] == sb["eval_after"]
 
 
+def test_existing_run_is_not_overwritten(tmp_path):
+  Trainer(tiny_config(tmp_path, "train.steps=1", "train.warmstart_steps=0", "eval.at_start=false",
+                      "eval.at_end=false")).train()
+  before = sorted(os.listdir(tmp_path / "checkpoints"))
+  with pytest.raises(FileExistsError, match="already holds checkpoints.*train.resume=true"):
+    Trainer(tiny_config(tmp_path, "train.steps=1")).train()
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == before
+
+
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
   t = Trainer(tiny_config(tmp_path, "train.steps=6", "checkpoint.every=2", "grpo.filter_zero_std=false"))
   run_step = t.run_step

@@ -26,6 +26,8 @@ def main(argv=None):
     summary = Trainer(cfg).train()
   except TrainingDiverged as e:
     sys.exit(f"training stopped: {e}")
+  except FileExistsError as e:
+    sys.exit(f"refusing to start: {e}")
   print(json.dumps({k: v for k, v in summary.items() if k != "compile_log"}, indent=2))
 
 
