@@ -1,0 +1,57 @@
+import jax
+import jax.numpy as jnp
+import pytest
+
+from hilore_jax import allocator, buckets, grpo, model, train_step
+
+
+def test_bucketing_by_hand():
+  b = buckets.make_bucketer([1, 2, 3, 4, 5, 6, 7, 8], 4)
+  assert b.num_buckets == 4 and b.edges == pytest.approx((2.75, 4.5, 6.25))
+  assert [b.bucket(x) for x in (0.0, 2.75, 2.8, 5, 100)] == [0, 0, 1, 2, 3]
+  assert b.upper(1, 9.0) == 4.5 and b.upper(3, 9.0) == 9.0
+  assert buckets.make_bucketer([3, 3, 3], 4).num_buckets == 2  # repeated levels collapse
+  with pytest.raises(ValueError, match="buckets must be >= 1"):
+    buckets.make_bucketer([1.0], 0)
+
+
+def test_allocation_per_bucket_is_solved_once():
+  units = [allocator.UnitCost(f"u{i}", 100, 25, 1.0 + i, 0.1, 0.01 * (i + 1)) for i in range(4)]
+  calls = []
+
+  def solve(bucket):
+    calls.append(bucket)
+    return allocator.greedy(units, 150, risk_budget=0.02 / (bucket + 1))
+
+  cache = buckets.AllocationCache(solve)
+  seq = [0, 0, 2, 0, 2, 2, 1]
+  allocs = [cache.get(b) for b in seq]
+  assert calls == [0, 2, 1] and [r for _, r in cache.solves][0] == "first allocation"
+  assert allocs[0] is allocs[1] is allocs[3]
+  cache.invalidate("calibration refreshed")
+  cache.get(0)
+  assert calls == [0, 2, 1, 0]
+
+
+def test_second_step_in_the_same_bucket_compiles_nothing(tiny_cfg):
+  import numpy as np
+  import optax
+  from hilore_jax import sharding
+  mesh = sharding.make_mesh(1, 1)
+  params = model.init_params(tiny_cfg, jax.random.PRNGKey(0))
+  opt = optax.adam(1e-3)
+  state = {"params": params, "opt_state": opt.init(params), "step": jnp.int32(0)}
+  shardings = jax.tree_util.tree_map(lambda _: sharding.replicated(mesh), state)
+  stepper = train_step.Stepper(mesh, opt, shardings)
+  rng = np.random.default_rng(0)
+  batch = lambda: {"prompt_ids": rng.integers(3, 31, (4, 3)).astype(np.int32), "prompt_mask": np.ones((4, 3), np.int32),
+                   "tokens": rng.integers(3, 31, (4, 2)).astype(np.int32), "mask": np.ones((4, 2), np.int32),
+                   "adv": rng.normal(size=4).astype(np.float32)}
+  lc = grpo.LossConfig()
+  by_bucket = {0: model.uniform_policies(tiny_cfg, model.FULL_REMAT),
+               1: model.uniform_policies(tiny_cfg, model.LayerPolicy(remat=True, lowp=(model.MLP_DOWN_IN,)))}
+  for bucket in (0, 0, 1, 1, 0):
+    spec = train_step.StepSpec(tiny_cfg, lc, by_bucket[bucket])
+    state, _ = stepper(spec, state, batch(), reason=f"bucket {bucket}")
+  assert stepper.compile_count == 2  # one per bucket used, none for repeats
+  assert [e["reason"] for e in stepper.compile_log] == ["bucket 0", "bucket 1"]
