@@ -204,10 +204,23 @@ class LoggingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryConfig:
-  policy: str = "none"  # none: keep every activation; gc: recompute every layer in backward
+  policy: str = "none"  # none: keep every activation; gc: recompute every layer; hilore: H/L/R per unit
+  budget_ratio: float = 1.05  # hilore: memory budget as a multiple of the GC step's temp bytes
+  budget_bytes: int | None = None  # hilore: absolute budget (overrides budget_ratio)
+  grad_err_tolerance: float = 0.01  # hilore: relative gradient error the risk budget is calibrated to
+  buckets: int = 4  # hilore: exposure buckets, one allocation (and compiled step) each
+  refresh_every: int = 0  # hilore: recalibrate every N steps (0: only at the start)
+  group_size: int = 64  # hilore: int8 scale group along the last axis
 
   def __post_init__(self):
-    _choice("memory.policy", self.policy, ("none", "gc"))
+    _choice("memory.policy", self.policy, ("none", "gc", "hilore"))
+    if self.budget_ratio < 1.0:
+      raise ValueError(f"memory.budget_ratio must be >= 1.0 (full checkpointing is the floor), got "
+                       f"{self.budget_ratio}")
+    _positive("memory.grad_err_tolerance", self.grad_err_tolerance)
+    _positive("memory.buckets", self.buckets)
+    _positive("memory.refresh_every", self.refresh_every, allow_zero=True)
+    _positive("memory.group_size", self.group_size)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,11 +106,12 @@ class Stepper:
     self.compile_count = 0
     self.compile_log: list[dict] = []
     self.temp_bytes: dict[tuple, int] = {}
+    self.reference_compiles = 0  # compiled only to measure memory (e.g. HiLoRe's GC reference), never run
 
   def _abstract(self, tree, shardings):
     return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
-  def get(self, spec: StepSpec, state, batch: dict, reason: str = ""):
+  def get(self, spec: StepSpec, state, batch: dict, reason: str = "", count: bool = True):
     key = (spec, tuple((k, v.shape, str(v.dtype)) for k, v in sorted(batch.items())))
     if key not in self._compiled:
       t0 = time.perf_counter()
@@ -120,10 +121,13 @@ class Stepper:
                    in_shardings=(self.state_shardings, batch_sh), out_shardings=(self.state_shardings, metrics_sh),
                    donate_argnums=0)
       compiled = fn.lower(self._abstract(state, self.state_shardings), self._abstract(batch, batch_sh)).compile()
-      self._compiled[key] = compiled
-      self.compile_count += 1
       mem = compiled.memory_analysis()
       self.temp_bytes[key] = int(getattr(mem, "temp_size_in_bytes", 0) or 0)
+      if not count:
+        self.reference_compiles += 1
+        return compiled, self.temp_bytes[key]
+      self._compiled[key] = compiled
+      self.compile_count += 1
       entry = {"count": self.compile_count, "reason": reason or "first use", "seconds": time.perf_counter() - t0,
                "temp_bytes": self.temp_bytes[key]}
       self.compile_log.append(entry)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hilore_jax import (checkpointing, evaluation, grpo, hf, metrics, model, optim, rollout, sampler, sft,
+from hilore_jax import (checkpointing, evaluation, grpo, hf, manager, metrics, model, optim, rollout, sampler, sft,
                         sharding, tasks, tokenizer as tokenizers, train_step)
 from hilore_jax.config import Config, MemoryConfig, TaskConfig
 
@@ -39,7 +39,7 @@ def build_task(tc: TaskConfig) -> tasks.Task:
 
 
 def layer_policies(mc: MemoryConfig, cfg) -> tuple[model.LayerPolicy, ...]:
-  """Per-layer remat choice from memory.policy (the HiLoRe manager plugs in here)."""
+  """Per-layer remat choice of the fixed policies (hilore starts from none and allocates per step)."""
   return model.uniform_policies(cfg, model.FULL_REMAT if mc.policy == "gc" else model.NO_REMAT)
 
 
@@ -81,6 +81,7 @@ class Trainer:
         use_old_logp=c.grpo.num_iterations > 1, use_ref_logp=c.grpo.beta > 0)
     self._init_state()
     self.stepper = train_step.Stepper(self.mesh, self.optimizer, self.state_shardings)
+    self.memory = manager.MemoryManager(c.memory, self.spec, self.stepper) if c.memory.policy == "hilore" else None
     self.checkpointer = checkpointing.Checkpointer(os.path.join(self.out_dir, "checkpoints"), c.checkpoint.keep)
     self._logprobs = jax.jit(lambda p, b: train_step.completion_logprobs(self.model_cfg, p, b, None,
                                                                           c.train.logprob_chunk)[0])
@@ -128,7 +129,8 @@ class Trainer:
   def save(self, step: int):
     meta = {"step": step, "data_position": self.data_position,
             "rng": np.asarray(jax.random.key_data(self.rng)).tolist(), "eval_before": self.eval_before,
-            "warmstart_losses": self.warmstart_losses, "config": self.config.to_dict()}
+            "warmstart_losses": self.warmstart_losses, "config": self.config.to_dict(),
+            "memory_manager": self.memory.state if self.memory is not None else None}
     self.checkpointer.save(step, self._checkpoint_tree(), meta)
 
   def restore_latest(self) -> bool:
@@ -146,6 +148,8 @@ class Trainer:
     self.rng = jnp.asarray(np.asarray(meta["rng"], np.uint32))
     self.eval_before = meta.get("eval_before") or {}
     self.warmstart_losses = meta.get("warmstart_losses") or []
+    if self.memory is not None and meta.get("memory_manager"):
+      self.memory.load_state(meta["memory_manager"])
     log.info("resumed from step %d (data position %d)", self.start_step, self.data_position)
     return True
 
@@ -261,10 +265,14 @@ class Trainer:
       minibatches = [{**b, "ref_logp": self._logprobs(self.ref_params, b)} for b in minibatches]
     if self.spec.use_old_logp:  # several updates per batch: the ratio needs the pre-update policy
       minibatches = [{**b, "old_logp": self._logprobs(self.state["params"], b)} for b in minibatches]
-    step_metrics, temp_bytes = [], 0
+    step_metrics, temp_bytes, mem_rows = [], 0, []
     for it in range(c.grpo.num_iterations):
       for b in minibatches:
-        compiled, temp_bytes = self.stepper.get(self.spec, self.state, b, reason=f"memory.policy={c.memory.policy}")
+        spec = self.spec
+        if self.memory is not None:
+          spec, mem = self.memory.step_spec(self.state, b, step)
+          mem_rows.append(mem)
+        compiled, temp_bytes = self.stepper.get(spec, self.state, b, reason=f"memory.policy={c.memory.policy}")
         self.state, m = compiled(self.state, b)
         step_metrics.append(m)
     # the next rollout needs these params anyway, so waiting here costs nothing and times the update honestly
@@ -285,6 +293,11 @@ class Trainer:
       row.update(loss=0.0, grad_norm=0.0, clipfrac=0.0, kl=0.0, entropy=0.0)
     tokens = sum(int(np.prod(b["prompt_ids"].shape)) + int(np.prod(b["tokens"].shape)) for b in minibatches)
     tokens *= c.grpo.num_iterations
+    if mem_rows:  # the step's allocation(s): fractions averaged, bytes at their worst
+      row.update({k: float(np.mean([r[k] for r in mem_rows])) for k in mem_rows[0] if k.startswith("alloc/frac")})
+      row.update({k: max(r[k] for r in mem_rows) for k in mem_rows[0] if k.startswith("memory/")})
+      row["alloc/bucket"] = mem_rows[-1]["alloc/bucket"]
+      row["time/schedule_s"] = float(sum(r["time/schedule_s"] for r in mem_rows))
     row.update({"time/rollout_s": t_rollout, "time/update_s": t_update, "time/step_s": time.perf_counter() - t0,
                 "throughput/update_tokens_per_s": tokens / t_update if t_update > 0 else 0.0,
                 "memory/temp_bytes": temp_bytes, "compile/count": self.stepper.compile_count})

@@ -27,7 +27,8 @@ def dataclasses_frozen_error():
 @pytest.mark.parametrize("override,message", [
     ("train.stepz=3", r"unknown config key 'train.stepz'; valid keys here: \[.*'steps'"),
     ("grpo.loss_agg=sum", r"grpo.loss_agg must be one of \['token-mean'"),
-    ("memory.policy=sometimes", r"memory.policy must be one of \['none', 'gc'\]"),
+    ("memory.policy=sometimes", r"memory.policy must be one of \['none', 'gc', 'hilore'\]"),
+    ("memory.budget_ratio=0.9", r"budget_ratio must be >= 1.0"),
     ("rollout.num_generations=1", r"num_generations must be > 1"),
     ("train.steps=ten", r"train.steps must be an integer"),
     ("model.num_key_value_heads=3", r"num_attention_heads .* multiple of num_key_value_heads"),
