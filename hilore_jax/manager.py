@@ -35,6 +35,7 @@ class MemoryManager:
     self.mc, self.spec, self.stepper = mc, spec, stepper
     self.state: dict | None = None
     self._cache = buckets.AllocationCache(self._solve)
+    self._gaps: dict[int, float] = {}
     self._exposure = jax.jit(lambda p, b: calibration.raw_exposure(spec, p, b, self.lowp_ids))
     self.lowp_ids = calibration.lowp_units(spec.model_cfg)
 
@@ -93,8 +94,12 @@ class MemoryManager:
       key = f"{u.layer}/{u.kind}"
       risk = st["susceptibility"].get(u.kind, 0.0) * share.get(key, 0.0) * level
       costs.append(allocator.UnitCost(key, u.bytes_h, u.bytes_l, u.recompute_s, u.codec_s, risk))
-    extra = st["budget_bytes"] - st["gc_bytes"] - st["shrink_bytes"].get(str(bucket), 0)
-    return allocator.greedy(costs, max(extra, 0), st["delta"])
+    extra = max(st["budget_bytes"] - st["gc_bytes"] - st["shrink_bytes"].get(str(bucket), 0), 0)
+    greedy = allocator.greedy(costs, extra, st["delta"])
+    # the exact MILP is solved once per bucket only to report how far the greedy is from optimal
+    best = allocator.exact(costs, extra, st["delta"])
+    self._gaps[bucket] = (greedy.time_s - best.time_s) / max(best.time_s, 1e-12)
+    return greedy
 
   def step_spec(self, state, batch: dict, step: int) -> tuple[train_step.StepSpec, dict]:
     """The spec (policies) for this batch and the alloc/memory metrics; verifies the compiled bytes."""
@@ -125,5 +130,5 @@ class MemoryManager:
                "alloc/frac_R": alloc.choice.count(allocator.R) / n, "alloc/bucket": bucket,
                "memory/budget_bytes": self.state["budget_bytes"],
                "memory/predicted_bytes": self.state["gc_bytes"] + alloc.bytes, "memory/compiled_bytes": compiled,
-               "time/schedule_s": schedule_s}
+               "alloc/greedy_gap": self._gaps.get(bucket, 0.0), "time/schedule_s": schedule_s}
     return spec, metrics

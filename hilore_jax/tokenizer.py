@@ -22,9 +22,14 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
   return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, bos_token=BOS)
 
 
+def cache_root() -> str:
+  """hilore-jax's cache directory ($HILORE_CACHE or ~/.cache/hilore_jax)."""
+  return os.environ.get("HILORE_CACHE", os.path.expanduser("~/.cache/hilore_jax"))
+
+
 def char_tokenizer_dir(cache_dir: str | None = None) -> str:
   """Directory holding the saved character tokenizer, written once."""
-  cache_dir = cache_dir or os.environ.get("HILORE_CACHE", os.path.expanduser("~/.cache/hilore_jax"))
+  cache_dir = cache_dir or cache_root()
   path = os.path.join(cache_dir, f"char_tokenizer_{_VERSION}")
   if not os.path.exists(os.path.join(path, "tokenizer.json")):
     tmp = f"{path}.tmp{os.getpid()}"

@@ -297,6 +297,7 @@ class Trainer:
       row.update({k: float(np.mean([r[k] for r in mem_rows])) for k in mem_rows[0] if k.startswith("alloc/frac")})
       row.update({k: max(r[k] for r in mem_rows) for k in mem_rows[0] if k.startswith("memory/")})
       row["alloc/bucket"] = mem_rows[-1]["alloc/bucket"]
+      row["alloc/greedy_gap"] = max(r["alloc/greedy_gap"] for r in mem_rows)
       row["time/schedule_s"] = float(sum(r["time/schedule_s"] for r in mem_rows))
     row.update({"time/rollout_s": t_rollout, "time/update_s": t_update, "time/step_s": time.perf_counter() - t0,
                 "throughput/update_tokens_per_s": tokens / t_update if t_update > 0 else 0.0,

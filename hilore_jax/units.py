@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import codec, model
+from hilore_jax import codec, model, tokenizer
 from hilore_jax.model_config import ModelConfig
 
 # The units the allocator chooses H/L/R for; the layer input is always kept (it is the remat boundary).
@@ -86,8 +86,7 @@ def profile_key(cfg: ModelConfig, batch: int, seq: int, group_size: int) -> str:
 def profile_kinds(cfg: ModelConfig, batch: int, seq: int, group_size: int = 64, reps: int = 7,
                   cache_dir: str | None = None) -> dict[str, dict]:
   """Measured recompute and codec seconds per kind (median of reps), cached on disk by shape/dtype/backend."""
-  cache_dir = cache_dir or os.path.join(os.environ.get("HILORE_CACHE", os.path.expanduser("~/.cache/hilore_jax")),
-                                        "profiles")
+  cache_dir = cache_dir or os.path.join(tokenizer.cache_root(), "profiles")
   path = os.path.join(cache_dir, profile_key(cfg, batch, seq, group_size) + ".json")
   if os.path.exists(path):
     with open(path) as f:

@@ -3,6 +3,7 @@
 import argparse
 import json
 import logging
+import os
 import sys
 
 from hilore_jax import config as config_lib
@@ -20,7 +21,11 @@ def main(argv=None):
     cfg = config_lib.load_config(args.config, args.overrides)
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f"config error: {e}")
+  from hilore_jax import buckets, tokenizer
   from hilore_jax.trainer import Trainer, TrainingDiverged
+
+  # compiled steps survive restarts (one per allocation bucket under memory.policy=hilore)
+  buckets.enable_persistent_compilation_cache(os.path.join(tokenizer.cache_root(), "xla"))
 
   try:
     summary = Trainer(cfg).train()
