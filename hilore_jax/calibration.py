@@ -45,25 +45,29 @@ def single_unit_policies(cfg: ModelConfig, layer: int, kind: str, group_size: in
   return tuple(pols)
 
 
+# one jitted gradient for the module: specs are static, so repeated specs (the exact gradient) compile once
+_grad = jax.jit(lambda p, b, s: train_step.grads_and_stats(p, b, s)[0], static_argnums=2)
+
+
+def _exact_spec(spec: train_step.StepSpec) -> train_step.StepSpec:
+  return dataclasses.replace(spec, policies=model.uniform_policies(spec.model_cfg, model.NO_REMAT))
+
+
 def _flat(tree) -> jax.Array:
   return jnp.concatenate([x.ravel().astype(jnp.float32) for x in jax.tree_util.tree_leaves(tree)])
 
 
 def gradient_error(spec: train_step.StepSpec, params, batch: dict, policies, exact=None) -> float:
   """||g - g_exact|| / ||g_exact|| with g under `policies`, g_exact with every activation kept (H)."""
-  grad = jax.jit(lambda p, b, s: train_step.grads_and_stats(p, b, s)[0], static_argnums=2)
   if exact is None:
-    exact = _flat(grad(params, batch, dataclasses.replace(spec, policies=model.uniform_policies(
-        spec.model_cfg, model.NO_REMAT))))
-  g = _flat(grad(params, batch, dataclasses.replace(spec, policies=tuple(policies))))
+    exact = _flat(_grad(params, batch, _exact_spec(spec)))
+  g = _flat(_grad(params, batch, dataclasses.replace(spec, policies=tuple(policies))))
   return float(jnp.linalg.norm(g - exact) / jnp.maximum(jnp.linalg.norm(exact), 1e-30))
 
 
 def measure_unit_errors(spec: train_step.StepSpec, params, batch: dict, units, group_size: int) -> np.ndarray:
   """[U] true relative gradient error when only that unit is int8."""
-  grad = jax.jit(lambda p, b, s: train_step.grads_and_stats(p, b, s)[0], static_argnums=2)
-  exact = _flat(grad(params, batch, dataclasses.replace(spec, policies=model.uniform_policies(
-      spec.model_cfg, model.NO_REMAT))))
+  exact = _flat(_grad(params, batch, _exact_spec(spec)))
   return np.array([gradient_error(spec, params, batch, single_unit_policies(spec.model_cfg, l, k, group_size), exact)
                    for l, k in units])
 

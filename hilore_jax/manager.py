@@ -36,8 +36,8 @@ class MemoryManager:
     self.state: dict | None = None
     self._cache = buckets.AllocationCache(self._solve)
     self._gaps: dict[int, float] = {}
-    self._exposure = jax.jit(lambda p, b: calibration.raw_exposure(spec, p, b, self.lowp_ids))
     self.lowp_ids = calibration.lowp_units(spec.model_cfg)
+    self._exposure = jax.jit(lambda p, b: calibration.raw_exposure(spec, p, b, self.lowp_ids))
 
   # ------------------------------------------------------------------ set-up
 
