@@ -1,4 +1,5 @@
-"""H/L/R allocation: minimise recompute + decode time under a memory budget and a risk budget."""
+"""H/L/R/O allocation: per group (a layer, or a single unit) pick one option so total time is minimal under a
+memory budget and a risk budget (a multiple-choice knapsack with two constraints)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-H, L, R = "H", "L", "R"
+H, L, R, O = "H", "L", "R", "O"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,85 +24,113 @@ class UnitCost:
 
 
 @dataclasses.dataclass(frozen=True)
+class Option:
+  """One way to keep a group's units: per-unit choices and their bytes, seconds and risk."""
+
+  choice: tuple[str, ...]
+  bytes: int
+  time_s: float
+  risk: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class Allocation:
-  choice: tuple[str, ...]  # H/L/R per unit, in input order
+  choice: tuple[str, ...]  # per unit, groups concatenated in input order
   bytes: int  # activation bytes on top of the fixed base
-  time_s: float  # recompute (R) + encode/decode (L) time
+  time_s: float  # recompute + encode/decode (+ transfer) time
   risk: float
+  picks: tuple[int, ...] = ()  # the option index chosen in each group
 
 
 class InfeasibleBudget(ValueError):
   """The memory budget is below what recomputing every unit needs."""
 
 
-def _summary(units: Sequence[UnitCost], choice: Sequence[str]) -> Allocation:
-  b = t = r = 0.0
-  for u, c in zip(units, choice):
-    if c == H:
-      b += u.bytes_h
-    elif c == L:
-      b, t, r = b + u.bytes_l, t + u.codec_s, r + u.risk
-    else:
-      t += u.recompute_s
-  return Allocation(tuple(choice), int(b), t, r)
+def per_unit(units: Sequence[UnitCost]) -> list[list[Option]]:
+  """Independent units as groups of one: options R, H and (where possible) L."""
+  groups = []
+  for u in units:
+    opts = [Option((R,), 0, u.recompute_s), Option((H,), u.bytes_h, 0.0)]
+    if u.bytes_l is not None:
+      opts.append(Option((L,), u.bytes_l, u.codec_s, u.risk))
+    groups.append(opts)
+  return groups
 
 
-def greedy(units: Sequence[UnitCost], budget_bytes: int, risk_budget: float) -> Allocation:
-  """Start all-R; repeatedly take the move (R->H, R->L, L->H) with the best time saved per extra byte that fits."""
-  if budget_bytes < 0:
-    raise InfeasibleBudget(f"memory budget is {-budget_bytes} bytes below what full recomputation needs")
-  choice = [R] * len(units)
-  used, risk = 0, 0.0
+def _summary(groups: Sequence[Sequence[Option]], picks: Sequence[int]) -> Allocation:
+  chosen = [g[i] for g, i in zip(groups, picks)]
+  return Allocation(tuple(c for o in chosen for c in o.choice), int(sum(o.bytes for o in chosen)),
+                    float(sum(o.time_s for o in chosen)), float(sum(o.risk for o in chosen)), tuple(picks))
+
+
+def _start(groups, budget_bytes) -> list[int]:
+  """Each group's fewest-bytes (then fastest, then safest) option; an error if even those do not fit."""
+  picks = [min(range(len(g)), key=lambda i: (g[i].bytes, g[i].time_s, g[i].risk)) for g in groups]
+  floor = sum(g[i].bytes for g, i in zip(groups, picks))
+  if budget_bytes < floor:
+    raise InfeasibleBudget(f"memory budget is {floor - budget_bytes} bytes below what full recomputation needs "
+                           f"(the minimum is {floor} bytes on top of the fixed base)")
+  return picks
+
+
+def greedy(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: float) -> Allocation:
+  """Start from the fewest bytes; repeatedly take the option change with the most seconds saved per extra byte
+  that fits both budgets (moves that save time without extra bytes or risk come first)."""
+  picks = _start(groups, budget_bytes)
+  arrays = [(np.array([o.bytes for o in g], float), np.array([o.time_s for o in g]), np.array([o.risk for o in g]))
+            for g in groups]
+  used = sum(g[i].bytes for g, i in zip(groups, picks))
+  risk = sum(g[i].risk for g, i in zip(groups, picks))
   while True:
     best, best_gain = None, 0.0
-    for i, u in enumerate(units):
-      moves = []
-      if choice[i] == R:
-        moves.append((H, u.recompute_s, u.bytes_h, 0.0))
-        if u.bytes_l is not None and u.recompute_s > u.codec_s:
-          moves.append((L, u.recompute_s - u.codec_s, u.bytes_l, u.risk))
-      elif choice[i] == L:
-        moves.append((H, u.codec_s, u.bytes_h - u.bytes_l, -u.risk))
-      for to, saved_s, extra_b, extra_risk in moves:
-        if saved_s <= 0 or used + extra_b > budget_bytes or risk + extra_risk > risk_budget + 1e-12:
-          continue
-        gain = saved_s / max(extra_b, 1)
-        if gain > best_gain:
-          best, best_gain = (i, to, extra_b, extra_risk), gain
+    for gi, (b, t, r) in enumerate(arrays):
+      i = picks[gi]
+      saved, extra_b, extra_r = t[i] - t, b - b[i], r - r[i]
+      ok = (saved > 1e-15) & (used + extra_b <= budget_bytes) & (risk + extra_r <= risk_budget + 1e-12)
+      if not ok.any():
+        continue
+      gain = np.where(ok, saved / np.maximum(extra_b, 1.0), -np.inf)
+      j = int(np.argmax(gain))
+      if gain[j] > best_gain:
+        best, best_gain = (gi, j), gain[j]
     if best is None:
-      return _summary(units, choice)
-    i, to, extra_b, extra_risk = best
-    choice[i] = to
-    used += extra_b
-    risk += extra_risk
+      return _summary(groups, picks)
+    gi, j = best
+    b, t, r = arrays[gi]
+    used += b[j] - b[picks[gi]]
+    risk += r[j] - r[picks[gi]]
+    picks[gi] = j
 
 
-def exact(units: Sequence[UnitCost], budget_bytes: int, risk_budget: float) -> Allocation:
-  """Optimal allocation by a mixed-integer program (scipy.optimize.milp): one binary per unit and choice."""
+def exact(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: float) -> Allocation:
+  """Optimal allocation by a mixed-integer program (scipy.optimize.milp): one binary per group and option."""
   from scipy.optimize import Bounds, LinearConstraint, milp
 
-  if budget_bytes < 0:
-    raise InfeasibleBudget(f"memory budget is {-budget_bytes} bytes below what full recomputation needs")
-  n = len(units)
-  # variables [h_0..h_n-1, l_0..l_n-1]; r_i = 1 - h_i - l_i
-  cost = np.array([-u.recompute_s for u in units] + [u.codec_s - u.recompute_s for u in units])
-  mem = np.array([u.bytes_h for u in units] + [u.bytes_l or 0 for u in units], float)
-  risk = np.array([0.0] * n + [u.risk for u in units])
-  one = np.hstack([np.eye(n), np.eye(n)])
-  upper_l = np.array([1.0 if u.bytes_l is not None else 0.0 for u in units])
-  res = milp(cost, integrality=np.ones(2 * n),
-             bounds=Bounds(np.zeros(2 * n), np.concatenate([np.ones(n), upper_l])),
-             constraints=[LinearConstraint(mem[None], -np.inf, budget_bytes),
-                          LinearConstraint(risk[None], -np.inf, risk_budget + 1e-12),
-                          LinearConstraint(one, 0, 1)])
+  _start(groups, budget_bytes)  # raises on an infeasible budget
+  sizes = [len(g) for g in groups]
+  n = sum(sizes)
+  opts = [o for g in groups for o in g]
+  cost = np.array([o.time_s for o in opts])
+  mem = np.array([o.bytes for o in opts], float)
+  risk = np.array([o.risk for o in opts])
+  one = np.zeros((len(groups), n))
+  start = np.cumsum([0] + sizes[:-1])
+  for gi, (s, k) in enumerate(zip(start, sizes)):
+    one[gi, s:s + k] = 1.0
+  # scale rows so HiGHS' tolerances mean the same for bytes (1e9) and seconds (1e-3)
+  mscale, rscale = max(mem.max(), 1.0), max(risk.max(), 1e-30)
+  res = milp(cost / max(cost.max(), 1e-30), integrality=np.ones(n), bounds=Bounds(np.zeros(n), np.ones(n)),
+             constraints=[LinearConstraint(mem[None] / mscale, -np.inf, budget_bytes / mscale),
+                          LinearConstraint(risk[None] / rscale, -np.inf, (risk_budget + 1e-12) / rscale),
+                          LinearConstraint(one, 1, 1)])
   if not res.success:
     raise RuntimeError(f"MILP failed: {res.message}")
   x = np.round(res.x).astype(int)
-  choice = [H if x[i] else L if x[n + i] else R for i in range(n)]
-  return _summary(units, choice)
+  picks = [int(np.argmax(x[s:s + k])) for s, k in zip(start, sizes)]
+  return _summary(groups, picks)
 
 
-def optimality_gap(units: Sequence[UnitCost], budget_bytes: int, risk_budget: float) -> float:
+def optimality_gap(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: float) -> float:
   """(greedy time - optimal time) / optimal time; 0 when the greedy is optimal."""
-  g, e = greedy(units, budget_bytes, risk_budget), exact(units, budget_bytes, risk_budget)
+  g, e = greedy(groups, budget_bytes, risk_budget), exact(groups, budget_bytes, risk_budget)
   return (g.time_s - e.time_s) / max(e.time_s, 1e-12)

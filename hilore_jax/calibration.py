@@ -1,5 +1,6 @@
-"""Risk calibration: measure each L unit's true gradient error, fit the exposure score to it, report how well
-the score predicts it, and turn the gradient-error tolerance into the risk budget delta."""
+"""Risk calibration: measure each L unit's true gradient error on K batches, fit per-unit susceptibility to the
+exposure score, report how well scores predict the error, and turn the gradient-error tolerance into the risk
+budget delta (risk = predicted squared relative error; squares add because units' errors are orthogonal)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import exposure, grpo, model, train_step
+from hilore_jax import codec, exposure, model, train_step
 from hilore_jax.exposure import ExposureSwitches
 from hilore_jax.model_config import ModelConfig
 
@@ -20,28 +21,37 @@ def lowp_units(cfg: ModelConfig) -> list[tuple[int, str]]:
   return [(layer, kind) for layer in range(cfg.num_hidden_layers) for kind in model.LOWP_UNITS]
 
 
-def activation_magnitudes(cfg: ModelConfig, params, batch: dict, units: Sequence[tuple[int, str]]) -> jax.Array:
-  """[U, B, N] per-token RMS of each unit at the positions that predict completion tokens."""
+def token_errors(cfg: ModelConfig, params, batch: dict, units: Sequence[tuple[int, str]], group_size: int,
+                 fmt: str = "int8") -> jax.Array:
+  """[U, B, N] norm of each unit's L reconstruction error per token, at the positions that predict completions."""
   ids, mask = train_step.sequence_inputs(batch)
   P, N = batch["prompt_ids"].shape[1], batch["tokens"].shape[1]
   taps: list[dict] = []
   model.hidden_states(cfg, params, ids, mask, taps=taps)
-  return jnp.stack([taps[layer][kind][:, P - 1:P + N - 1] for layer, kind in units])
+  out = []
+  for layer, kind in units:
+    x = taps[layer][kind][:, P - 1:P + N - 1]
+    x = x.reshape(*x.shape[:2], -1).astype(jnp.float32)
+    x_hat = codec.decode(*codec.encode(x, fmt, group_size), x.shape, jnp.float32, fmt)
+    out.append(jnp.linalg.norm(x_hat - x, axis=-1))
+  return jnp.stack(out)
 
 
-def raw_exposure(spec: train_step.StepSpec, params, batch: dict, units, switches=ExposureSwitches()) -> jax.Array:
+def raw_exposure(spec: train_step.StepSpec, params, batch: dict, units, switches=ExposureSwitches(),
+                 group_size: int = 64, fmt: str = "int8") -> jax.Array:
   """[U] exposure without susceptibility, from the forward quantities of this batch."""
   logp, _ = train_step.completion_logprobs(spec.model_cfg, params, batch, None, spec.logprob_chunk)
-  old = batch.get("old_logp", logp)
-  ref = batch.get("ref_logp", logp)
+  old = batch["old_logp"] if spec.use_old_logp else logp
+  ref = batch["ref_logp"] if spec.use_ref_logp else logp
   w = exposure.token_weights(logp, old, ref, batch["adv"], batch["mask"], spec.loss_cfg, switches)
-  act = activation_magnitudes(spec.model_cfg, params, batch, units)
-  return exposure.unit_exposure(w, act, jnp.ones(len(units)), dataclasses.replace(switches, susceptibility=False))
+  err = token_errors(spec.model_cfg, params, batch, units, group_size, fmt)
+  return exposure.unit_exposure(w, err, jnp.ones(len(units)), dataclasses.replace(switches, susceptibility=False))
 
 
-def single_unit_policies(cfg: ModelConfig, layer: int, kind: str, group_size: int) -> tuple[model.LayerPolicy, ...]:
+def single_unit_policies(cfg: ModelConfig, layer: int, kind: str, group_size: int,
+                         fmt: str = "int8") -> tuple[model.LayerPolicy, ...]:
   pols = list(model.uniform_policies(cfg, model.NO_REMAT))
-  pols[layer] = model.LayerPolicy(remat=True, lowp=(kind,), group_size=group_size)
+  pols[layer] = model.LayerPolicy(remat=True, lowp=(kind,), formats=(fmt,), group_size=group_size)
   return tuple(pols)
 
 
@@ -57,28 +67,38 @@ def _flat(tree) -> jax.Array:
   return jnp.concatenate([x.ravel().astype(jnp.float32) for x in jax.tree_util.tree_leaves(tree)])
 
 
+def exact_gradient(spec: train_step.StepSpec, params, batch: dict) -> jax.Array:
+  """The flat fp32 gradient with every activation kept (H)."""
+  return _flat(_grad(params, batch, _exact_spec(spec)))
+
+
 def gradient_error(spec: train_step.StepSpec, params, batch: dict, policies, exact=None) -> float:
   """||g - g_exact|| / ||g_exact|| with g under `policies`, g_exact with every activation kept (H)."""
   if exact is None:
-    exact = _flat(_grad(params, batch, _exact_spec(spec)))
+    exact = exact_gradient(spec, params, batch)
   g = _flat(_grad(params, batch, dataclasses.replace(spec, policies=tuple(policies))))
   return float(jnp.linalg.norm(g - exact) / jnp.maximum(jnp.linalg.norm(exact), 1e-30))
 
 
-def measure_unit_errors(spec: train_step.StepSpec, params, batch: dict, units, group_size: int) -> np.ndarray:
-  """[U] true relative gradient error when only that unit is int8."""
-  exact = _flat(_grad(params, batch, _exact_spec(spec)))
-  return np.array([gradient_error(spec, params, batch, single_unit_policies(spec.model_cfg, l, k, group_size), exact)
-                   for l, k in units])
+def measure_unit_errors(spec: train_step.StepSpec, params, batch: dict, units, group_size: int,
+                        fmt: str = "int8") -> np.ndarray:
+  """[U] true relative gradient error when only that unit is L."""
+  exact = exact_gradient(spec, params, batch)
+  return np.array([gradient_error(spec, params, batch, single_unit_policies(spec.model_cfg, l, k, group_size, fmt),
+                                  exact) for l, k in units])
 
 
-def fit_susceptibility(raw: np.ndarray, err: np.ndarray, kinds: Sequence[str]) -> dict[str, float]:
-  """Per kind, the median ratio of measured error to raw exposure (error per unit of exposure)."""
-  out = {}
-  for kind in sorted(set(kinds)):
-    idx = [i for i, k in enumerate(kinds) if k == kind and raw[i] > 0]
-    out[kind] = float(np.median(err[idx] / raw[idx])) if idx else 0.0
-  return out
+def fit_susceptibility(raw_KU: np.ndarray, err_KU: np.ndarray) -> np.ndarray:
+  """[U] per-unit median over calibration batches of measured error per unit of raw exposure."""
+  raw_KU, err_KU = np.atleast_2d(raw_KU), np.atleast_2d(err_KU)
+  ratio = np.where(raw_KU > 0, err_KU / np.where(raw_KU > 0, raw_KU, 1.0), np.nan)
+  s = np.nanmedian(np.where(np.isnan(ratio).all(0, keepdims=True), 0.0, ratio), axis=0)
+  return np.nan_to_num(s)
+
+
+def predicted_errors(raw_U: np.ndarray, susceptibility_U: np.ndarray) -> np.ndarray:
+  """Predicted relative gradient error of each unit alone as L."""
+  return np.asarray(raw_U) * np.asarray(susceptibility_U)
 
 
 def risk_metrics(score: np.ndarray, err: np.ndarray, top: float = 0.1) -> dict[str, float]:
@@ -88,7 +108,7 @@ def risk_metrics(score: np.ndarray, err: np.ndarray, top: float = 0.1) -> dict[s
   score, err = np.asarray(score, float), np.asarray(err, float)
   k = max(1, int(round(top * len(err))))
   true_top = set(np.argsort(-err)[:k])
-  pred_top = set(np.argsort(-score)[:k])
+  pred_top = set(np.argsort(-score, kind="stable")[:k])
   labels = np.zeros(len(err), bool)
   labels[list(true_top)] = True
   ranks = rankdata(score)
@@ -98,43 +118,74 @@ def risk_metrics(score: np.ndarray, err: np.ndarray, top: float = 0.1) -> dict[s
   return {"spearman": float(rho), f"top{int(top * 100)}_recall": len(true_top & pred_top) / k, "auroc": auroc}
 
 
-@dataclasses.dataclass
-class Calibration:
-  """What calibration learned: per-kind susceptibility and the risk budget delta for the tolerance."""
-
-  susceptibility: dict[str, float]
-  delta: float
-  tolerance: float
-  measured_error_at_delta: float
-
-
-def risk_scores(raw: np.ndarray, kinds: Sequence[str], susceptibility: dict[str, float]) -> np.ndarray:
-  """Predicted relative gradient error of each unit alone as L."""
-  return np.array([susceptibility.get(k, 0.0) * r for r, k in zip(raw, kinds)])
+def lowp_policies(cfg: ModelConfig, chosen: Sequence[tuple[int, str]], group_size: int,
+                  fmt: str = "int8") -> tuple[model.LayerPolicy, ...]:
+  """Every activation kept except `chosen` units, which are L."""
+  pols = list(model.uniform_policies(cfg, model.NO_REMAT))
+  for layer in range(cfg.num_hidden_layers):
+    lowp = tuple(k for l, k in chosen if l == layer)
+    if lowp:
+      pols[layer] = model.LayerPolicy(remat=True, lowp=lowp, formats=(fmt,) * len(lowp), group_size=group_size)
+  return tuple(pols)
 
 
-def calibrate_delta(spec: train_step.StepSpec, params, batch: dict, units, risk: np.ndarray, tolerance: float,
-                    group_size: int, max_halvings: int = 8) -> tuple[float, float]:
-  """Largest delta (starting at the tolerance, halving) whose lowest-risk L set measures under the tolerance.
-
-  Returns (delta, measured error of that L set). Lower-risk units are added first, as the allocator would.
-  """
-  delta = tolerance
+def calibrate_delta(spec: train_step.StepSpec, params, batches: Sequence[dict], units, predicted: np.ndarray,
+                    tolerance: float, group_size: int, fmt: str = "int8", max_halvings: int = 8) -> tuple[float, float]:
+  """Largest risk budget delta (from tolerance^2, halving) whose lowest-risk L set measures under the tolerance on
+  every calibration batch. Returns (delta, worst measured error of that set)."""
+  risk = np.asarray(predicted) ** 2
+  exact = [exact_gradient(spec, params, b) for b in batches]
+  delta = tolerance ** 2
   for _ in range(max_halvings + 1):
-    order = np.argsort(risk)
     chosen, total = [], 0.0
-    for i in order:
+    for i in np.argsort(risk, kind="stable"):
       if total + risk[i] > delta:
         break
       chosen.append(units[i])
       total += risk[i]
-    pols = list(model.uniform_policies(spec.model_cfg, model.NO_REMAT))
-    for layer in range(spec.model_cfg.num_hidden_layers):
-      lowp = tuple(k for l, k in chosen if l == layer)
-      if lowp:
-        pols[layer] = model.LayerPolicy(remat=True, lowp=lowp, group_size=group_size)
-    err = gradient_error(spec, params, batch, pols) if chosen else 0.0
+    pols = lowp_policies(spec.model_cfg, chosen, group_size, fmt)
+    err = max(gradient_error(spec, params, b, pols, e) for b, e in zip(batches, exact)) if chosen else 0.0
     if err <= tolerance:
       return delta, err
     delta /= 2
   return 0.0, 0.0
+
+
+# ----------------------------------------------------------------------------- risk report
+
+ABLATIONS = ("ratio_clip", "update_mask", "kl", "activation", "susceptibility")
+
+
+def risk_report(spec: train_step.StepSpec, params, cal_batches: Sequence[dict], eval_batches: Sequence[dict], units,
+                group_size: int, fmt: str = "int8") -> dict[str, dict[str, float]]:
+  """How well each score predicts the measured per-unit error on held-out batches (pooled over batches and units):
+  the full exposure score, each component switched off, and simple baselines. Scores are fit on cal_batches."""
+  measure = lambda bs: np.stack([measure_unit_errors(spec, params, b, units, group_size, fmt) for b in bs])
+  err_cal, err_ev = measure(cal_batches), measure(eval_batches)
+  raw_fn = jax.jit(lambda p, b, sw: raw_exposure(spec, p, b, units, sw, group_size, fmt), static_argnums=2)
+  rows = {}
+  variants = {"full": ExposureSwitches()}
+  variants.update({f"without {a}": ExposureSwitches(**{a: False}) for a in ABLATIONS})
+  for name, sw in variants.items():
+    raw_cal = np.stack([np.asarray(raw_fn(params, b, sw)) for b in cal_batches])
+    raw_ev = np.stack([np.asarray(raw_fn(params, b, sw)) for b in eval_batches])
+    sus = fit_susceptibility(raw_cal, err_cal) if sw.susceptibility else np.ones(len(units))
+    rows[name] = risk_metrics((raw_ev * sus).ravel(), err_ev.ravel())
+  # baselines: the unit's reconstruction error alone; its calibrated mean error (type/layer, batch-independent);
+  # the batch's total |advantage| (the same for every unit of a batch)
+  recon = jax.jit(lambda p, b: jnp.sqrt(jnp.sum(token_errors(spec.model_cfg, p, b, units, group_size, fmt) ** 2,
+                                                 axis=(1, 2))))
+  rows["baseline: reconstruction error only"] = risk_metrics(
+      np.stack([np.asarray(recon(params, b)) for b in eval_batches]).ravel(), err_ev.ravel())
+  rows["baseline: static type/layer"] = risk_metrics(np.tile(err_cal.mean(0), len(eval_batches)), err_ev.ravel())
+  rows["baseline: advantage only"] = risk_metrics(
+      np.repeat([np.abs(b["adv"]).sum() for b in eval_batches], len(units)), err_ev.ravel())
+  return rows
+
+
+def risk_table(rows: dict[str, dict[str, float]]) -> str:
+  """The risk report as a markdown table."""
+  lines = ["| score | Spearman rho | top-10% recall | AUROC |", "|---|---:|---:|---:|"]
+  for name, m in rows.items():
+    lines.append(f"| {name} | {m['spearman']:.3f} | {m['top10_recall']:.3f} | {m['auroc']:.3f} |")
+  return "\n".join(lines)

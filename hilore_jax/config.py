@@ -12,6 +12,7 @@ import yaml
 
 from hilore_jax import grpo
 from hilore_jax.model_config import ModelConfig
+from hilore_jax.exposure import ExposureSwitches
 from hilore_jax.tasks import ArithmeticSpec
 
 _ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("dtype", "param_dtype"))
@@ -204,16 +205,26 @@ class LoggingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryConfig:
-  policy: str = "none"  # none: keep every activation; gc: recompute every layer; hilore: H/L/R per unit
-  budget_ratio: float = 1.05  # hilore: memory budget as a multiple of the GC step's temp bytes
-  budget_bytes: int | None = None  # hilore: absolute budget (overrides budget_ratio)
-  grad_err_tolerance: float = 0.01  # hilore: relative gradient error the risk budget is calibrated to
+  # none: keep every activation; gc: recompute every layer; hilore: H/L/R(/O) per unit by exposure; the rest are
+  # the benchmark's baselines (sac, optimal_hr, uniform_int8, greedy_bits, adacc_style), see hilore_jax/methods.py
+  policy: str = "none"
+  budget_ratio: float = 1.05  # memory budget as a multiple of the GC step's temp bytes
+  budget_bytes: int | None = None  # absolute budget (overrides budget_ratio)
+  grad_err_tolerance: float = 0.01  # relative gradient error the risk budget is calibrated to
   buckets: int = 4  # hilore: exposure buckets, one allocation (and compiled step) each
-  refresh_every: int = 0  # hilore: recalibrate every N steps (0: only at the start)
-  group_size: int = 64  # hilore: int8 scale group along the last axis
+  refresh_every: int = 0  # recalibrate every N steps (0: only at the start)
+  group_size: int = 64  # L codes: one scale per group along the last axis
+  lowp_format: str = "int8"  # L codes: int8 | fp8_e4m3 | int4 | bf16
+  calib_batches: int = 2  # K: minibatches the risk calibration measures
+  offload: bool = False  # allow O (offload to host memory); GPU/TPU only
+  exposure: ExposureSwitches = ExposureSwitches()  # memory.exposure.ratio_clip=false etc. (ablations)
 
   def __post_init__(self):
-    _choice("memory.policy", self.policy, ("none", "gc", "hilore"))
+    from hilore_jax import codec, methods
+
+    _choice("memory.policy", self.policy, methods.METHODS)
+    _choice("memory.lowp_format", self.lowp_format, codec.FORMATS)
+    _positive("memory.calib_batches", self.calib_batches)
     if self.budget_ratio < 1.0:
       raise ValueError(f"memory.budget_ratio must be >= 1.0 (full checkpointing is the floor), got "
                        f"{self.budget_ratio}")

@@ -1,12 +1,15 @@
 """Policy-update exposure: how much error in a saved unit can reach this step's parameter gradient.
 
-A unit's L error enters the weight gradient as sum_t err_t * delta_t, where the cotangent delta_t at token t
-scales with the token's loss coefficient w_t = d loss / d logp_t. So the exposure of unit u is
+A unit's L error e_t enters only its own weight gradient, as sum_t e_t (x) delta_t, where the cotangent delta_t at
+token t scales with the token's loss coefficient w_t = d loss / d logp_t. Rounding errors of different tokens are
+independent, so the error's norm adds in quadrature, and the gradient itself scales with w. The exposure of unit u,
+a predictor of its relative gradient error, is therefore
 
-    exposure_u = s_kind(u) * sum_t |w_t| * a_{u,t}
+    exposure_u = s_u * sqrt(sum_t w_t^2 * |e_{u,t}|^2) / sqrt(sum_t w_t^2)
 
-with a_{u,t} the unit's activation magnitude at token t (int8 error is proportional to it) and s_kind the
-measured susceptibility of the unit's kind. Everything is known after the forward pass, before backward.
+with |e_{u,t}| the unit's per-token reconstruction error (proportional to its activation magnitude) and s_u its
+measured susceptibility. Everything is known after the forward pass, before backward. Different units' errors land
+in disjoint weight gradients, so squared exposures add: the risk of a set of L units is the sum of their squares.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ class ExposureSwitches:
   ratio_clip: bool = True  # use w_t (ratio, clip mask); off: |advantage| per token
   update_mask: bool = True  # only tokens that are updated; off: every position counts
   kl: bool = True  # include the beta * KL part of w_t
-  activation: bool = True  # weight by the unit's activation magnitude; off: 1
-  susceptibility: bool = True  # per-kind measured factor; off: 1
+  activation: bool = True  # weight by the unit's per-token reconstruction error; off: 1
+  susceptibility: bool = True  # per-unit measured factor; off: 1
 
 
 def token_weights(logp, old_logp, ref_logp, adv_B, mask_BT, lc: grpo.LossConfig,
@@ -46,9 +49,11 @@ def token_weights(logp, old_logp, ref_logp, adv_B, mask_BT, lc: grpo.LossConfig,
   return jnp.abs(w)
 
 
-def unit_exposure(w_abs_BT: jax.Array, act_UBT: jax.Array, susceptibility_U: jax.Array,
+def unit_exposure(w_abs_BT: jax.Array, err_UBT: jax.Array, susceptibility_U: jax.Array,
                   sw: ExposureSwitches = ExposureSwitches()) -> jax.Array:
-  """[U] exposure of each unit from |w_t| [B, T], activation magnitudes [U, B, T] and per-unit susceptibility."""
-  act = act_UBT if sw.activation else jnp.ones_like(act_UBT)
+  """[U] exposure from |w_t| [B, T], per-token reconstruction errors [U, B, T] and per-unit susceptibility."""
+  err = err_UBT if sw.activation else jnp.ones_like(err_UBT)
   s = susceptibility_U if sw.susceptibility else jnp.ones_like(susceptibility_U)
-  return s * jnp.einsum("bt,ubt->u", w_abs_BT, act)
+  w2 = w_abs_BT * w_abs_BT
+  # 0 when no token is updated (every group had zero advantage): nothing can reach the gradient
+  return s * jnp.sqrt(jnp.einsum("bt,ubt->u", w2, err * err) / jnp.maximum(jnp.sum(w2), 1e-30))

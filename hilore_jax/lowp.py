@@ -1,4 +1,4 @@
-"""L units: projections whose input is kept for backward only as an int8 code (a custom-VJP residual)."""
+"""L units: projections whose input is kept for backward only as a low-precision code (a custom-VJP residual)."""
 
 from __future__ import annotations
 
@@ -12,21 +12,21 @@ from hilore_jax import codec
 
 
 def code_names(unit: str) -> tuple[str, str]:
-  """Checkpoint names of a unit's int8 codes and scales (what a remat policy saves for an L unit)."""
-  return f"{unit}:int8", f"{unit}:scale"
+  """Checkpoint names of a unit's codes and scales (what a remat policy saves for an L unit)."""
+  return f"{unit}:code", f"{unit}:scale"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def project(x, weights: tuple, specs: tuple[str, ...], unit: str, group_size: int):
-  """(einsum(spec_i, x, w_i) for each weight): exact forward; backward's weight gradients read int8 x.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def project(x, weights: tuple, specs: tuple[str, ...], unit: str, group_size: int, fmt: str = "int8"):
+  """(einsum(spec_i, x, w_i) for each weight): exact forward; backward's weight gradients read x's code.
 
   One unit may feed several projections (q/k/v, gate/up): it is quantized once.
   """
   return tuple(jnp.einsum(s, x, w.astype(x.dtype)) for s, w in zip(specs, weights))
 
 
-def _fwd(x, weights, specs, unit, group_size):
-  codes, scale = codec.quantize_int8(x, group_size)
+def _fwd(x, weights, specs, unit, group_size, fmt):
+  codes, scale = codec.encode(x, fmt, group_size)
   cname, sname = code_names(unit)
   # named so a save_only_these_names policy keeps exactly these (and not the float x) for backward
   codes, scale = checkpoint_name(codes, cname), checkpoint_name(scale, sname)
@@ -34,10 +34,10 @@ def _fwd(x, weights, specs, unit, group_size):
   return ys, (codes, scale, weights, x.shape)
 
 
-def _bwd(specs, unit, group_size, res, cotangents):
+def _bwd(specs, unit, group_size, fmt, res, cotangents):
   codes, scale, weights, shape = res
   dtype = cotangents[0].dtype  # the outputs, and so their cotangents, are in x's dtype
-  x_hat = codec.dequantize_int8(codes, scale, shape, dtype)
+  x_hat = codec.decode(codes, scale, shape, dtype, fmt)
   dx = jnp.zeros(shape, dtype)
   dws = []
   for spec, w, dy in zip(specs, weights, cotangents):

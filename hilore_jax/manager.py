@@ -1,4 +1,5 @@
-"""The HiLoRe memory manager: profile units, calibrate risk, bucket exposure, allocate H/L/R, verify the budget."""
+"""The memory manager: profile units, calibrate risk on K batches, bucket each minibatch's exposure, plan H/L/R(/O)
+with the configured method, and verify the compiled step against the budget."""
 
 from __future__ import annotations
 
@@ -7,25 +8,23 @@ import logging
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import allocator, buckets, calibration, model, train_step, units
+from hilore_jax import allocator, buckets, calibration, exposure, methods, model, train_step, units
 from hilore_jax.config import MemoryConfig
 
 log = logging.getLogger(__name__)
 
 
-def policies_from_choice(cfg, unit_list: list[units.Unit], choice, group_size: int) -> tuple[model.LayerPolicy, ...]:
-  """Per-layer LayerPolicy from a per-unit H/L/R choice."""
-  save = [[] for _ in range(cfg.num_hidden_layers)]
-  lowp = [[] for _ in range(cfg.num_hidden_layers)]
-  for u, c in zip(unit_list, choice):
-    if c == allocator.H:
-      save[u.layer].append(u.kind)
-    elif c == allocator.L:
-      lowp[u.layer].append(u.kind)
-  return tuple(model.LayerPolicy(remat=True, save=tuple(s), lowp=tuple(l), group_size=group_size)
-               for s, l in zip(save, lowp))
+def concentration(spec: train_step.StepSpec, batch: dict, switches: exposure.ExposureSwitches) -> jax.Array:
+  """||w||_2 / ||w||_1 of the batch's token loss coefficients, from the log-probs it already carries (no forward
+  pass): the fewer tokens carry the update, the less rounding errors average out relative to the gradient."""
+  old = batch.get("old_logp", jnp.zeros(batch["mask"].shape, jnp.float32))
+  logp = old  # before the update the policy is the one that produced old_logp (ratio 1 on the first pass)
+  ref = batch.get("ref_logp", logp)
+  w = exposure.token_weights(logp, old, ref, batch["adv"], batch["mask"], spec.loss_cfg, switches)
+  return jnp.sqrt(jnp.sum(w * w)) / jnp.maximum(jnp.sum(w), 1e-30)
 
 
 class MemoryManager:
@@ -33,44 +32,59 @@ class MemoryManager:
 
   def __init__(self, mc: MemoryConfig, spec: train_step.StepSpec, stepper: train_step.Stepper):
     self.mc, self.spec, self.stepper = mc, spec, stepper
+    self.method = mc.policy
     self.state: dict | None = None
     self._cache = buckets.AllocationCache(self._solve)
     self._gaps: dict[int, float] = {}
+    self._units: list[units.Unit] = []
     self.lowp_ids = calibration.lowp_units(spec.model_cfg)
-    self._exposure = jax.jit(lambda p, b: calibration.raw_exposure(spec, p, b, self.lowp_ids))
+    sw = mc.exposure
+    self._raw = jax.jit(lambda p, b: calibration.raw_exposure(spec, p, b, self.lowp_ids, sw, mc.group_size,
+                                                              mc.lowp_format))
+    self._level = jax.jit(lambda b: concentration(spec, b, sw))
 
   # ------------------------------------------------------------------ set-up
 
-  def setup(self, state, batch: dict, step: int):
-    """Budget from the GC step, unit profile, risk calibration and bucket edges on this batch."""
+  def setup(self, state, batches: list[dict], step: int):
+    """Budget from the GC step, unit profile, and (for calibrated methods) risk calibration on K batches."""
     cfg, mc = self.spec.model_cfg, self.mc
+    if mc.offload and not model.offload_supported():
+      raise model.OffloadUnsupported(f"memory.offload=true is unsupported on the {jax.default_backend()} backend: it "
+                                     "needs a device with its own memory and a pinned_host memory kind (GPU/TPU)")
+    batch = batches[0]
     gc_spec = dataclasses.replace(self.spec, policies=model.uniform_policies(cfg, model.FULL_REMAT))
-    _, gc_bytes = self.stepper.get(gc_spec, state, batch, reason="hilore: GC reference", count=False)
+    _, gc_bytes = self.stepper.get(gc_spec, state, batch, reason="memory manager: GC reference", count=False)
     budget = mc.budget_bytes if mc.budget_bytes is not None else int(mc.budget_ratio * gc_bytes)
     if budget < gc_bytes:
       raise allocator.InfeasibleBudget(f"memory budget {budget} bytes is below full checkpointing's "
                                        f"{gc_bytes} bytes, the minimum")
-    rows, seq = batch["tokens"].shape[0] // self.spec.microbatches, sum(
-        batch[k].shape[1] for k in ("prompt_ids", "tokens"))
-    profile = units.profile_kinds(cfg, rows, seq, mc.group_size)
-    params = state["params"]
-    errors = calibration.measure_unit_errors(self.spec, params, batch, self.lowp_ids, mc.group_size)
-    raw = np.asarray(self._exposure(params, batch))
-    kinds = [k for _, k in self.lowp_ids]
-    sus = calibration.fit_susceptibility(raw, errors, kinds)
-    risk = calibration.risk_scores(raw, kinds, sus)
-    delta, measured = calibration.calibrate_delta(self.spec, params, batch, self.lowp_ids, risk,
-                                                  mc.grad_err_tolerance, mc.group_size)
-    level = float(raw.sum())
-    # geometric edges around the calibration level: bucket b tolerates up to edges[b]
-    edges = [level * 2.0 ** (k - mc.buckets // 2) for k in range(1, mc.buckets)] if level > 0 else []
-    self.state = {"gc_bytes": gc_bytes, "budget_bytes": budget, "profile": profile, "susceptibility": sus,
-                  "delta": delta, "calibration_error": measured, "calibration_level": level,
-                  "unit_share": (raw / level).tolist() if level > 0 else [0.0] * len(raw), "edges": edges,
-                  "shrink_bytes": {}, "calibrated_at": step, "max_level": level}
-    self._cache.invalidate(f"calibrated at step {step}")
-    log.info("hilore: GC %d B, budget %d B, delta %.3g (measured %.3g at tolerance %.3g), buckets %s", gc_bytes,
-             budget, delta, measured, mc.grad_err_tolerance, edges)
+    rows, seq = self._shape(batch)
+    st = {"gc_bytes": gc_bytes, "budget_bytes": budget, "profile": units.profile_kinds(cfg, rows, seq, mc.group_size),
+          "shrink_bytes": {}, "calibrated_at": step, "edges": [], "max_level": 0.0}
+    if self.method in methods.CALIBRATED:
+      st.update(self._calibrate(state["params"], batches[:mc.calib_batches]))
+    self.state = st
+    self._cache.invalidate(f"set up at step {step}")
+    log.info("memory (%s): GC %d B, budget %d B, %s", self.method, gc_bytes, budget,
+             {k: st[k] for k in ("delta", "calibration_error", "fit", "edges") if k in st})
+
+  def _calibrate(self, params, batches: list[dict]) -> dict:
+    mc = self.mc
+    err = np.stack([calibration.measure_unit_errors(self.spec, params, b, self.lowp_ids, mc.group_size,
+                                                    mc.lowp_format) for b in batches])
+    raw = np.stack([np.asarray(self._raw(params, b)) for b in batches])
+    sus = calibration.fit_susceptibility(raw, err) if mc.exposure.susceptibility else np.ones(len(self.lowp_ids))
+    pred = raw * sus
+    delta, measured = calibration.calibrate_delta(self.spec, params, batches, self.lowp_ids, pred.mean(0),
+                                                  mc.grad_err_tolerance, mc.group_size, mc.lowp_format)
+    levels = [float(self._level(b)) for b in batches]
+    level = float(np.mean(levels))
+    # geometric edges around the calibration level: bucket b tolerates exposure up to edges[b]
+    edges = [level * 2.0 ** ((k - mc.buckets // 2) / 2) for k in range(1, mc.buckets)] if level > 0 else []
+    return {"susceptibility": sus.tolist(), "predicted_error": pred.mean(0).tolist(),
+            "static_error": err.mean(0).tolist(), "delta": delta, "calibration_error": measured,
+            "calibration_level": level, "edges": edges, "max_level": max(levels),
+            "fit": calibration.risk_metrics(pred.ravel(), err.ravel()), "calib_batches": len(batches)}
 
   def load_state(self, state: dict):
     self.state = state
@@ -78,57 +92,70 @@ class MemoryManager:
 
   # ------------------------------------------------------------------ per step
 
-  def unit_list(self, batch: dict) -> list[units.Unit]:
-    rows, seq = batch["tokens"].shape[0] // self.spec.microbatches, sum(
-        batch[k].shape[1] for k in ("prompt_ids", "tokens"))
-    return units.enumerate_units(self.spec.model_cfg, rows, seq, self.mc.group_size, self.state["profile"])
+  def _shape(self, batch: dict) -> tuple[int, int]:
+    rows = batch["tokens"].shape[0] // self.spec.microbatches
+    return rows, batch["prompt_ids"].shape[1] + batch["tokens"].shape[1]
 
-  def _solve(self, bucket: int):
-    st = self.state
-    unit_list = self._units
-    bucketer = buckets.Bucketer(tuple(st["edges"]))
-    level = bucketer.upper(bucket, st["max_level"])
-    share = dict(zip([f"{l}/{k}" for l, k in self.lowp_ids], st["unit_share"]))
-    costs = []
-    for u in unit_list:
-      key = f"{u.layer}/{u.kind}"
-      risk = st["susceptibility"].get(u.kind, 0.0) * share.get(key, 0.0) * level
-      costs.append(allocator.UnitCost(key, u.bytes_h, u.bytes_l, u.recompute_s, u.codec_s, risk))
-    extra = max(st["budget_bytes"] - st["gc_bytes"] - st["shrink_bytes"].get(str(bucket), 0), 0)
-    greedy = allocator.greedy(costs, extra, st["delta"])
-    # the exact MILP is solved once per bucket only to report how far the greedy is from optimal
-    best = allocator.exact(costs, extra, st["delta"])
-    self._gaps[bucket] = (greedy.time_s - best.time_s) / max(best.time_s, 1e-12)
-    return greedy
+  def _solve(self, bucket: int) -> methods.Plan:
+    st, mc = self.state, self.mc
+    extra = st["budget_bytes"] - st["gc_bytes"] - st["shrink_bytes"].get(str(bucket), 0)
+    extra = max(extra, 0)
+    keys = [tuple(u) for u in self.lowp_ids]
+    risk_of, sens = {}, {}
+    if self.method == "hilore":
+      scale = buckets.Bucketer(tuple(st["edges"])).upper(bucket, st["max_level"]) / max(st["calibration_level"], 1e-30)
+      risk_of = {k: (e * scale) ** 2 for k, e in zip(keys, st["predicted_error"])}
+    elif self.method in ("adacc_style", "greedy_bits"):
+      risk_of = {k: e ** 2 for k, e in zip(keys, st["static_error"])}
+      sens = dict(zip(keys, st["static_error"]))
+    kw = dict(risk_of=risk_of, delta=st.get("delta", 0.0), fmt=mc.lowp_format, allow_o=mc.offload,
+              sensitivity=sens, group_size=mc.group_size)
+    plan = methods.plan(self.method, self._units, st["profile"]["ops"], extra, **kw)
+    if self.method == "hilore":  # the exact MILP, once per bucket, only to report how far the greedy is from optimal
+      best = methods.plan(self.method, self._units, st["profile"]["ops"], extra, solver="exact", **kw)
+      self._gaps[bucket] = (plan.time_s - best.time_s) / max(best.time_s, 1e-12)
+    return plan
 
-  def step_spec(self, state, batch: dict, step: int) -> tuple[train_step.StepSpec, dict]:
-    """The spec (policies) for this batch and the alloc/memory metrics; verifies the compiled bytes."""
-    t0 = time.perf_counter()
-    if self.state is None or (self.mc.refresh_every and step - self.state["calibrated_at"] >= self.mc.refresh_every):
-      self.setup(state, batch, step)
-    self._units = self.unit_list(batch)
-    level = float(np.asarray(self._exposure(state["params"], batch)).sum())
+  def bucket(self, batch: dict) -> int:
+    if self.method != "hilore" or not self.state["edges"]:
+      return 0
+    level = float(self._level(batch))
     self.state["max_level"] = max(self.state["max_level"], level)
-    bucket = buckets.Bucketer(tuple(self.state["edges"])).bucket(level)
+    return buckets.Bucketer(tuple(self.state["edges"])).bucket(level)
+
+  def step_spec(self, state, batch: dict, step: int, pool: list[dict] | None = None):
+    """The spec (policies) for this batch and the alloc/memory metrics; verifies the compiled bytes.
+
+    pool: the step's minibatches, from which calibration takes its K batches.
+    """
+    if self.state is None or (self.mc.refresh_every and step - self.state["calibrated_at"] >= self.mc.refresh_every):
+      self.setup(state, pool or [batch], step)
+    t0 = time.perf_counter()
+    rows, seq = self._shape(batch)
+    self._units = units.enumerate_units(self.spec.model_cfg, rows, seq, self.mc.group_size, self.state["profile"],
+                                        self.mc.lowp_format)
+    bucket = self.bucket(batch)
+    plan = self._cache.get(bucket)
     schedule_s = time.perf_counter() - t0
     for attempt in range(4):
-      alloc = self._cache.get(bucket)
-      policies = policies_from_choice(self.spec.model_cfg, self._units, alloc.choice, self.mc.group_size)
-      spec = dataclasses.replace(self.spec, policies=policies)
-      _, compiled = self.stepper.get(spec, state, batch, reason=f"hilore bucket {bucket}")
-      if compiled <= self.state["budget_bytes"] or attempt == 3:
+      pols = methods.policies(plan, self._units, self.spec.model_cfg.num_hidden_layers, self.mc.group_size,
+                              self.method)
+      spec = dataclasses.replace(self.spec, policies=pols)
+      _, compiled = self.stepper.get(spec, state, batch, reason=f"{self.method} bucket {bucket}")
+      if compiled <= self.state["budget_bytes"] or attempt == 3 or self.method == "none":
         break
       # the compiled step is over budget: shrink this bucket's byte allowance by the excess and re-solve
       over = compiled - self.state["budget_bytes"]
       key = str(bucket)
       self.state["shrink_bytes"][key] = self.state["shrink_bytes"].get(key, 0) + over
-      log.warning("hilore: bucket %d compiled to %d B, %d B over budget; shrinking and re-solving", bucket,
+      log.warning("%s: bucket %d compiled to %d B, %d B over budget; shrinking and re-solving", self.method, bucket,
                   compiled, over)
       self._cache.invalidate(f"bucket {bucket} over budget")
-    n = max(len(alloc.choice), 1)
-    metrics = {"alloc/frac_H": alloc.choice.count(allocator.H) / n, "alloc/frac_L": alloc.choice.count(allocator.L) / n,
-               "alloc/frac_R": alloc.choice.count(allocator.R) / n, "alloc/bucket": bucket,
-               "memory/budget_bytes": self.state["budget_bytes"],
-               "memory/predicted_bytes": self.state["gc_bytes"] + alloc.bytes, "memory/compiled_bytes": compiled,
-               "alloc/greedy_gap": self._gaps.get(bucket, 0.0), "time/schedule_s": schedule_s}
+      plan = self._cache.get(bucket)
+    fr = plan.fractions()
+    metrics = {"alloc/frac_H": fr["frac_H"], "alloc/frac_L": fr["frac_L"], "alloc/frac_R": fr["frac_R"],
+               "alloc/frac_O": fr["frac_O"], "alloc/bucket": bucket, "memory/budget_bytes": self.state["budget_bytes"],
+               "memory/predicted_bytes": self.state["gc_bytes"] + plan.bytes, "memory/compiled_bytes": compiled,
+               "alloc/greedy_gap": self._gaps.get(bucket, 0.0), "alloc/predicted_err": float(np.sqrt(plan.risk)),
+               "time/schedule_s": schedule_s}
     return spec, metrics

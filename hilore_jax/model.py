@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from hilore_jax import lowp
+from hilore_jax import codec, lowp
 from hilore_jax.model_config import ModelConfig
 
 # Per-layer tensors that backward may keep; the HiLoRe memory manager allocates these units.
@@ -37,13 +37,16 @@ class LayerPolicy:
   """How one layer keeps activations for backward.
 
   remat=False keeps everything (H). remat=True keeps the `save` names in compute dtype (H), the `lowp` units as
-  int8 codes plus scales (L), and recomputes the rest (R).
+  low-precision codes plus scales (L, format per unit in `formats`, default int8), the `offload` names in host
+  memory (O, accelerators only), and recomputes the rest (R).
   """
 
   remat: bool = False
   save: tuple[str, ...] = ()
   lowp: tuple[str, ...] = ()
   group_size: int = 64
+  formats: tuple[str, ...] = ()  # one codec format per lowp unit; empty: all int8
+  offload: tuple[str, ...] = ()
 
   def __post_init__(self):
     unknown = sorted(set(self.save) - set(CHECKPOINT_NAMES))
@@ -57,6 +60,22 @@ class LayerPolicy:
     both = sorted(set(self.save) & set(self.lowp))
     if both:
       raise ValueError(f"units {both} are both saved (H) and low-precision (L)")
+    if self.formats and len(self.formats) != len(self.lowp):
+      raise ValueError(f"LayerPolicy.formats has {len(self.formats)} entries for {len(self.lowp)} lowp units")
+    for f in self.formats:
+      if f not in codec.FORMATS:
+        raise ValueError(f"unknown low-precision format {f!r}; choose one of {list(codec.FORMATS)}")
+    unknown = sorted(set(self.offload) - set(CHECKPOINT_NAMES))
+    if unknown:
+      raise ValueError(f"unknown offload names {unknown}; valid: {list(CHECKPOINT_NAMES)}")
+    if self.offload and not self.remat:
+      raise ValueError("LayerPolicy.offload only applies when remat=True")
+    both = sorted(set(self.offload) & (set(self.save) | set(self.lowp)))
+    if both:
+      raise ValueError(f"units {both} are both offloaded (O) and saved (H) or low-precision (L)")
+
+  def format_of(self, unit: str) -> str:
+    return self.formats[self.lowp.index(unit)] if self.formats else "int8"
 
   @property
   def saved_names(self) -> tuple[str, ...]:
@@ -158,7 +177,7 @@ def _projections(x, unit: str, ws: tuple, bs: tuple, specs: tuple, policy: Layer
   """Projections of one input; through the int8-residual custom VJP when the unit is L."""
   if policy is None or unit not in policy.lowp:
     return tuple(_proj(x, w, b, s) for w, b, s in zip(ws, bs, specs))
-  ys = lowp.project(x, ws, specs, unit, policy.group_size)
+  ys = lowp.project(x, ws, specs, unit, policy.group_size, policy.format_of(unit))
   return tuple(y if b is None else y + b.astype(y.dtype) for y, b in zip(ys, bs))
 
 
@@ -174,19 +193,13 @@ def attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS) -> tuple[jax.Array, jax.Array]:
   return ctx.reshape(B, T, N, H), probs
 
 
-def _token_rms(x) -> jax.Array:
-  """[B, T] root-mean-square of each token's slice of x [B, T, ...]."""
-  x32 = x.astype(jnp.float32).reshape(*x.shape[:2], -1)
-  return jnp.sqrt(jnp.mean(x32 * x32, axis=-1))
-
-
 def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, cos_BTH, sin_BTH, mask_BTS, kv_cache=None, cache_index=None,
                   policy: LayerPolicy | None = None, taps: dict | None = None):
   """One pre-norm decoder layer; with kv_cache=(k, v) writes this step's k/v at cache_index first.
 
-  taps, if given, receives each L-capable unit's per-token RMS [B, T] (for exposure).
+  taps, if given, receives each L-capable unit's tensor (for exposure; read only inside a jitted statistic).
   """
-  tap = (lambda name, t: taps.__setitem__(name, _token_rms(t))) if taps is not None else (lambda name, t: None)
+  tap = (lambda name, t: taps.__setitem__(name, t)) if taps is not None else (lambda name, t: None)
   x_BTD = checkpoint_name(x_BTD, LAYER_INPUT)
   a = p["attn"]
   h = checkpoint_name(rms_norm(x_BTD, p["attn_norm_D"], cfg.rms_norm_eps), ATTN_NORM)
@@ -223,10 +236,30 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, cos_BTH, sin_BTH, mask_BTS, 
   return x_BTD + out, new_cache
 
 
+class OffloadUnsupported(RuntimeError):
+  """Offloading (O) was asked for on a backend without separate host memory."""
+
+
+def offload_supported() -> bool:
+  """True on backends whose device has its own memory and a pinned_host memory kind (GPU, TPU)."""
+  if jax.default_backend() == "cpu":
+    return False  # CPU "device" memory already is host memory: offloading would move nothing
+  return any(m.kind == "pinned_host" for m in jax.devices()[0].addressable_memories())
+
+
 def _remat_layer(cfg: ModelConfig, policy: LayerPolicy):
   fn = lambda p, x, cos, sin, mask: decoder_layer(cfg, p, x, cos, sin, mask, policy=policy)[0]
   if not policy.remat:
     return fn
+  if policy.offload:
+    if not offload_supported():
+      raise OffloadUnsupported(
+          f"offloading {list(policy.offload)} (O) is unsupported on the {jax.default_backend()} backend: it needs a "
+          "device with its own memory and a pinned_host memory kind (GPU/TPU); use H, L or R here")
+    pol = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=list(policy.saved_names), names_which_can_be_offloaded=list(policy.offload),
+        offload_src="device", offload_dst="pinned_host")
+    return jax.checkpoint(fn, policy=pol)
   return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(*policy.saved_names))
 
 
@@ -249,7 +282,7 @@ def hidden_states(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array, atten
                   taps: list | None = None) -> jax.Array:
   """Final-norm hidden states [B, T, D]; each layer runs under its own remat policy.
 
-  taps, if a list, gets one dict per layer of per-token unit magnitudes (layers then run without remat).
+  taps, if a list, gets one dict per layer of its L-capable units' tensors (layers then run without remat).
   """
   B, T = input_ids_BT.shape
   if attention_mask_BT is None:

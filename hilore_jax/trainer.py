@@ -39,7 +39,7 @@ def build_task(tc: TaskConfig) -> tasks.Task:
 
 
 def layer_policies(mc: MemoryConfig, cfg) -> tuple[model.LayerPolicy, ...]:
-  """Per-layer remat choice of the fixed policies (hilore starts from none and allocates per step)."""
+  """Per-layer remat choice of the fixed policies (planned methods start from none and allocate per step)."""
   return model.uniform_policies(cfg, model.FULL_REMAT if mc.policy == "gc" else model.NO_REMAT)
 
 
@@ -81,7 +81,8 @@ class Trainer:
         use_old_logp=c.grpo.num_iterations > 1, use_ref_logp=c.grpo.beta > 0)
     self._init_state()
     self.stepper = train_step.Stepper(self.mesh, self.optimizer, self.state_shardings)
-    self.memory = manager.MemoryManager(c.memory, self.spec, self.stepper) if c.memory.policy == "hilore" else None
+    self.memory = (manager.MemoryManager(c.memory, self.spec, self.stepper)
+                   if c.memory.policy not in ("none", "gc") else None)
     self.checkpointer = checkpointing.Checkpointer(os.path.join(self.out_dir, "checkpoints"), c.checkpoint.keep)
     self._logprobs = jax.jit(lambda p, b: train_step.completion_logprobs(self.model_cfg, p, b, None,
                                                                           c.train.logprob_chunk)[0])
@@ -270,7 +271,7 @@ class Trainer:
       for b in minibatches:
         spec = self.spec
         if self.memory is not None:
-          spec, mem = self.memory.step_spec(self.state, b, step)
+          spec, mem = self.memory.step_spec(self.state, b, step, pool=minibatches)
           mem_rows.append(mem)
         compiled, temp_bytes = self.stepper.get(spec, self.state, b, reason=f"memory.policy={c.memory.policy}")
         self.state, m = compiled(self.state, b)
@@ -298,6 +299,7 @@ class Trainer:
       row.update({k: max(r[k] for r in mem_rows) for k in mem_rows[0] if k.startswith("memory/")})
       row["alloc/bucket"] = mem_rows[-1]["alloc/bucket"]
       row["alloc/greedy_gap"] = max(r["alloc/greedy_gap"] for r in mem_rows)
+      row["alloc/predicted_err"] = max(r["alloc/predicted_err"] for r in mem_rows)
       row["time/schedule_s"] = float(sum(r["time/schedule_s"] for r in mem_rows))
     row.update({"time/rollout_s": t_rollout, "time/update_s": t_update, "time/step_s": time.perf_counter() - t0,
                 "throughput/update_tokens_per_s": tokens / t_update if t_update > 0 else 0.0,

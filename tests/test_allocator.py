@@ -9,10 +9,9 @@ from hilore_jax.allocator import H, L, R, UnitCost
 
 def _brute(units, budget, delta):
   best = None
-  for choice in itertools.product((H, L, R), repeat=len(units)):
-    if any(c == L and u.bytes_l is None for u, c in zip(units, choice)):
-      continue
-    a = allocator._summary(units, choice)
+  groups = allocator.per_unit(units)
+  for picks in itertools.product(*[range(len(g)) for g in groups]):
+    a = allocator._summary(groups, picks)
     if a.bytes <= budget and a.risk <= delta + 1e-12 and (best is None or a.time_s < best.time_s - 1e-12):
       best = a
   return best
@@ -33,7 +32,7 @@ def test_exact_solver_is_optimal():
     units = _random_units(rng, 5)
     budget = int(rng.integers(0, sum(u.bytes_h for u in units)))
     delta = float(rng.uniform(0, 0.02))
-    assert allocator.exact(units, budget, delta).time_s == pytest.approx(_brute(units, budget, delta).time_s)
+    assert allocator.exact(allocator.per_unit(units), budget, delta).time_s == pytest.approx(_brute(units, budget, delta).time_s)
 
 
 def test_greedy_equals_exact_on_uniform_instances():
@@ -43,7 +42,8 @@ def test_greedy_equals_exact_on_uniform_instances():
     units = [UnitCost(f"u{i}", 1000, 250, float(rng.uniform(0.1, 2)), 0.01, 0.001) for i in range(6)]
     for budget in (0, 250, 1000, 2500, 4000, 6000):
       for delta in (0.0, 0.002, 1.0):
-        g, e = allocator.greedy(units, budget, delta), allocator.exact(units, budget, delta)
+        groups = allocator.per_unit(units)
+        g, e = allocator.greedy(groups, budget, delta), allocator.exact(groups, budget, delta)
         assert g.time_s == pytest.approx(e.time_s), (budget, delta)
 
 
@@ -54,21 +54,41 @@ def test_greedy_respects_budgets_and_is_monotone():
   prev = np.inf
   gaps = []
   for budget in np.linspace(0, total, 15).astype(int):
-    a = allocator.greedy(units, int(budget), 0.01)
+    a = allocator.greedy(allocator.per_unit(units), int(budget), 0.01)
     assert a.bytes <= budget and a.risk <= 0.01 + 1e-12
     assert a.time_s <= prev + 1e-12  # more memory never makes it slower
     prev = a.time_s
-    gaps.append(allocator.optimality_gap(units, int(budget), 0.01))
+    gaps.append(allocator.optimality_gap(allocator.per_unit(units), int(budget), 0.01))
   assert min(gaps) >= -1e-9  # never better than optimal
-  assert allocator.greedy(units, total, 0.0).choice == (H,) * 12
+  assert allocator.greedy(allocator.per_unit(units), total, 0.0).choice == (H,) * 12
 
 
 def test_zero_risk_units_go_to_l_first():
   units = [UnitCost("exposed", 1000, 250, 1.0, 0.0, 0.5), UnitCost("quiet", 1000, 250, 1.0, 0.0, 0.0)]
-  a = allocator.greedy(units, 250, risk_budget=0.1)
+  a = allocator.greedy(allocator.per_unit(units), 250, risk_budget=0.1)
   assert a.choice == (R, L)
 
 
 def test_infeasible_budget():
   with pytest.raises(allocator.InfeasibleBudget, match="below what full recomputation needs"):
-    allocator.greedy([UnitCost("u", 10, 2, 1.0)], -5, 0.0)
+    allocator.greedy(allocator.per_unit([UnitCost("u", 10, 2, 1.0)]), -5, 0.0)
+  with pytest.raises(allocator.InfeasibleBudget, match="the minimum is 7 bytes"):
+    allocator.exact([[allocator.Option(("H",), 7, 0.0)]], 3, 0.0)
+
+
+def test_multi_choice_groups_exact_and_greedy():
+  rng = np.random.default_rng(5)
+  for _ in range(15):
+    groups = [[allocator.Option((str(j),), int(rng.integers(0, 50)), float(rng.uniform(0, 1)),
+                                float(rng.uniform(0, 0.01))) for j in range(int(rng.integers(1, 5)))]
+              for _ in range(4)]
+    floor = sum(min(o.bytes for o in g) for g in groups)
+    budget, delta = floor + int(rng.integers(0, 100)), float(rng.uniform(0, 0.03))
+    best = min((allocator._summary(groups, p) for p in itertools.product(*[range(len(g)) for g in groups])
+                if allocator._summary(groups, p).bytes <= budget and allocator._summary(groups, p).risk <= delta),
+               key=lambda a: a.time_s, default=None)
+    if best is None:  # no choice meets the risk budget (layers always have a zero-risk all-R option)
+      continue
+    g, e = allocator.greedy(groups, budget, delta), allocator.exact(groups, budget, delta)
+    assert e.time_s == pytest.approx(best.time_s)
+    assert g.bytes <= budget and g.time_s >= e.time_s - 1e-12

@@ -21,7 +21,7 @@ def test_allocation_per_bucket_is_solved_once():
 
   def solve(bucket):
     calls.append(bucket)
-    return allocator.greedy(units, 150, risk_budget=0.02 / (bucket + 1))
+    return allocator.greedy(allocator.per_unit(units), 150, risk_budget=0.02 / (bucket + 1))
 
   cache = buckets.AllocationCache(solve)
   seq = [0, 0, 2, 0, 2, 2, 1]

@@ -27,7 +27,9 @@ def dataclasses_frozen_error():
 @pytest.mark.parametrize("override,message", [
     ("train.stepz=3", r"unknown config key 'train.stepz'; valid keys here: \[.*'steps'"),
     ("grpo.loss_agg=sum", r"grpo.loss_agg must be one of \['token-mean'"),
-    ("memory.policy=sometimes", r"memory.policy must be one of \['none', 'gc', 'hilore'\]"),
+    ("memory.policy=sometimes", r"memory.policy must be one of \['none', 'gc', 'sac', .*'hilore'\]"),
+    ("memory.lowp_format=int2", r"memory.lowp_format must be one of \['int8', 'fp8_e4m3'"),
+    ("memory.exposure.kll=false", r"unknown config key 'memory.exposure.kll'"),
     ("memory.budget_ratio=0.9", r"budget_ratio must be >= 1.0"),
     ("rollout.num_generations=1", r"num_generations must be > 1"),
     ("train.steps=ten", r"train.steps must be an integer"),

@@ -36,11 +36,14 @@ def test_kl_switch():
 
 
 def test_unit_exposure_and_ablations():
-  w = jnp.array([[1.0, 0.0], [0.5, 0.5]])
-  act = jnp.array([[[2.0, 9.0], [1.0, 1.0]], [[0.0, 0.0], [0.0, 0.0]], [[1.0, 1.0], [1.0, 1.0]]])
+  w = jnp.array([[1.0, 0.0], [0.5, 0.5]])  # sum of squares 1.5
+  err = jnp.array([[[2.0, 9.0], [1.0, 1.0]], [[0.0, 0.0], [0.0, 0.0]], [[1.0, 1.0], [1.0, 1.0]]])
   s = jnp.array([1.0, 5.0, 0.1])
-  np.testing.assert_allclose(exposure.unit_exposure(w, act, s), [2 + 0.5 + 0.5, 0.0, 0.1 * 2], rtol=1e-6)
-  np.testing.assert_allclose(exposure.unit_exposure(w, act, s, ExposureSwitches(activation=False)),
-                             [2.0, 10.0, 0.2], rtol=1e-6)
-  np.testing.assert_allclose(exposure.unit_exposure(w, act, s, ExposureSwitches(susceptibility=False)),
-                             [3.0, 0.0, 2.0], rtol=1e-6)
+  # unit 0: sqrt((1*4 + .25*1 + .25*1) / 1.5) = sqrt(3); the token with w = 0 does not count
+  np.testing.assert_allclose(exposure.unit_exposure(w, err, s), [3 ** 0.5, 0.0, 0.1], rtol=1e-6)
+  np.testing.assert_allclose(exposure.unit_exposure(w, err, s, ExposureSwitches(activation=False)),
+                             [1.0, 5.0, 0.1], rtol=1e-6)
+  np.testing.assert_allclose(exposure.unit_exposure(w, err, s, ExposureSwitches(susceptibility=False)),
+                             [3 ** 0.5, 0.0, 1.0], rtol=1e-6)
+  np.testing.assert_allclose(exposure.unit_exposure(w * 7, err, s), exposure.unit_exposure(w, err, s), rtol=1e-6)
+  assert float(exposure.unit_exposure(w * 0, err, s).max()) == 0.0

@@ -59,7 +59,7 @@ def test_saved_residuals_prove_h_l_r(tiny_cfg, dtype, short):
   for unit in (model.ATTN_NORM, model.MLP_NORM, model.ATTN_PROBS, model.MLP_SILU):  # R: absent
     assert unit not in names
   # the int8 code of mlp_down_in has the float tensor's element count (F=37 padded to groups of 8 -> 40)
-  code = next(r for r in res if r.name == "mlp_down_in:int8")
+  code = next(r for r in res if r.name == "mlp_down_in:code")
   assert code.shape == (2, 7, 5, 8)
 
 
@@ -82,6 +82,47 @@ def test_r_and_h_exact_l_bounded(tiny_cfg):
                              rtol=1e-6)
 
 
+@pytest.mark.parametrize("fmt,bound", [("int8", 1 / 254), ("fp8_e4m3", 1 / 16), ("int4", 1 / 14), ("bf16", 1 / 256)])
+def test_formats_round_trip_within_their_step(fmt, bound):
+  x = jax.random.normal(jax.random.PRNGKey(3), (3, 5, 21)) * 4
+  codes, scale = codec.encode(x, fmt, 6)
+  back = codec.decode(codes, scale, x.shape, jnp.float32, fmt)
+  absmax = np.repeat(np.abs(np.asarray(scale[..., 0])) * {"int8": 127, "fp8_e4m3": 448, "int4": 7, "bf16": 1}[fmt],
+                     6, -1)[..., :21]
+  err = np.abs(np.asarray(back - x))
+  assert np.all(err <= bound * absmax + 1e-6), fmt
+  assert err.max() > 0  # really lossy
+  assert codes.size * codes.dtype.itemsize + scale.size * 4 == codec.code_bytes(x.shape, 6, fmt)
+
+
+def test_int4_packs_two_codes_per_byte():
+  x = jnp.array([[7.0, -7.0, 0.0, 3.0, 1.0]])  # groups of 4 (odd 5 padded): [7,-7,0,3], [1,pad,pad,pad]
+  codes, scale = codec.encode(x, "int4", 4)
+  assert codes.dtype == jnp.uint8 and codes.shape == (1, 2, 2)
+  assert codes[0, 0].tolist() == [15 | (1 << 4), 8 | (11 << 4)]
+  np.testing.assert_allclose(codec.decode(codes, scale, x.shape, jnp.float32, "int4"), x, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt,short", [("fp8_e4m3", "f8_e4m3fn"), ("int4", "u8"), ("bf16", "bf16")])
+def test_other_formats_saved_as_their_codes(tiny_cfg, fmt, short):
+  p = _params(tiny_cfg)
+  pol = LayerPolicy(remat=True, lowp=(model.MLP_DOWN_IN, model.ATTN_CTX), formats=(fmt, "int8"), group_size=8)
+  res = residuals.saved_residuals(lambda q: _loss(tiny_cfg, q, IDS, (pol,) * 3), p)
+  assert [r.dtype for r in res if r.name == "mlp_down_in:code"] == [short] * 3
+  assert [r.dtype for r in res if r.name == "attn_ctx:code"] == ["i8"] * 3
+  g = lambda pols: jax.grad(_loss, argnums=1)(tiny_cfg, p, IDS, pols)
+  flat = lambda t: jnp.concatenate([x.ravel() for x in jax.tree_util.tree_leaves(t)])
+  ref = flat(g((model.NO_REMAT,) * 3))
+  assert 0 < float(jnp.linalg.norm(flat(g((pol,) * 3)) - ref) / jnp.linalg.norm(ref)) < 0.05
+
+
+def test_offload_is_refused_on_cpu(tiny_cfg):
+  pol = LayerPolicy(remat=True, offload=(model.MLP_GATE,))
+  assert not model.offload_supported()
+  with pytest.raises(model.OffloadUnsupported, match="unsupported on the cpu backend"):
+    model.forward(tiny_cfg, _params(tiny_cfg), IDS, layer_policies=(pol,) * 3)
+
+
 def test_policy_validation():
   with pytest.raises(ValueError, match="cannot be kept low-precision"):
     LayerPolicy(remat=True, lowp=(model.MLP_GATE,))
@@ -89,3 +130,7 @@ def test_policy_validation():
     LayerPolicy(remat=True, save=(model.MLP_NORM,), lowp=(model.MLP_NORM,))
   with pytest.raises(ValueError, match="only apply when remat"):
     LayerPolicy(lowp=(model.MLP_NORM,))
+  with pytest.raises(ValueError, match="unknown low-precision format 'int3'"):
+    LayerPolicy(remat=True, lowp=(model.MLP_NORM,), formats=("int3",))
+  with pytest.raises(ValueError, match="both offloaded"):
+    LayerPolicy(remat=True, save=(model.MLP_GATE,), offload=(model.MLP_GATE,))

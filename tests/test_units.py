@@ -28,8 +28,10 @@ def test_unit_bytes_match_what_backward_saves(tiny_cfg):
 
 def test_profile_is_measured_and_cached(tiny_cfg, tmp_path):
   prof = units.profile_kinds(tiny_cfg, 2, 16, group_size=8, reps=3, cache_dir=str(tmp_path))
-  assert set(prof) == set(units.KINDS)
-  assert all(v["recompute_s"] > 0 and v["codec_s"] > 0 for v in prof.values())
+  assert set(prof["ops"]) == set(units.OPS) and all(v > 0 for v in prof["ops"].values())
+  assert set(prof["codec"]) == set(model.LOWP_UNITS)
+  assert all(t > 0 for per in prof["codec"].values() for t in per.values())
+  assert prof["offload"] == {}  # CPU: no host offload to time
   files = os.listdir(tmp_path)
   assert len(files) == 1
   again = units.profile_kinds(tiny_cfg, 2, 16, group_size=8, reps=3, cache_dir=str(tmp_path))
@@ -37,4 +39,5 @@ def test_profile_is_measured_and_cached(tiny_cfg, tmp_path):
   other = units.profile_key(tiny_cfg.replace(dtype="bfloat16"), 2, 16, 8)
   assert other != units.profile_key(tiny_cfg, 2, 16, 8)
   us = units.enumerate_units(tiny_cfg, 2, 16, 8, prof)
-  assert us[0].recompute_s == prof[us[0].kind]["recompute_s"]
+  assert us[0].recompute_s == prof["ops"][units.PRODUCER[us[0].kind][0]]
+  assert us[0].codec_s == prof["codec"][us[0].kind]["int8"] and us[0].offload_s is None

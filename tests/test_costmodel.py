@@ -1,0 +1,54 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hilore_jax import costmodel, model, units
+from hilore_jax.allocator import H, L, R
+
+
+def test_rerun_ops_follow_the_layer_graph():
+  every = {op for op, _ in units.PRODUCER.values()}
+  assert costmodel.rerun_ops({}) == every  # full checkpointing reruns the whole layer
+  # q/k/v kept: attention still reruns scores and pv (probs are never kept), and the q/k/v input is still needed
+  # for their weight gradients, so its norm reruns unless it is kept H or L
+  kept_qkv = {model.Q: H, model.K: H, model.V: H}
+  assert {"q_proj", "k_proj", "v_proj"}.isdisjoint(costmodel.rerun_ops(kept_qkv))
+  assert "attn_norm_op" in costmodel.rerun_ops(kept_qkv)
+  assert "attn_norm_op" not in costmodel.rerun_ops({**kept_qkv, model.ATTN_NORM: L})
+  # L of the q/k/v input alone saves nothing: q, k, v must be recomputed from an exact input
+  assert costmodel.rerun_ops({model.ATTN_NORM: L}) == every
+  # keeping the MLP input spares o_proj; gate/up kept + L inputs spare the whole MLP but the activation product
+  mlp = {model.MLP_INPUT: H, model.MLP_GATE: H, model.MLP_UP: H, model.MLP_NORM: L, model.MLP_DOWN_IN: L}
+  assert costmodel.rerun_ops(mlp) & {"o_proj", "mlp_norm_op", "gate_proj", "up_proj", "act"} == set()
+  assert "act" in costmodel.rerun_ops({**mlp, model.MLP_DOWN_IN: R})
+
+
+def test_no_rerun_choice_really_recomputes_nothing_expensive(tiny_cfg):
+  # the choice the cost model says reruns only the attention scores compiles with fewer FLOPs than GC
+  keep = (model.Q, model.K, model.V, model.MLP_INPUT, model.MLP_GATE, model.MLP_UP)
+  pol = model.LayerPolicy(remat=True, save=keep, lowp=model.LOWP_UNITS, group_size=8)
+  assert costmodel.rerun_ops({**{k: H for k in keep}, **{k: L for k in model.LOWP_UNITS}}) == {"scores"}
+  p = model.init_params(tiny_cfg, jax.random.PRNGKey(0))
+  ids = jnp.ones((2, 9), jnp.int32)
+
+  def flops(pols):
+    g = jax.jit(jax.grad(lambda q: jnp.sum(model.forward(tiny_cfg, q, ids, layer_policies=pols))))
+    return g.lower(p).compile().cost_analysis()["flops"]
+
+  f_none, f_gc, f_plan = flops((model.NO_REMAT,) * 3), flops((model.FULL_REMAT,) * 3), flops((pol,) * 3)
+  assert f_none < f_plan < f_gc
+  assert (f_plan - f_none) < 0.5 * (f_gc - f_none)  # most of GC's recompute is gone
+
+
+def test_candidates_are_pareto_and_risk_prunes(tiny_cfg):
+  us = units.enumerate_units(tiny_cfg, 2, 9, 8, {"ops": {op: 1.0 + i for i, op in enumerate(units.OPS)},
+                                                 "codec": {k: {"int8": 0.01} for k in model.LOWP_UNITS}})
+  layer0 = [u for u in us if u.layer == 0]
+  cands = costmodel.candidates(layer0, {op: 1.0 + i for i, op in enumerate(units.OPS)})
+  assert any(c.lowp for c in cands) and any(not c.lowp for c in cands)
+  opts = costmodel.layer_options(cands, {k: 1.0 for k in model.LOWP_UNITS})
+  b, t = np.array([o.bytes for o in opts]), np.array([o.time_s for o in opts])
+  for i in range(len(opts)):  # nothing dominated remains
+    assert not np.any((b <= b[i]) & (t <= t[i]) & ((b < b[i]) | (t < t[i])) &
+                      (np.array([o.risk for o in opts]) <= opts[i].risk))
+  assert min(o.bytes for o in opts) == 0 and max(o.time_s for o in opts) == sum(1.0 + i for i in range(len(units.OPS)))
