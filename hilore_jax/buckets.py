@@ -56,6 +56,10 @@ class AllocationCache:
       log.info("allocation for exposure bucket %d solved (%s)", bucket, reason)
     return self._cache[bucket]
 
+  def put(self, bucket: int, allocation):
+    """Replace a bucket's allocation (e.g. a verified fallback)."""
+    self._cache[bucket] = allocation
+
   def invalidate(self, reason: str):
     """Drop cached allocations (after a calibration refresh)."""
     log.info("allocation cache cleared: %s", reason)

@@ -48,13 +48,6 @@ def raw_exposure(spec: train_step.StepSpec, params, batch: dict, units, switches
   return exposure.unit_exposure(w, err, jnp.ones(len(units)), dataclasses.replace(switches, susceptibility=False))
 
 
-def single_unit_policies(cfg: ModelConfig, layer: int, kind: str, group_size: int,
-                         fmt: str = "int8") -> tuple[model.LayerPolicy, ...]:
-  pols = list(model.uniform_policies(cfg, model.NO_REMAT))
-  pols[layer] = model.LayerPolicy(remat=True, lowp=(kind,), formats=(fmt,), group_size=group_size)
-  return tuple(pols)
-
-
 # one jitted gradient for the module: specs are static, so repeated specs (the exact gradient) compile once
 _grad = jax.jit(lambda p, b, s: train_step.grads_and_stats(p, b, s)[0], static_argnums=2)
 
@@ -65,6 +58,11 @@ def _exact_spec(spec: train_step.StepSpec) -> train_step.StepSpec:
 
 def _flat(tree) -> jax.Array:
   return jnp.concatenate([x.ravel().astype(jnp.float32) for x in jax.tree_util.tree_leaves(tree)])
+
+
+def gradient(spec: train_step.StepSpec, params, batch: dict):
+  """The gradient tree under spec's policies (jitted once per spec)."""
+  return _grad(params, batch, spec)
 
 
 def exact_gradient(spec: train_step.StepSpec, params, batch: dict) -> jax.Array:
@@ -80,12 +78,29 @@ def gradient_error(spec: train_step.StepSpec, params, batch: dict, policies, exa
   return float(jnp.linalg.norm(g - exact) / jnp.maximum(jnp.linalg.norm(exact), 1e-30))
 
 
+# the weights whose gradient reads each L unit (the only gradients its rounding error reaches)
+UNIT_WEIGHTS = {model.ATTN_NORM: ("attn", ("wq_DNH", "wk_DKH", "wv_DKH")), model.ATTN_CTX: ("attn", ("wo_NHD",)),
+                model.MLP_NORM: ("mlp", ("wgate_DF", "wup_DF")), model.MLP_DOWN_IN: ("mlp", ("wdown_FD",))}
+
+
 def measure_unit_errors(spec: train_step.StepSpec, params, batch: dict, units, group_size: int,
                         fmt: str = "int8") -> np.ndarray:
-  """[U] true relative gradient error when only that unit is L."""
-  exact = exact_gradient(spec, params, batch)
-  return np.array([gradient_error(spec, params, batch, single_unit_policies(spec.model_cfg, l, k, group_size, fmt),
-                                  exact) for l, k in units])
+  """[U] true relative gradient error ||g_u - g|| / ||g|| when only unit u is L, for every unit at once.
+
+  An L unit's code is read only by its own weights' gradient (input gradients use exact weights), so with every
+  unit L each unit's error sits alone in its weights' gradient blocks: one gradient measures all of them.
+  """
+  exact = _grad(params, batch, _exact_spec(spec))
+  approx = _grad(params, batch, dataclasses.replace(spec, policies=lowp_policies(spec.model_cfg, units, group_size,
+                                                                                 fmt)))
+  norm = float(jnp.linalg.norm(_flat(exact)))
+  out = []
+  for layer, kind in units:
+    sub, names = UNIT_WEIGHTS[kind]
+    sq = sum(float(jnp.sum((approx["layers"][layer][sub][n].astype(jnp.float32) -
+                            exact["layers"][layer][sub][n].astype(jnp.float32)) ** 2)) for n in names)
+    out.append(np.sqrt(sq) / max(norm, 1e-30))
+  return np.array(out)
 
 
 def fit_susceptibility(raw_KU: np.ndarray, err_KU: np.ndarray) -> np.ndarray:
@@ -130,22 +145,26 @@ def lowp_policies(cfg: ModelConfig, chosen: Sequence[tuple[int, str]], group_siz
 
 
 def calibrate_delta(spec: train_step.StepSpec, params, batches: Sequence[dict], units, predicted: np.ndarray,
-                    tolerance: float, group_size: int, fmt: str = "int8", max_halvings: int = 8) -> tuple[float, float]:
-  """Largest risk budget delta (from tolerance^2, halving) whose lowest-risk L set measures under the tolerance on
-  every calibration batch. Returns (delta, worst measured error of that set)."""
+                    measured_KU: np.ndarray, tolerance: float, group_size: int, fmt: str = "int8",
+                    max_halvings: int = 8) -> tuple[float, float]:
+  """Largest risk budget delta (from tolerance^2, halving) whose lowest-risk L set stays under the tolerance on
+  every calibration batch. A set's true error is the root sum of its units' squared measured errors (they lie in
+  disjoint weight gradients); the final set is checked once with a real gradient. Returns (delta, its error)."""
   risk = np.asarray(predicted) ** 2
-  exact = [exact_gradient(spec, params, b) for b in batches]
+  measured_KU = np.atleast_2d(measured_KU)
   delta = tolerance ** 2
   for _ in range(max_halvings + 1):
     chosen, total = [], 0.0
     for i in np.argsort(risk, kind="stable"):
       if total + risk[i] > delta:
         break
-      chosen.append(units[i])
+      chosen.append(int(i))
       total += risk[i]
-    pols = lowp_policies(spec.model_cfg, chosen, group_size, fmt)
-    err = max(gradient_error(spec, params, b, pols, e) for b, e in zip(batches, exact)) if chosen else 0.0
+    err = float(np.sqrt((measured_KU[:, chosen] ** 2).sum(1)).max()) if chosen else 0.0
     if err <= tolerance:
+      if chosen:  # the set as it will run: one real gradient confirms the root-sum-square
+        pols = lowp_policies(spec.model_cfg, [units[i] for i in chosen], group_size, fmt)
+        err = gradient_error(spec, params, batches[0], pols)
       return delta, err
     delta /= 2
   return 0.0, 0.0

@@ -217,6 +217,7 @@ class MemoryConfig:
   lowp_format: str = "int8"  # L codes: int8 | fp8_e4m3 | int4 | bf16
   calib_batches: int = 2  # K: minibatches the risk calibration measures
   offload: bool = False  # allow O (offload to host memory); GPU/TPU only
+  budget_probes: int = 4  # compiles per bucket to fit the plan's byte allowance to the compiled peak
   exposure: ExposureSwitches = ExposureSwitches()  # memory.exposure.ratio_clip=false etc. (ablations)
 
   def __post_init__(self):
@@ -225,6 +226,7 @@ class MemoryConfig:
     _choice("memory.policy", self.policy, methods.METHODS)
     _choice("memory.lowp_format", self.lowp_format, codec.FORMATS)
     _positive("memory.calib_batches", self.calib_batches)
+    _positive("memory.budget_probes", self.budget_probes)
     if self.budget_ratio < 1.0:
       raise ValueError(f"memory.budget_ratio must be >= 1.0 (full checkpointing is the floor), got "
                        f"{self.budget_ratio}")
@@ -232,6 +234,40 @@ class MemoryConfig:
     _positive("memory.buckets", self.buckets)
     _positive("memory.refresh_every", self.refresh_every, allow_zero=True)
     _positive("memory.group_size", self.group_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+  """`python -m train.bench`: the actor update of every method on synthetic GRPO minibatches."""
+
+  batch_size: int = 8  # rows per minibatch (groups x group_size)
+  group_size: int = 4  # responses per prompt
+  seq_len: int = 256  # prompt + completion tokens
+  prompt_len: int = 64
+  budget_ratios: tuple[float, ...] = (1.00, 1.05, 1.10)
+  methods: tuple[str, ...] = ("none", "gc", "sac", "optimal_hr", "uniform_int8", "greedy_bits", "adacc_style",
+                              "hilore")
+  reps: int = 9  # timed steps per method (interleaved; medians)
+  zero_adv_frac: float = 0.25  # share of groups whose rewards are all equal
+  logp_noise: float = 0.3  # old log-probs = current + N(0, this): some ratios clip
+  risk_batches: int = 4  # held-out batches for the risk-prediction table
+
+  def __post_init__(self):
+    from hilore_jax import methods
+
+    for k in ("batch_size", "group_size", "seq_len", "prompt_len", "reps"):
+      _positive(f"bench.{k}", getattr(self, k))
+    if self.batch_size % self.group_size:
+      raise ValueError(f"bench.batch_size ({self.batch_size}) must be a multiple of bench.group_size "
+                       f"({self.group_size})")
+    if not 0 < self.prompt_len < self.seq_len:
+      raise ValueError(f"bench.prompt_len must be in (0, bench.seq_len={self.seq_len}), got {self.prompt_len}")
+    for r in self.budget_ratios:
+      if r < 1.0:
+        raise ValueError(f"bench.budget_ratios must be >= 1.0 (full checkpointing is the floor), got {r}")
+    for m in self.methods:
+      _choice("bench.methods", m, methods.METHODS)
+    _positive("bench.risk_batches", self.risk_batches, allow_zero=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,6 +286,7 @@ class Config:
   checkpoint: CheckpointConfig = CheckpointConfig()
   logging: LoggingConfig = LoggingConfig()
   memory: MemoryConfig = MemoryConfig()
+  bench: BenchConfig = BenchConfig()
 
   def __post_init__(self):
     batch = self.rollout.num_prompts * self.rollout.num_generations

@@ -27,6 +27,10 @@ def concentration(spec: train_step.StepSpec, batch: dict, switches: exposure.Exp
   return jnp.sqrt(jnp.sum(w * w)) / jnp.maximum(jnp.sum(w), 1e-30)
 
 
+CALIBRATION_KEYS = ("susceptibility", "predicted_error", "static_error", "delta", "calibration_error",
+                    "calibration_level", "edges", "max_level", "fit", "calib_batches")
+
+
 class MemoryManager:
   """Chooses the step's per-layer policies; its state is JSON so a resumed run allocates identically."""
 
@@ -45,8 +49,9 @@ class MemoryManager:
 
   # ------------------------------------------------------------------ set-up
 
-  def setup(self, state, batches: list[dict], step: int):
-    """Budget from the GC step, unit profile, and (for calibrated methods) risk calibration on K batches."""
+  def setup(self, state, batches: list[dict], step: int, calibration_state: dict | None = None):
+    """Budget from the GC step, unit profile, and (for calibrated methods) risk calibration on K batches (or the
+    given `calibration_state`, another manager's, to compare methods on one calibration)."""
     cfg, mc = self.spec.model_cfg, self.mc
     if mc.offload and not model.offload_supported():
       raise model.OffloadUnsupported(f"memory.offload=true is unsupported on the {jax.default_backend()} backend: it "
@@ -60,9 +65,9 @@ class MemoryManager:
                                        f"{gc_bytes} bytes, the minimum")
     rows, seq = self._shape(batch)
     st = {"gc_bytes": gc_bytes, "budget_bytes": budget, "profile": units.profile_kinds(cfg, rows, seq, mc.group_size),
-          "shrink_bytes": {}, "calibrated_at": step, "edges": [], "max_level": 0.0}
+          "allowance": {}, "calibrated_at": step, "edges": [], "max_level": 0.0}
     if self.method in methods.CALIBRATED:
-      st.update(self._calibrate(state["params"], batches[:mc.calib_batches]))
+      st.update(calibration_state or self._calibrate(state["params"], batches[:mc.calib_batches]))
     self.state = st
     self._cache.invalidate(f"set up at step {step}")
     log.info("memory (%s): GC %d B, budget %d B, %s", self.method, gc_bytes, budget,
@@ -75,7 +80,7 @@ class MemoryManager:
     raw = np.stack([np.asarray(self._raw(params, b)) for b in batches])
     sus = calibration.fit_susceptibility(raw, err) if mc.exposure.susceptibility else np.ones(len(self.lowp_ids))
     pred = raw * sus
-    delta, measured = calibration.calibrate_delta(self.spec, params, batches, self.lowp_ids, pred.mean(0),
+    delta, measured = calibration.calibrate_delta(self.spec, params, batches, self.lowp_ids, pred.mean(0), err,
                                                   mc.grad_err_tolerance, mc.group_size, mc.lowp_format)
     levels = [float(self._level(b)) for b in batches]
     level = float(np.mean(levels))
@@ -85,6 +90,9 @@ class MemoryManager:
             "static_error": err.mean(0).tolist(), "delta": delta, "calibration_error": measured,
             "calibration_level": level, "edges": edges, "max_level": max(levels),
             "fit": calibration.risk_metrics(pred.ravel(), err.ravel()), "calib_batches": len(batches)}
+
+  def calibration_state(self) -> dict:
+    return {k: self.state[k] for k in CALIBRATION_KEYS if k in self.state}
 
   def load_state(self, state: dict):
     self.state = state
@@ -98,8 +106,7 @@ class MemoryManager:
 
   def _solve(self, bucket: int) -> methods.Plan:
     st, mc = self.state, self.mc
-    extra = st["budget_bytes"] - st["gc_bytes"] - st["shrink_bytes"].get(str(bucket), 0)
-    extra = max(extra, 0)
+    extra = max(int(st["allowance"].get(str(bucket), st["budget_bytes"] - st["gc_bytes"])), 0)
     keys = [tuple(u) for u in self.lowp_ids]
     risk_of, sens = {}, {}
     if self.method == "hilore":
@@ -115,6 +122,45 @@ class MemoryManager:
       best = methods.plan(self.method, self._units, st["profile"]["ops"], extra, solver="exact", **kw)
       self._gaps[bucket] = (plan.time_s - best.time_s) / max(best.time_s, 1e-12)
     return plan
+
+  def _spec(self, plan: methods.Plan) -> train_step.StepSpec:
+    pols = methods.policies(plan, self._units, self.spec.model_cfg.num_hidden_layers, self.mc.group_size, self.method)
+    return dataclasses.replace(self.spec, policies=pols)
+
+  def _verify(self, bucket: int, state, batch: dict):
+    """Fit the bucket's plan to the budget on the compiled step: the cost model's bytes are additive, XLA's peak
+    is not, so the byte allowance shrinks by any excess and grows by any slack (a few probe compiles, logged);
+    the fastest plan whose compiled peak is within budget wins. Remembered in the state, so a resume repeats it."""
+    st, key = self.state, str(bucket)
+    budget = st["budget_bytes"]
+    allowance = budget - st["gc_bytes"]
+    best = None
+    for probe in range(self.mc.budget_probes):
+      st["allowance"][key] = allowance
+      self._cache.invalidate(f"bucket {bucket}: byte allowance {allowance}")
+      plan = self._cache.get(bucket)
+      _, compiled = self.stepper.get(self._spec(plan), state, batch, count=False)
+      fits = compiled <= budget
+      log.info("%s bucket %d probe %d: allowance %d B -> predicted %d B, compiled %d B (%s budget %d B)", self.method,
+               bucket, probe, allowance, st["gc_bytes"] + plan.bytes, compiled, "within" if fits else "OVER", budget)
+      if fits and (best is None or plan.time_s < best[1].time_s):
+        best = (allowance, plan)
+      if fits:
+        if budget - compiled < 0.005 * budget or plan.bytes < allowance // 2:
+          break  # no room left, or the plan no longer grows with the allowance
+        allowance += budget - compiled
+      else:
+        if best is not None:
+          break
+        allowance = max(allowance - (compiled - budget), 0)
+    if best is None:  # nothing fitted: full checkpointing, which the budget always admits
+      log.warning("%s: bucket %d: no plan fitted the budget; using full checkpointing", self.method, bucket)
+      st["allowance"][key] = 0
+      st["fallback_gc"] = sorted(set(st.get("fallback_gc", [])) | {bucket})
+    else:
+      st["allowance"][key] = best[0]
+    st["verified"] = sorted(set(st.get("verified", [])) | {bucket})
+    self._cache.invalidate(f"bucket {bucket} verified")
 
   def bucket(self, batch: dict) -> int:
     if self.method != "hilore" or not self.state["edges"]:
@@ -135,23 +181,17 @@ class MemoryManager:
     self._units = units.enumerate_units(self.spec.model_cfg, rows, seq, self.mc.group_size, self.state["profile"],
                                         self.mc.lowp_format)
     bucket = self.bucket(batch)
-    plan = self._cache.get(bucket)
     schedule_s = time.perf_counter() - t0
-    for attempt in range(4):
-      pols = methods.policies(plan, self._units, self.spec.model_cfg.num_hidden_layers, self.mc.group_size,
-                              self.method)
-      spec = dataclasses.replace(self.spec, policies=pols)
-      _, compiled = self.stepper.get(spec, state, batch, reason=f"{self.method} bucket {bucket}")
-      if compiled <= self.state["budget_bytes"] or attempt == 3 or self.method == "none":
-        break
-      # the compiled step is over budget: shrink this bucket's byte allowance by the excess and re-solve
-      over = compiled - self.state["budget_bytes"]
-      key = str(bucket)
-      self.state["shrink_bytes"][key] = self.state["shrink_bytes"].get(key, 0) + over
-      log.warning("%s: bucket %d compiled to %d B, %d B over budget; shrinking and re-solving", self.method, bucket,
-                  compiled, over)
-      self._cache.invalidate(f"bucket {bucket} over budget")
+    if bucket not in self.state.get("verified", []) and self.method != "none":
+      self._verify(bucket, state, batch)  # compiles: not scheduling time
+    t1 = time.perf_counter()
+    if bucket in self.state.get("fallback_gc", []):
+      plan = methods.plan("gc", self._units, self.state["profile"]["ops"], 0)
+    else:
       plan = self._cache.get(bucket)
+    spec = self._spec(plan)
+    schedule_s += time.perf_counter() - t1
+    _, compiled = self.stepper.get(spec, state, batch, reason=f"{self.method} bucket {bucket}")
     fr = plan.fractions()
     metrics = {"alloc/frac_H": fr["frac_H"], "alloc/frac_L": fr["frac_L"], "alloc/frac_R": fr["frac_R"],
                "alloc/frac_O": fr["frac_O"], "alloc/bucket": bucket, "memory/budget_bytes": self.state["budget_bytes"],

@@ -10,7 +10,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from hilore_jax import (checkpointing, evaluation, grpo, hf, manager, metrics, model, optim, rollout, sampler, sft,
                         sharding, tasks, tokenizer as tokenizers, train_step)
@@ -94,21 +93,14 @@ class Trainer:
     rng = jax.random.PRNGKey(c.seed)
     self.rng, init_key = jax.random.split(rng)
     params_shape = jax.eval_shape(lambda k: model.init_params(self.model_cfg, k, c.model.init_std), init_key)
-    self.param_shardings = sharding.param_shardings(self.mesh, params_shape)
     if c.model.path:
       _, host_params = hf.load_hf(c.model.path, c.model.param_dtype, c.model.dtype)
-      params = jax.device_put(host_params, self.param_shardings)
+      make = lambda sh: jax.device_put(host_params, sh)
     else:
-      init = jax.jit(lambda k: model.init_params(self.model_cfg, k, c.model.init_std),
-                     out_shardings=self.param_shardings)
-      params = init(init_key)
-    opt_shape = jax.eval_shape(self.optimizer.init, params_shape)
-    rep = sharding.replicated(self.mesh)
-    opt_shardings = optax.tree_map_params(self.optimizer, lambda _, s: s, opt_shape, self.param_shardings,
-                                          transform_non_params=lambda _: rep)
-    self.state_shardings = {"params": self.param_shardings, "opt_state": opt_shardings, "step": rep}
-    opt_state = jax.jit(self.optimizer.init, out_shardings=opt_shardings)(params)
-    self.state = {"params": params, "opt_state": opt_state, "step": jax.device_put(jnp.int32(0), rep)}
+      make = lambda sh: jax.jit(lambda k: model.init_params(self.model_cfg, k, c.model.init_std),
+                                out_shardings=sh)(init_key)
+    self.state, self.state_shardings = train_step.init_state(self.mesh, self.optimizer, params_shape, make)
+    self.param_shardings = self.state_shardings["params"]
     self.ref_params = None
     self.start_step = 0
     self.data_position = 0

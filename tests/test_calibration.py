@@ -47,6 +47,20 @@ def test_measured_errors_and_held_out_score_quality(tiny_cfg):
   assert rows["without susceptibility"]["spearman"] < rows["full"]["spearman"] - 0.2
 
 
+def test_one_pass_unit_errors_equal_single_unit_runs(grpo_setup):
+  # every unit L at once: each unit's rounding error sits alone in its own weights' gradient
+  spec, p, batch = grpo_setup
+  units = calibration.lowp_units(spec.model_cfg)
+  one_pass = calibration.measure_unit_errors(spec, p, batch, units, group_size=8)
+  for i in (0, 5, len(units) - 1):
+    alone = calibration.gradient_error(spec, p, batch, calibration.lowp_policies(spec.model_cfg, [units[i]], 8))
+    assert one_pass[i] == pytest.approx(alone, rel=1e-3), units[i]
+  # and a set's error is the root sum of squares of its units'
+  pair = [units[0], units[5]]
+  both = calibration.gradient_error(spec, p, batch, calibration.lowp_policies(spec.model_cfg, pair, 8))
+  assert both == pytest.approx(float(np.hypot(one_pass[0], one_pass[5])), rel=1e-3)
+
+
 def test_zero_advantage_rows_carry_no_exposure(grpo_setup):
   spec, p, batch = grpo_setup
   units = calibration.lowp_units(spec.model_cfg)
@@ -63,7 +77,7 @@ def test_calibrated_delta_meets_tolerance(grpo_setup):
   units = calibration.lowp_units(spec.model_cfg)
   err = calibration.measure_unit_errors(spec, p, batch, units, group_size=8)
   tolerance = float(np.sort(err)[3])  # tight enough that not every unit fits
-  delta, measured = calibration.calibrate_delta(spec, p, [batch], units, err, tolerance, group_size=8)
+  delta, measured = calibration.calibrate_delta(spec, p, [batch], units, err, err, tolerance, group_size=8)
   assert 0 < delta <= tolerance ** 2 and 0 < measured <= tolerance
   # the chosen set really is several units (squared risks add), and all of them would break the tolerance
   assert calibration.gradient_error(spec, p, batch, calibration.lowp_policies(spec.model_cfg, units, 8)) > tolerance
