@@ -82,7 +82,9 @@ def run(cfg: Config, out_dir: str, progress=print) -> dict:
   batch, cal_batches, risk_batches = batches[0], batches[1:1 + K], batches[1 + K:]
   stepper = train_step.Stepper(mesh, optimizer, state_sh)
   params = state["params"]
-  exact = calibration.gradient(dataclasses.replace(spec, policies=model.uniform_policies(mcfg, model.NO_REMAT)),
+  # the reference: every activation kept, computed in float32 whatever the model's compute dtype
+  exact = calibration.gradient(dataclasses.replace(spec, model_cfg=mcfg.replace(dtype="float32"),
+                                                   policies=model.uniform_policies(mcfg, model.NO_REMAT)),
                                params, batch)
   calib = None
   if any(m in methods.CALIBRATED for m in bc.methods):
@@ -168,6 +170,7 @@ def _configure(cfg, method, ratio, spec, stepper, state, batch, calib, exact) ->
   row = {"method": method, "budget_ratio": ratio, "peak_bytes": int(peak), "budget_bytes": budget,
          "tokens_per_s": None, "gain_vs_gc_pct": None, "grad_rel_err_mean": err,
          "grad_rel_err_max": max(blocks, default=err), "grad_cos": cos, **fr, "schedule_overhead_pct": None,
+         "same_as_gc": method != "none" and all(p == model.FULL_REMAT for p in spec_m.policies),
          "compiles": compiles, "probe_compiles": stepper.reference_compiles - probes, "flops": float(cost.get("flops", 0.0)),
          "bytes_accessed": float(cost.get("bytes accessed", 0.0))}
   return Entry(method, ratio, spec_m, compiled, row, sched)
@@ -200,6 +203,12 @@ def targets(rows: list[dict]) -> list[str]:
   """The issue's targets, each stated with the measured figures."""
   by = {(r["method"], r["budget_ratio"]): r for r in rows}
   none, out = by.get(("none", None)), []
+  # rows that run GC's very program measure the machine's noise
+  same = [r["gain_vs_gc_pct"] for r in rows if r.get("same_as_gc") and r["method"] != "gc"]
+  noise = max((abs(g) for g in same), default=0.0)
+  if same:
+    out.append(f"noise: {len(same)} rows run exactly GC's program; their 'gain' spans {min(same):+.1f}% to "
+               f"{max(same):+.1f}%, so differences within about {noise:.1f}% are not significant")
   top = max((r["budget_ratio"] for r in rows if r["budget_ratio"]), default=None)
   low = min((r["budget_ratio"] for r in rows if r["budget_ratio"]), default=None)
   h_top, h_low = by.get(("hilore", top)), by.get(("hilore", low))
@@ -211,9 +220,15 @@ def targets(rows: list[dict]) -> list[str]:
     beaten = [r["method"] for r in others if r["gain_vs_gc_pct"] > h_top["gain_vs_gc_pct"]]
     out.append(f"{'met' if not beaten else 'MISSED'}: at budget {top:.2f} HiLoRe's gain is >= every baseline's"
                + (f" (faster: {', '.join(beaten)})" if beaten else ""))
-  if h_low:
-    out.append(f"{'met' if h_low['gain_vs_gc_pct'] > 0 else 'MISSED'}: at budget {low:.2f} HiLoRe's gain is "
-               f"{h_low['gain_vs_gc_pct']:+.1f}% (target > 0)")
+  if h_low and h_low.get("same_as_gc"):
+    out.append(f"MISSED: at budget {low:.2f} HiLoRe found no plan under the budget other than full checkpointing; "
+               f"its {h_low['gain_vs_gc_pct']:+.1f}% is noise (target > 0)")
+  elif h_low:
+    ok = h_low["gain_vs_gc_pct"] > noise
+    out.append(f"{'met' if ok else 'MISSED'}: at budget {low:.2f} HiLoRe's gain is {h_low['gain_vs_gc_pct']:+.1f}% "
+               f"(target > 0{', beyond the noise' if ok else ', but not beyond the noise'}), peak "
+               f"{h_low['peak_bytes'] / 2**20:.1f} MiB vs GC's {by[('gc', None)]['peak_bytes'] / 2**20:.1f} MiB"
+               if ("gc", None) in by else "")
   hil = [r for r in rows if r["method"] == "hilore"]
   if hil:
     worst = max(r["grad_rel_err_mean"] for r in hil)

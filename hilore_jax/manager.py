@@ -133,7 +133,7 @@ class MemoryManager:
     the fastest plan whose compiled peak is within budget wins. Remembered in the state, so a resume repeats it."""
     st, key = self.state, str(bucket)
     budget = st["budget_bytes"]
-    allowance = budget - st["gc_bytes"]
+    allowance, lo, hi = budget - st["gc_bytes"], None, None  # lo fits, hi does not
     best = None
     for probe in range(self.mc.budget_probes):
       st["allowance"][key] = allowance
@@ -143,16 +143,22 @@ class MemoryManager:
       fits = compiled <= budget
       log.info("%s bucket %d probe %d: allowance %d B -> predicted %d B, compiled %d B (%s budget %d B)", self.method,
                bucket, probe, allowance, st["gc_bytes"] + plan.bytes, compiled, "within" if fits else "OVER", budget)
-      if fits and (best is None or plan.time_s < best[1].time_s):
-        best = (allowance, plan)
       if fits:
-        if budget - compiled < 0.005 * budget or plan.bytes < allowance // 2:
-          break  # no room left, or the plan no longer grows with the allowance
-        allowance += budget - compiled
+        if best is None or plan.time_s < best[1].time_s:
+          best = (allowance, plan)
+        lo = allowance
+        if allowance > 0 and plan.bytes < allowance // 2:
+          break  # the plan no longer grows with the allowance (everything useful is kept)
       else:
-        if best is not None:
-          break
+        hi = allowance
+      if hi is None:  # grow by the slack, at least 5% of the budget (XLA's peak is not the cost model's sum)
+        allowance = allowance + max(budget - compiled, budget // 20)
+      elif lo is None:  # shrink by the excess
         allowance = max(allowance - (compiled - budget), 0)
+      else:
+        allowance = (lo + hi) // 2
+      if hi is not None and lo is not None and hi - lo < budget // 200:
+        break
     if best is None:  # nothing fitted: full checkpointing, which the budget always admits
       log.warning("%s: bucket %d: no plan fitted the budget; using full checkpointing", self.method, bucket)
       st["allowance"][key] = 0
