@@ -1,3 +1,4 @@
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,6 +73,8 @@ def test_r_and_h_exact_l_bounded(tiny_cfg):
   g_r = grad((model.FULL_REMAT,) * 3)
   assert rel_err(g_r, g_h) <= 1e-5  # recomputation is exact up to float reassociation
   assert float(jnp.abs(flat(g_r) - flat(g_h)).max()) <= 1e-5 * float(jnp.abs(flat(g_h)).max())
+  chex.assert_trees_all_close(g_r, g_h, rtol=1e-5, atol=1e-5 * float(jnp.abs(flat(g_h)).max()))
+  chex.assert_trees_all_equal_shapes_and_dtypes(g_r, g_h)
   all_l = LayerPolicy(remat=True, lowp=model.LOWP_UNITS, group_size=8)
   g_l = grad((all_l,) * 3)
   rel = rel_err(g_l, g_h)
