@@ -42,3 +42,12 @@ def test_baseline_policy_trains_under_the_same_budget_rule(tmp_path):
   (row,) = metrics.read_metrics(tmp_path / "metrics.jsonl")
   assert row["alloc/frac_L"] > 0 and row["alloc/frac_H"] == 0  # compresses, never keeps float copies
   assert row["memory/compiled_bytes"] <= row["memory/budget_bytes"]
+
+
+def test_offload_on_cpu_is_a_clear_cli_error(tmp_path):
+  from train import grpo as cli
+  from trainer_util import TINY
+
+  with pytest.raises(SystemExit, match="memory error: memory.offload=true is unsupported on the cpu backend"):
+    cli.main([*TINY, f"out_dir={tmp_path}", "memory.policy=hilore", "memory.offload=true", "train.warmstart_steps=0",
+              "eval.at_start=false", "grpo.filter_zero_std=false", "train.steps=1"])

@@ -18,9 +18,12 @@ def main(argv=None):
     cfg = config_lib.load_config(args.config, args.overrides)
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f"config error: {e}")
-  from hilore_jax import bench
+  from hilore_jax import allocator, bench, model
 
-  result = bench.run(cfg, args.out, progress=lambda s: print(s, flush=True))
+  try:
+    result = bench.run(cfg, args.out, progress=lambda s: print(s, flush=True))
+  except (allocator.InfeasibleBudget, model.OffloadUnsupported) as e:
+    sys.exit(f"memory error: {e}")
   with open(f"{args.out}/results.md") as f:
     print(f.read())
   if result["risk"]:

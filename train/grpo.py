@@ -21,7 +21,7 @@ def main(argv=None):
     cfg = config_lib.load_config(args.config, args.overrides)
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f"config error: {e}")
-  from hilore_jax import buckets, tokenizer
+  from hilore_jax import allocator, buckets, model, tokenizer
   from hilore_jax.trainer import Trainer, TrainingDiverged
 
   # compiled steps survive restarts (one per allocation bucket under memory.policy=hilore)
@@ -33,6 +33,8 @@ def main(argv=None):
     sys.exit(f"training stopped: {e}")
   except FileExistsError as e:
     sys.exit(f"refusing to start: {e}")
+  except (allocator.InfeasibleBudget, model.OffloadUnsupported) as e:
+    sys.exit(f"memory error: {e}")
   print(json.dumps({k: v for k, v in summary.items() if k != "compile_log"}, indent=2))
 
 
