@@ -79,7 +79,7 @@ class LayerPolicy:
 
   @property
   def saved_names(self) -> tuple[str, ...]:
-    """Names the checkpoint policy keeps: H units and the int8 codes/scales of L units."""
+    """Names the checkpoint policy keeps: H units and the codes/scales of L units."""
     return tuple(self.save) + tuple(n for u in self.lowp for n in lowp.code_names(u))
 
 
