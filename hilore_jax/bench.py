@@ -53,10 +53,6 @@ def _median_s(fn, reps: int = 50) -> float:
   return float(np.median(times))
 
 
-def _flat(tree) -> jax.Array:
-  return jnp.concatenate([x.ravel().astype(jnp.float32) for x in jax.tree_util.tree_leaves(tree)])
-
-
 def run(cfg: Config, out_dir: str, progress=print) -> dict:
   """Run the benchmark and write results.json, results.md, frontier.png and risk.md into out_dir."""
   bc, mcfg = cfg.bench, cfg.model.model_config()
@@ -162,14 +158,14 @@ def _configure(cfg, method, ratio, spec, stepper, state, batch, calib, err_batch
     fr = {k: met[f"alloc/{k}"] for k in ("frac_H", "frac_L", "frac_R")}
     budget = met["memory/budget_bytes"]
     # what a training step pays to choose its policy once compiled: exposure bucket + cached plan lookup
-    sched = _median_s(lambda: mm._spec(mm._cache.get(mm.bucket(batch))))
+    sched = _median_s(lambda: mm.schedule(state, batch))
   compiled, peak = stepper.get(spec_m, state, batch, reason=f"bench {method} @ {ratio}")
   compiles = stepper.compile_count - before
   cost = compiled.cost_analysis() or {}
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   errs, coss = [], []
   for b, ref in zip(err_batches, exact):
-    g, e = _flat(calibration.gradient(spec_m, state["params"], b)), _flat(ref)
+    g, e = calibration.flatten(calibration.gradient(spec_m, state["params"], b)), calibration.flatten(ref)
     errs.append(float(jnp.linalg.norm(g - e) / jnp.linalg.norm(e)))
     coss.append(float(jnp.dot(g, e) / (jnp.linalg.norm(g) * jnp.linalg.norm(e))))
   row = {"method": method, "budget_ratio": ratio, "peak_bytes": int(peak), "budget_bytes": budget,

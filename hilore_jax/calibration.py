@@ -56,7 +56,8 @@ def _exact_spec(spec: train_step.StepSpec) -> train_step.StepSpec:
   return dataclasses.replace(spec, policies=model.uniform_policies(spec.model_cfg, model.NO_REMAT))
 
 
-def _flat(tree) -> jax.Array:
+def flatten(tree) -> jax.Array:
+  """All leaves as one float32 vector."""
   return jnp.concatenate([x.ravel().astype(jnp.float32) for x in jax.tree_util.tree_leaves(tree)])
 
 
@@ -67,14 +68,14 @@ def gradient(spec: train_step.StepSpec, params, batch: dict):
 
 def exact_gradient(spec: train_step.StepSpec, params, batch: dict) -> jax.Array:
   """The flat fp32 gradient with every activation kept (H)."""
-  return _flat(_grad(params, batch, _exact_spec(spec)))
+  return flatten(_grad(params, batch, _exact_spec(spec)))
 
 
 def gradient_error(spec: train_step.StepSpec, params, batch: dict, policies, exact=None) -> float:
   """||g - g_exact|| / ||g_exact|| with g under `policies`, g_exact with every activation kept (H)."""
   if exact is None:
     exact = exact_gradient(spec, params, batch)
-  g = _flat(_grad(params, batch, dataclasses.replace(spec, policies=tuple(policies))))
+  g = flatten(_grad(params, batch, dataclasses.replace(spec, policies=tuple(policies))))
   return float(jnp.linalg.norm(g - exact) / jnp.maximum(jnp.linalg.norm(exact), 1e-30))
 
 
@@ -93,7 +94,7 @@ def measure_unit_errors(spec: train_step.StepSpec, params, batch: dict, units, g
   exact = _grad(params, batch, _exact_spec(spec))
   approx = _grad(params, batch, dataclasses.replace(spec, policies=lowp_policies(spec.model_cfg, units, group_size,
                                                                                  fmt)))
-  norm = float(jnp.linalg.norm(_flat(exact)))
+  norm = float(jnp.linalg.norm(flatten(exact)))
   out = []
   for layer, kind in units:
     sub, names = UNIT_WEIGHTS[kind]

@@ -41,6 +41,8 @@ class MemoryManager:
     self._cache = buckets.AllocationCache(self._solve)
     self._gaps: dict[int, float] = {}
     self._units: list[units.Unit] = []
+    self._units_by_shape: dict[tuple[int, int], list[units.Unit]] = {}
+    self._verify_s = 0.0
     self.lowp_ids = calibration.lowp_units(spec.model_cfg)
     sw = mc.exposure
     self._raw = jax.jit(lambda p, b: calibration.raw_exposure(spec, p, b, self.lowp_ids, sw, mc.group_size,
@@ -69,6 +71,7 @@ class MemoryManager:
     if self.method in methods.CALIBRATED:
       st.update(calibration_state or self._calibrate(state["params"], batches[:mc.calib_batches]))
     self.state = st
+    self._units_by_shape.clear()  # their measured times come from this profile
     self._cache.invalidate(f"set up at step {step}")
     log.info("memory (%s): GC %d B, budget %d B, %s", self.method, gc_bytes, budget,
              {k: st[k] for k in ("delta", "calibration_error", "fit", "edges") if k in st})
@@ -96,6 +99,7 @@ class MemoryManager:
 
   def load_state(self, state: dict):
     self.state = state
+    self._units_by_shape.clear()
     self._cache.invalidate("restored from checkpoint")
 
   # ------------------------------------------------------------------ per step
@@ -175,6 +179,24 @@ class MemoryManager:
     self.state["max_level"] = max(self.state["max_level"], level)
     return buckets.Bucketer(tuple(self.state["edges"])).bucket(level)
 
+  def schedule(self, state, batch: dict) -> tuple[int, methods.Plan, train_step.StepSpec]:
+    """This batch's bucket, plan and spec: the scheduling work of every step (a new bucket is verified first)."""
+    shape = self._shape(batch)
+    if shape not in self._units_by_shape:
+      self._units_by_shape[shape] = units.enumerate_units(self.spec.model_cfg, *shape, self.mc.group_size,
+                                                          self.state["profile"], self.mc.lowp_format)
+    self._units = self._units_by_shape[shape]
+    bucket = self.bucket(batch)
+    if bucket not in self.state.get("verified", []) and self.method != "none":
+      t0 = time.perf_counter()
+      self._verify(bucket, state, batch)
+      self._verify_s += time.perf_counter() - t0
+    if bucket in self.state.get("fallback_gc", []):
+      plan = methods.plan("gc", self._units, self.state["profile"]["ops"], 0)
+    else:
+      plan = self._cache.get(bucket)
+    return bucket, plan, self._spec(plan)
+
   def step_spec(self, state, batch: dict, step: int, pool: list[dict] | None = None):
     """The spec (policies) for this batch and the alloc/memory metrics; verifies the compiled bytes.
 
@@ -182,21 +204,9 @@ class MemoryManager:
     """
     if self.state is None or (self.mc.refresh_every and step - self.state["calibrated_at"] >= self.mc.refresh_every):
       self.setup(state, pool or [batch], step)
-    t0 = time.perf_counter()
-    rows, seq = self._shape(batch)
-    self._units = units.enumerate_units(self.spec.model_cfg, rows, seq, self.mc.group_size, self.state["profile"],
-                                        self.mc.lowp_format)
-    bucket = self.bucket(batch)
-    schedule_s = time.perf_counter() - t0
-    if bucket not in self.state.get("verified", []) and self.method != "none":
-      self._verify(bucket, state, batch)  # compiles: not scheduling time
-    t1 = time.perf_counter()
-    if bucket in self.state.get("fallback_gc", []):
-      plan = methods.plan("gc", self._units, self.state["profile"]["ops"], 0)
-    else:
-      plan = self._cache.get(bucket)
-    spec = self._spec(plan)
-    schedule_s += time.perf_counter() - t1
+    t0, verify0 = time.perf_counter(), self._verify_s
+    bucket, plan, spec = self.schedule(state, batch)
+    schedule_s = time.perf_counter() - t0 - (self._verify_s - verify0)  # probe compiles are not scheduling
     _, compiled = self.stepper.get(spec, state, batch, reason=f"{self.method} bucket {bucket}")
     fr = plan.fractions()
     metrics = {"alloc/frac_H": fr["frac_H"], "alloc/frac_L": fr["frac_L"], "alloc/frac_R": fr["frac_R"],

@@ -34,10 +34,11 @@ class Plan:
     return {f"frac_{c}": self.choice.count(c) / n for c in (H, L, R, O)}
 
 
-def layers_of(unit_list: Sequence[units.Unit]) -> list[list[units.Unit]]:
-  out: dict[int, list] = {}
-  for u in unit_list:
-    out.setdefault(u.layer, []).append(u)
+def layers_of(unit_list: Sequence[units.Unit]) -> list[list[int]]:
+  """Indices into unit_list, grouped by layer (in layer order)."""
+  out: dict[int, list[int]] = {}
+  for i, u in enumerate(unit_list):
+    out.setdefault(u.layer, []).append(i)
   return [out[k] for k in sorted(out)]
 
 
@@ -67,20 +68,13 @@ def evaluate(choice: Sequence[str], unit_list: Sequence[units.Unit], op_s: dict,
   """(bytes, seconds, risk) of a per-unit choice under the dataflow cost model."""
   b = t = r = 0.0
   risk_of = risk_of or {}
-  for layer_units, layer_choice in zip(layers_of(unit_list), _chunks(choice, unit_list)):
-    ch = {u.kind: c for u, c in zip(layer_units, layer_choice)}
+  for idx in layers_of(unit_list):
+    layer_units = [unit_list[i] for i in idx]
+    ch = {unit_list[i].kind: choice[i] for i in idx}
     b += costmodel.choice_bytes(ch, layer_units)
     t += costmodel.choice_time(ch, op_s, layer_units)
-    r += sum(risk_of.get((u.layer, u.kind), 0.0) for u, c in zip(layer_units, layer_choice) if c == L)
+    r += sum(risk_of.get((unit_list[i].layer, unit_list[i].kind), 0.0) for i in idx if choice[i] == L)
   return int(b), float(t), float(r)
-
-
-def _chunks(choice, unit_list):
-  out, i = [], 0
-  for layer_units in layers_of(unit_list):
-    out.append(tuple(choice[i:i + len(layer_units)]))
-    i += len(layer_units)
-  return out
 
 
 def _plan(choice, unit_list, op_s, risk_of=None, fmt="int8") -> Plan:
@@ -91,10 +85,10 @@ def _plan(choice, unit_list, op_s, risk_of=None, fmt="int8") -> Plan:
 def layer_groups(unit_list, op_s, risk_of: dict, allow_l: bool, allow_o: bool) -> list[list[allocator.Option]]:
   """Per layer, the Pareto options of the dataflow cost model with L risks from risk_of[(layer, kind)]."""
   groups = []
-  for layer_units in layers_of(unit_list):
+  for idx in layers_of(unit_list):
+    layer_units = [unit_list[i] for i in idx]
     cands = costmodel.candidates(layer_units, op_s, allow_l, allow_o)
-    layer = layer_units[0].layer
-    groups.append(costmodel.layer_options(cands, {u.kind: risk_of.get((layer, u.kind), 0.0) for u in layer_units}))
+    groups.append(costmodel.layer_options(cands, {u.kind: risk_of.get((u.layer, u.kind), 0.0) for u in layer_units}))
   return groups
 
 
@@ -131,13 +125,13 @@ def plan(method: str, unit_list: Sequence[units.Unit], op_s: dict, extra_bytes: 
   if method == "uniform_int8":
     # every unit that can be compressed is, in every layer that fits; the rest is recomputed
     choice, used = [R] * n, 0
-    for layer_units in layers_of(unit_list):
-      need = sum(u.bytes_l for u in layer_units if u.bytes_l is not None)
+    for idx in layers_of(unit_list):
+      lowp = [i for i in idx if unit_list[i].bytes_l is not None]
+      need = sum(unit_list[i].bytes_l for i in lowp)
       if used + need <= extra_bytes:
         used += need
-        for u in layer_units:
-          if u.bytes_l is not None:
-            choice[unit_list.index(u)] = L
+        for i in lowp:
+          choice[i] = L
     return _plan(choice, unit_list, op_s, fmt="int8")
   if method == "greedy_bits":
     return _greedy_bits(unit_list, op_s, extra_bytes, sensitivity or {},
@@ -158,8 +152,8 @@ def _greedy_bits(unit_list, op_s, extra_bytes, sensitivity, code_bytes) -> Plan:
   idx = [i for i, u in enumerate(unit_list) if u.bytes_l is not None]
   fmt = {i: None for i in idx}
   used = 0
-  for layer_units in layers_of(unit_list):
-    ids = [unit_list.index(u) for u in layer_units if u.bytes_l is not None]
+  for idx in layers_of(unit_list):
+    ids = [i for i in idx if unit_list[i].bytes_l is not None]
     need = sum(code_bytes(unit_list[i], "int4") for i in ids)
     if used + need <= extra_bytes:
       used += need
