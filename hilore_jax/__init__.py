@@ -1,5 +1,11 @@
 """hilore-jax: a JAX GRPO trainer with HiLoRe activation memory management."""
 
+from hilore_jax import xla_flags
+
+xla_flags.configure()
+
+# pylint: disable=wrong-import-position
+
 from hilore_jax.hf import load_hf, save_hf
 from hilore_jax.model import CHECKPOINT_NAMES, LayerPolicy, forward, init_params
 from hilore_jax.model_config import ModelConfig

@@ -161,8 +161,6 @@ def _configure(cfg, method, ratio, spec, stepper, state, batch, calib, err_batch
     sched = _median_s(lambda: mm.schedule(state, batch))
   compiled, peak = stepper.get(spec_m, state, batch, reason=f"bench {method} @ {ratio}")
   compiles = stepper.compile_count - before
-  cost = compiled.cost_analysis() or {}
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   errs, coss = [], []
   for b, ref in zip(err_batches, exact):
     g, e = calibration.flatten(calibration.gradient(spec_m, state["params"], b)), calibration.flatten(ref)
@@ -173,8 +171,7 @@ def _configure(cfg, method, ratio, spec, stepper, state, batch, calib, err_batch
          "grad_rel_err_max": float(np.max(errs)), "grad_cos": float(np.min(coss)), **fr, "schedule_overhead_pct": None,
          "same_as_gc": method != "none" and all(p == model.FULL_REMAT for p in spec_m.policies),
          "compiles": compiles, "probe_compiles": stepper.reference_compiles - probes,
-         "flops": float(cost.get("flops", 0.0)),
-         "bytes_accessed": float(cost.get("bytes accessed", 0.0))}
+         "flops": compiled.flops}
   return Entry(method, ratio, spec_m, compiled, row, sched)
 
 

@@ -77,15 +77,36 @@ def grads_and_stats(params, batch: dict, spec: StepSpec):
   return grads, stats
 
 
-def train_step(state: dict, batch: dict, spec: StepSpec, optimizer: optax.GradientTransformation):
-  """One optimizer update on a minibatch -> (new state, metrics)."""
-  grads, stats = grads_and_stats(state["params"], batch, spec)
+def step_metrics(stats: dict) -> dict:
+  """Per-token means of the minibatch's loss statistics (computed in the gradient program)."""
+  tokens = jnp.maximum(stats["tokens"], 1.0)
+  return {"loss": stats["loss"], "clipfrac": stats["clipped_tokens"] / tokens, "kl": stats["kl_sum"] / tokens,
+          "entropy": stats["entropy_sum"] / tokens, "tokens": stats["tokens"]}
+
+
+def gradient_step(params, batch: dict, spec: StepSpec):
+  """The gradient program: (grads, metrics) of one minibatch under spec's remat policies."""
+  grads, stats = grads_and_stats(params, batch, spec)
+  return grads, step_metrics(stats)
+
+
+def update_step(state: dict, grads, optimizer: optax.GradientTransformation):
+  """The update program: clipping and the optimizer on finished gradients -> (new state, metrics)."""
   updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
   params = optax.apply_updates(state["params"], updates)
-  tokens = jnp.maximum(stats["tokens"], 1.0)
-  metrics = {"loss": stats["loss"], "grad_norm": optax.tree.norm(grads), "clipfrac": stats["clipped_tokens"] / tokens,
-             "kl": stats["kl_sum"] / tokens, "entropy": stats["entropy_sum"] / tokens, "tokens": stats["tokens"]}
-  return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+  return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, {"grad_norm": optax.tree.norm(grads)}
+
+
+def train_step(state: dict, batch: dict, spec: StepSpec, optimizer: optax.GradientTransformation):
+  """One optimizer update on a minibatch -> (new state, metrics), as one function (what the two programs compute).
+
+  The trainer runs it as two compiled programs (`Step`): with global-norm clipping in the same program as the
+  backward, XLA:CPU, which drops the optimization barriers that order remat, hoists recomputation into the forward
+  and keeps most of what remat was meant to free.
+  """
+  grads, metrics = gradient_step(state["params"], batch, spec)
+  state, m = update_step(state, grads, optimizer)
+  return state, {**metrics, **m}
 
 
 def init_state(mesh, optimizer: optax.GradientTransformation, params_shape, make_params) -> tuple[dict, dict]:
@@ -109,54 +130,110 @@ def batch_keys(spec: StepSpec) -> tuple[str, ...]:
   return tuple(keys)
 
 
+def _memory(compiled) -> tuple[int, int]:
+  mem = compiled.memory_analysis()
+  return int(getattr(mem, "temp_size_in_bytes", 0) or 0), int(getattr(mem, "output_size_in_bytes", 0) or 0)
+
+
+def _flops(compiled) -> float:
+  cost = compiled.cost_analysis() or {}
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float(cost.get("flops", 0.0))
+
+
+@dataclasses.dataclass
+class Step:
+  """The compiled train step: a gradient program (per StepSpec) then an update program (one per optimizer).
+
+  peak_bytes is the step's memory beyond the state (params and optimizer state, arguments of both programs and
+  the same for every remat policy): the larger program's temp plus the gradients that live from one to the other.
+  """
+
+  grad: Any
+  update: Any
+  grad_temp_bytes: int
+  update_temp_bytes: int
+  grad_bytes: int
+
+  @property
+  def peak_bytes(self) -> int:
+    return max(self.grad_temp_bytes, self.update_temp_bytes) + self.grad_bytes
+
+  @property
+  def flops(self) -> float:
+    return _flops(self.grad) + _flops(self.update)
+
+  def __call__(self, state: dict, batch: dict):
+    grads, metrics = self.grad(state["params"], batch)
+    state, m = self.update(state, grads)
+    return state, {**metrics, **m}
+
+
 class Stepper:
-  """Compiles the train step once per StepSpec (AOT, with shardings and donation) and counts compilations."""
+  """Compiles the train step once per StepSpec (AOT, with shardings and donation) and counts compilations.
+
+  The update program does not depend on the spec: it is compiled once and shared by every Step.
+  """
 
   def __init__(self, mesh, optimizer, state_shardings):
     self.mesh, self.optimizer, self.state_shardings = mesh, optimizer, state_shardings
-    self._compiled: dict[tuple, Any] = {}
-    self._probed: dict[tuple, Any] = {}  # compiled only to read their memory; promoted (not recompiled) if run
+    self._compiled: dict[tuple, Step] = {}
+    self._probed: dict[tuple, Step] = {}  # compiled only to read their memory; promoted (not recompiled) if run
+    self._update = None
     self.compile_count = 0
     self.compile_log: list[dict] = []
-    self.temp_bytes: dict[tuple, int] = {}
     self.reference_compiles = 0  # compiled to measure memory (the GC reference, budget probes); counted when run
 
   def _abstract(self, tree, shardings):
     return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
-  def get(self, spec: StepSpec, state, batch: dict, reason: str = "", count: bool = True):
+  def _update_program(self, state):
+    if self._update is None:
+      param_sh, metrics_sh = self.state_shardings["params"], sharding.replicated(self.mesh)
+      fn = jax.jit(lambda s, g: update_step(s, g, self.optimizer), in_shardings=(self.state_shardings, param_sh),
+                   out_shardings=(self.state_shardings, metrics_sh), donate_argnums=0)
+      abstract = self._abstract(state, self.state_shardings)
+      self._update = fn.lower(abstract, abstract["params"]).compile()
+    return self._update
+
+  def _compile(self, spec: StepSpec, state, batch: dict) -> Step:
+    batch_sh = {k: sharding.batch_sharding(self.mesh) for k in batch}
+    param_sh, metrics_sh = self.state_shardings["params"], sharding.replicated(self.mesh)
+    fn = jax.jit(lambda p, b: gradient_step(p, b, spec), in_shardings=(param_sh, batch_sh),
+                 out_shardings=(param_sh, metrics_sh))
+    grad = fn.lower(self._abstract(state["params"], param_sh), self._abstract(batch, batch_sh)).compile()
+    update = self._update_program(state)
+    grad_temp, grad_out = _memory(grad)
+    update_temp, _ = _memory(update)
+    return Step(grad, update, grad_temp, update_temp, grad_out)
+
+  def get(self, spec: StepSpec, state, batch: dict, reason: str = "", count: bool = True) -> tuple[Step, int]:
+    """(compiled step, its peak bytes); count=False compiles only to measure (a probe), counted if it later runs."""
     key = (spec, tuple((k, v.shape, str(v.dtype)) for k, v in sorted(batch.items())))
-    if count and key in self._probed:
+    if key in self._probed:
+      if not count:
+        return self._probed[key], self._probed[key].peak_bytes
       self._compiled[key] = self._probed.pop(key)
       self._count(reason, 0.0, key)
-    if not count and key in self._probed:
-      return self._probed[key], self.temp_bytes[key]
     if key not in self._compiled:
       t0 = time.perf_counter()
-      batch_sh = {k: sharding.batch_sharding(self.mesh) for k in batch}
-      metrics_sh = sharding.replicated(self.mesh)
-      fn = jax.jit(lambda s, b: train_step(s, b, spec, self.optimizer),
-                   in_shardings=(self.state_shardings, batch_sh), out_shardings=(self.state_shardings, metrics_sh),
-                   donate_argnums=0)
-      compiled = fn.lower(self._abstract(state, self.state_shardings), self._abstract(batch, batch_sh)).compile()
-      mem = compiled.memory_analysis()
-      self.temp_bytes[key] = int(getattr(mem, "temp_size_in_bytes", 0) or 0)
+      step = self._compile(spec, state, batch)
       if not count:
         self.reference_compiles += 1
-        self._probed[key] = compiled
-        return compiled, self.temp_bytes[key]
-      self._compiled[key] = compiled
+        self._probed[key] = step
+        return step, step.peak_bytes
+      self._compiled[key] = step
       self._count(reason, time.perf_counter() - t0, key)
-    return self._compiled[key], self.temp_bytes[key]
+    return self._compiled[key], self._compiled[key].peak_bytes
 
   def _count(self, reason: str, seconds: float, key):
     self.compile_count += 1
     entry = {"count": self.compile_count, "reason": reason or "first use", "seconds": seconds,
-             "temp_bytes": self.temp_bytes[key]}
+             "peak_bytes": self._compiled[key].peak_bytes}
     self.compile_log.append(entry)
-    log.info("compiled train step #%d (%s) in %.1fs, temp %d bytes", entry["count"], entry["reason"],
-             entry["seconds"], entry["temp_bytes"])
+    log.info("compiled train step #%d (%s) in %.1fs, peak %d bytes", entry["count"], entry["reason"],
+             entry["seconds"], entry["peak_bytes"])
 
   def __call__(self, spec: StepSpec, state, batch: dict, reason: str = ""):
-    compiled, _ = self.get(spec, state, batch, reason)
-    return compiled(state, batch)
+    step, _ = self.get(spec, state, batch, reason)
+    return step(state, batch)

@@ -258,14 +258,14 @@ class Trainer:
       minibatches = [{**b, "ref_logp": self._logprobs(self.ref_params, b)} for b in minibatches]
     if self.spec.use_old_logp:  # several updates per batch: the ratio needs the pre-update policy
       minibatches = [{**b, "old_logp": self._logprobs(self.state["params"], b)} for b in minibatches]
-    step_metrics, temp_bytes, mem_rows = [], 0, []
+    step_metrics, peak_bytes, mem_rows = [], 0, []
     for it in range(c.grpo.num_iterations):
       for b in minibatches:
         spec = self.spec
         if self.memory is not None:
           spec, mem = self.memory.step_spec(self.state, b, step, pool=minibatches)
           mem_rows.append(mem)
-        compiled, temp_bytes = self.stepper.get(spec, self.state, b, reason=f"memory.policy={c.memory.policy}")
+        compiled, peak_bytes = self.stepper.get(spec, self.state, b, reason=f"memory.policy={c.memory.policy}")
         self.state, m = compiled(self.state, b)
         step_metrics.append(m)
     # the next rollout needs these params anyway, so waiting here costs nothing and times the update honestly
@@ -295,7 +295,7 @@ class Trainer:
       row["time/schedule_s"] = float(sum(r["time/schedule_s"] for r in mem_rows))
     row.update({"time/rollout_s": t_rollout, "time/update_s": t_update, "time/step_s": time.perf_counter() - t0,
                 "throughput/update_tokens_per_s": tokens / t_update if t_update > 0 else 0.0,
-                "memory/temp_bytes": temp_bytes, "compile/count": self.stepper.compile_count})
+                "memory/peak_bytes": peak_bytes, "compile/count": self.stepper.compile_count})
     return row
 
   def finish(self) -> dict:

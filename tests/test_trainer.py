@@ -93,7 +93,7 @@ def test_cli_end_to_end_writes_everything(tmp_path):
   rows = metrics.read_metrics(out / "metrics.jsonl")
   required = ["step", "reward/mean", "reward/std", "frac_reward_zero_std", "kl", "clipfrac", "entropy",
               "completion_len/mean", "time/step_s", "time/rollout_s", "time/update_s",
-              "throughput/update_tokens_per_s", "memory/temp_bytes", "compile/count"]
+              "throughput/update_tokens_per_s", "memory/peak_bytes", "compile/count"]
   assert len(rows) == 3 and all(k in rows[0] for k in required)
   assert (out / "reward.png").stat().st_size > 1000
   assert sorted(os.listdir(out / "checkpoints")) == ["0", "2", "3"]
