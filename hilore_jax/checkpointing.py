@@ -11,9 +11,9 @@ import orbax.checkpoint as ocp
 class Checkpointer:
   """CheckpointManager wrapper: atomic saves (orbax writes to a temp dir, then renames), keeps the last K."""
 
-  def __init__(self, directory: str, keep: int):
+  def __init__(self, directory: str, keep: int, create: bool = True):
     self.directory = os.path.abspath(directory)
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create, enable_async_checkpointing=False)
     self.manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> int | None:
@@ -29,6 +29,10 @@ class Checkpointer:
     out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
                                                              meta=ocp.args.JsonRestore()))
     return out["state"], out["meta"]
+
+  def restore_meta(self, step: int) -> dict:
+    """Only the JSON metadata of a checkpoint."""
+    return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
   def close(self):
     self.manager.close()

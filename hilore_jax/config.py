@@ -1,4 +1,9 @@
-"""Trainer configuration: YAML plus dotted overrides become one frozen, validated dataclass tree."""
+"""Trainer configuration: a tree of frozen, typed dataclasses, validated at the boundary.
+
+A leaf module: it imports only leaf types and constants (GRPO names, the model's shape config and L formats) and
+does no I/O; reading YAML files and resolving `model.path` happen in the entry points and the trainer.
+Longer than ~300 lines on purpose: every key a user can set is in this one file, next to its check.
+"""
 
 from __future__ import annotations
 
@@ -11,21 +16,14 @@ from typing import Any
 import yaml
 
 from hilore_jax import grpo
-from hilore_jax.model_config import ModelConfig
-from hilore_jax.exposure import ExposureSwitches
-from hilore_jax.tasks import ArithmeticSpec
+from hilore_jax.errors import ConfigError, check_choice, check_positive, check_range
+from hilore_jax.model.codec import FORMATS
+from hilore_jax.model.config import ModelConfig
 
 _ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("dtype", "param_dtype"))
-
-
-def _choice(key: str, value, choices):
-  if value not in choices:
-    raise ValueError(f"{key} must be one of {list(choices)}, got {value!r}")
-
-
-def _positive(key: str, value, allow_zero=False):
-  if value < 0 or (value == 0 and not allow_zero):
-    raise ValueError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+# memory.policy: none keeps every activation, gc recomputes every layer, hilore plans H/L/R(/O) per unit by
+# exposure; the rest are the benchmark's baselines (memory/methods.py implements one planner per name)
+MEMORY_POLICIES = ("none", "gc", "sac", "optimal_hr", "uniform_int8", "greedy_bits", "adacc_style", "hilore")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,83 +37,137 @@ class ModelSection:
   arch: tuple[tuple[str, Any], ...] = ()  # HF-named fields (hidden_size, ...), given flat under model.
 
   def __post_init__(self):
+    check_positive("model.init_std", self.init_std)
     if self.path and self.arch:
       keys = [k for k, _ in self.arch if k not in ("bos_token_id", "eos_token_id", "pad_token_id")]
       if keys:
-        raise ValueError(f"model.path is set: shape fields {keys} come from the checkpoint, remove them")
-    if not self.path:
-      self.model_config()  # validate the shape at the boundary
+        raise ConfigError(f"model.path is set: shape fields {keys} come from the checkpoint, remove them")
+    try:
+      if not self.path:
+        self.shape_config()  # validate the shape at the boundary
+      else:
+        ModelConfig(dtype=self.dtype, param_dtype=self.param_dtype)  # the dtypes alone
+    except ValueError as e:
+      raise ConfigError(str(e) if str(e).startswith("model.") else f"model: {e}") from None
 
-  def model_config(self) -> ModelConfig:
-    if self.path:
-      from hilore_jax.hf import load_config
-      cfg = load_config(self.path, self.param_dtype, self.dtype)
-      return cfg.replace(**dict(self.arch))
+  def shape_config(self) -> ModelConfig:
+    """The model config of a randomly initialised model (model.path unset)."""
     return ModelConfig(**dict(self.arch), dtype=self.dtype, param_dtype=self.param_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArithmeticSpec:
+  """Difficulty knobs of the synthetic arithmetic task (task.arithmetic.*)."""
+
+  seed: int = 0
+  min_value: int = 0
+  max_value: int = 99
+  num_terms: int = 2
+  ops: tuple[str, ...] = ("+",)
+  num_test: int = 200
+  teacher_error_rate: float = 0.0  # share of warm-start targets where the teacher answers one too high
+  fixed_width: bool = False  # zero-pad operands and gold answers to a fixed width ('07+45=' -> '052')
+
+  def __post_init__(self):
+    check_range("task.arithmetic.teacher_error_rate", self.teacher_error_rate, 0.0, 1.0)
+    if self.min_value < 0 or self.max_value < self.min_value:
+      raise ConfigError(f"task.arithmetic needs 0 <= min_value <= max_value, got {self.min_value}, "
+                        f"{self.max_value}")
+    if self.num_terms < 2:
+      raise ConfigError(f"task.arithmetic.num_terms must be >= 2, got {self.num_terms}")
+    bad = sorted(set(self.ops) - {"+", "-", "*"})
+    if bad or not self.ops:
+      raise ConfigError(f"task.arithmetic.ops must be a non-empty subset of ['+', '-', '*'], got {list(self.ops)}")
+    check_positive("task.arithmetic.num_test", self.num_test)
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
   kind: str = "arithmetic"  # arithmetic | gsm8k | math
   seed: int = 0  # shuffling of dataset tasks
-  arithmetic: ArithmeticSpec = ArithmeticSpec()  # task.arithmetic.max_value, ... (the synthetic task's knobs)
+  arithmetic: ArithmeticSpec = ArithmeticSpec()
   train_path: str | None = None  # gsm8k / math JSONL
   test_path: str | None = None
   skip_malformed: bool = False
   prompt_template: str = "{question}\n"
 
   def __post_init__(self):
-    _choice("task.kind", self.kind, ("arithmetic", "gsm8k", "math"))
+    check_choice("task.kind", self.kind, ("arithmetic", "gsm8k", "math"))
     if self.kind != "arithmetic" and not (self.train_path and self.test_path):
-      raise ValueError(f"task.kind={self.kind} needs task.train_path and task.test_path (JSONL files)")
+      raise ConfigError(f"task.kind={self.kind} needs task.train_path and task.test_path (JSONL files)")
+    if "{question}" not in self.prompt_template:
+      raise ConfigError(f"task.prompt_template must contain {{question}}, got {self.prompt_template!r}")
 
 
 @dataclasses.dataclass(frozen=True)
-class RolloutConfig:
-  num_prompts: int = 16  # prompts per step
-  num_generations: int = 8  # G completions per prompt
-  max_prompt_len: int = 16
+class SamplingConfig:
+  """Decoding settings (static for jit: a change recompiles the sampler)."""
+
   max_new_tokens: int = 8
   temperature: float = 1.0
   top_p: float = 1.0
-  top_k: int = 0
+  top_k: int = 0  # 0: off
+  greedy: bool = False
 
   def __post_init__(self):
-    _positive("rollout.num_prompts", self.num_prompts)
+    check_positive("rollout.max_new_tokens", self.max_new_tokens)
+    if not self.greedy:
+      check_positive("rollout.temperature", self.temperature)
+    check_range("rollout.top_p", self.top_p, 0.0, 1.0, low_open=True)
+    check_positive("rollout.top_k", self.top_k, allow_zero=True)
+
+  def sampling(self) -> "SamplingConfig":
+    """Just the decoding fields (so other settings of a subclass never recompile the sampler)."""
+    return SamplingConfig(self.max_new_tokens, self.temperature, self.top_p, self.top_k, self.greedy)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig(SamplingConfig):
+  """Rollouts: prompts per step, G completions each, prompt length, and the decoding settings."""
+
+  num_prompts: int = 16
+  num_generations: int = 8  # G
+  max_prompt_len: int = 16
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_positive("rollout.num_prompts", self.num_prompts)
     if self.num_generations < 2:
-      raise ValueError(f"rollout.num_generations must be > 1, got {self.num_generations}")
-    _positive("rollout.max_prompt_len", self.max_prompt_len)
-    _positive("rollout.max_new_tokens", self.max_new_tokens)
-    _positive("rollout.temperature", self.temperature)
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+      raise ConfigError(f"rollout.num_generations must be > 1, got {self.num_generations}")
+    check_positive("rollout.max_prompt_len", self.max_prompt_len)
+    if self.greedy:
+      raise ConfigError("rollout.greedy=true would make every completion of a group identical (zero advantage)")
 
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
-  advantage: str = "grpo"
-  std_scale: str = "group"
-  loss_agg: str = "token-mean"
+  """The GRPO objective and update schedule; grpo.py's numerics read the loss fields."""
+
+  advantage: str = "grpo"  # grpo | rloo | dr_grpo
+  std_scale: str = "group"  # group | batch | none
+  loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)
   eps_low: float = 0.2
-  eps_high: float = 0.2
-  dual_clip: float | None = None
-  beta: float = 0.0
+  eps_high: float = 0.2  # > eps_low: DAPO's clip-higher
+  dual_clip: float | None = None  # c > 1 caps the loss of negative-advantage tokens at c * |A|
+  beta: float = 0.0  # KL coefficient
   kl_estimator: str = "k3"
-  num_iterations: int = 1
-  filter_zero_std: bool = True
+  max_completion_len: int = 0  # Dr.GRPO's constant normaliser; 0: rollout.max_new_tokens
+  num_iterations: int = 1  # passes over each rollout batch
+  filter_zero_std: bool = True  # drop groups whose rewards are all equal
 
   def __post_init__(self):
-    _choice("grpo.advantage", self.advantage, grpo.ADVANTAGES)
-    _choice("grpo.std_scale", self.std_scale, grpo.STD_SCALES)
-    _choice("grpo.loss_agg", self.loss_agg, grpo.LOSS_AGGS)
-    _choice("grpo.kl_estimator", self.kl_estimator, grpo.KL_ESTIMATORS)
-    _positive("grpo.num_iterations", self.num_iterations)
-    self.loss_config(1)  # range checks of the objective
-
-
-  def loss_config(self, max_completion_len: int) -> grpo.LossConfig:
-    return grpo.LossConfig(self.loss_agg, self.eps_low, self.eps_high, self.dual_clip, self.beta,
-                           self.kl_estimator, max_completion_len)
+    check_choice("grpo.advantage", self.advantage, grpo.ADVANTAGES)
+    check_choice("grpo.std_scale", self.std_scale, grpo.STD_SCALES)
+    check_choice("grpo.loss_agg", self.loss_agg, grpo.LOSS_AGGS)
+    check_choice("grpo.kl_estimator", self.kl_estimator, grpo.KL_ESTIMATORS)
+    # eps = 0 puts every on-policy token on the clip boundary, where the surrogate's derivative is undefined
+    check_range("grpo.eps_low", self.eps_low, 0.0, 1.0, low_open=True, high_open=True)
+    check_positive("grpo.eps_high", self.eps_high)
+    if self.dual_clip is not None and self.dual_clip <= 1:
+      raise ConfigError(f"grpo.dual_clip must be > 1 (or null), got {self.dual_clip}")
+    check_positive("grpo.beta", self.beta, allow_zero=True)
+    check_positive("grpo.max_completion_len", self.max_completion_len, allow_zero=True)
+    check_positive("grpo.num_iterations", self.num_iterations)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,13 +180,18 @@ class OptimizerConfig:
   b1: float = 0.9
   b2: float = 0.999
   eps: float = 1e-8
-  max_grad_norm: float = 1.0
+  max_grad_norm: float = 1.0  # 0: no clipping
 
   def __post_init__(self):
-    _choice("optimizer.schedule", self.schedule, ("constant", "cosine"))
-    _positive("optimizer.lr", self.lr)
-    _positive("optimizer.warmup_steps", self.warmup_steps, allow_zero=True)
-    _positive("optimizer.max_grad_norm", self.max_grad_norm, allow_zero=True)
+    check_choice("optimizer.schedule", self.schedule, ("constant", "cosine"))
+    check_positive("optimizer.lr", self.lr)
+    check_positive("optimizer.warmup_steps", self.warmup_steps, allow_zero=True)
+    check_range("optimizer.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+    check_positive("optimizer.weight_decay", self.weight_decay, allow_zero=True)
+    check_range("optimizer.b1", self.b1, 0.0, 1.0, high_open=True)
+    check_range("optimizer.b2", self.b2, 0.0, 1.0, high_open=True)
+    check_positive("optimizer.eps", self.eps)
+    check_positive("optimizer.max_grad_norm", self.max_grad_norm, allow_zero=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,11 +206,13 @@ class TrainConfig:
   warmstart_batch_size: int = 64
 
   def __post_init__(self):
-    _positive("train.steps", self.steps)
-    _positive("train.minibatch_size", self.minibatch_size, allow_zero=True)
-    _positive("train.microbatch_size", self.microbatch_size, allow_zero=True)
-    _positive("train.logprob_chunk", self.logprob_chunk)
-    _positive("train.warmstart_steps", self.warmstart_steps, allow_zero=True)
+    check_positive("train.steps", self.steps)
+    check_positive("train.minibatch_size", self.minibatch_size, allow_zero=True)
+    check_positive("train.microbatch_size", self.microbatch_size, allow_zero=True)
+    check_positive("train.logprob_chunk", self.logprob_chunk)
+    check_positive("train.warmstart_steps", self.warmstart_steps, allow_zero=True)
+    check_positive("train.warmstart_lr", self.warmstart_lr)
+    check_positive("train.warmstart_batch_size", self.warmstart_batch_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,23 +225,25 @@ class EvalConfig:
   at_end: bool = True
 
   def __post_init__(self):
-    _positive("eval.num_examples", self.num_examples)
-    _positive("eval.pass_k", self.pass_k)
+    check_positive("eval.num_examples", self.num_examples)
+    check_positive("eval.pass_k", self.pass_k, allow_zero=True)
+    check_positive("eval.temperature", self.temperature)
+    check_positive("eval.batch_size", self.batch_size)
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
   data: int = -1  # -1: all devices not used by fsdp
   fsdp: int = 1
-  distributed: bool = False  # call jax.distributed.initialize() (multi-host)
-  coordinator_address: str | None = None
+  distributed: bool = False  # call jax.distributed.initialize() (multi-process)
+  coordinator_address: str | None = None  # None: read from the cluster environment
   num_processes: int | None = None
   process_id: int | None = None
 
   def __post_init__(self):
     if self.data == 0 or self.data < -1:
-      raise ValueError(f"mesh.data must be > 0 or -1, got {self.data}")
-    _positive("mesh.fsdp", self.fsdp)
+      raise ConfigError(f"mesh.data must be > 0 or -1, got {self.data}")
+    check_positive("mesh.fsdp", self.fsdp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,8 +253,8 @@ class CheckpointConfig:
   export_hf: bool = True
 
   def __post_init__(self):
-    _positive("checkpoint.every", self.every)
-    _positive("checkpoint.keep", self.keep)
+    check_positive("checkpoint.every", self.every)
+    check_positive("checkpoint.keep", self.keep)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,11 +265,20 @@ class LoggingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExposureSwitches:
+  """Terms of the exposure score, each switchable for ablations (memory.exposure.*)."""
+
+  ratio_clip: bool = True  # use w_t (ratio, clip mask); off: |advantage| per token
+  update_mask: bool = True  # only tokens that are updated; off: every position counts
+  kl: bool = True  # include the beta * KL part of w_t
+  activation: bool = True  # weight by the unit's per-token reconstruction error; off: 1
+  susceptibility: bool = True  # per-unit measured factor; off: 1
+
+
+@dataclasses.dataclass(frozen=True)
 class MemoryConfig:
-  # none: keep every activation; gc: recompute every layer; hilore: H/L/R(/O) per unit by exposure; the rest are
-  # the benchmark's baselines (sac, optimal_hr, uniform_int8, greedy_bits, adacc_style), see hilore_jax/methods.py
-  policy: str = "none"
-  budget_ratio: float = 1.05  # memory budget as a multiple of the GC step's temp bytes
+  policy: str = "none"  # one of MEMORY_POLICIES
+  budget_ratio: float = 1.05  # memory budget as a multiple of the GC step's peak bytes
   budget_bytes: int | None = None  # absolute budget (overrides budget_ratio)
   grad_err_tolerance: float = 0.01  # relative gradient error the risk budget is calibrated to
   buckets: int = 4  # hilore: exposure buckets, one allocation (and compiled step) each
@@ -218,22 +288,22 @@ class MemoryConfig:
   calib_batches: int = 2  # K: minibatches the risk calibration measures
   offload: bool = False  # allow O (offload to host memory); GPU/TPU only
   budget_probes: int = 4  # compiles per bucket to fit the plan's byte allowance to the compiled peak
-  exposure: ExposureSwitches = ExposureSwitches()  # memory.exposure.ratio_clip=false etc. (ablations)
+  exposure: ExposureSwitches = ExposureSwitches()
 
   def __post_init__(self):
-    from hilore_jax import codec, methods
-
-    _choice("memory.policy", self.policy, methods.METHODS)
-    _choice("memory.lowp_format", self.lowp_format, codec.FORMATS)
-    _positive("memory.calib_batches", self.calib_batches)
-    _positive("memory.budget_probes", self.budget_probes)
+    check_choice("memory.policy", self.policy, MEMORY_POLICIES)
+    check_choice("memory.lowp_format", self.lowp_format, FORMATS)
+    check_positive("memory.calib_batches", self.calib_batches)
+    check_positive("memory.budget_probes", self.budget_probes)
     if self.budget_ratio < 1.0:
-      raise ValueError(f"memory.budget_ratio must be >= 1.0 (full checkpointing is the floor), got "
-                       f"{self.budget_ratio}")
-    _positive("memory.grad_err_tolerance", self.grad_err_tolerance)
-    _positive("memory.buckets", self.buckets)
-    _positive("memory.refresh_every", self.refresh_every, allow_zero=True)
-    _positive("memory.group_size", self.group_size)
+      raise ConfigError(f"memory.budget_ratio must be >= 1.0 (full checkpointing is the floor), got "
+                        f"{self.budget_ratio}")
+    if self.budget_bytes is not None:
+      check_positive("memory.budget_bytes", self.budget_bytes)
+    check_positive("memory.grad_err_tolerance", self.grad_err_tolerance)
+    check_positive("memory.buckets", self.buckets)
+    check_positive("memory.refresh_every", self.refresh_every, allow_zero=True)
+    check_positive("memory.group_size", self.group_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,29 +315,28 @@ class BenchConfig:
   seq_len: int = 256  # prompt + completion tokens
   prompt_len: int = 64
   budget_ratios: tuple[float, ...] = (1.00, 1.05, 1.10)
-  methods: tuple[str, ...] = ("none", "gc", "sac", "optimal_hr", "uniform_int8", "greedy_bits", "adacc_style",
-                              "hilore")
+  methods: tuple[str, ...] = MEMORY_POLICIES
   reps: int = 9  # timed steps per method (interleaved; medians)
   zero_adv_frac: float = 0.25  # share of groups whose rewards are all equal
   logp_noise: float = 0.3  # old log-probs = current + N(0, this): some ratios clip
   risk_batches: int = 4  # held-out batches for the risk-prediction table
 
   def __post_init__(self):
-    from hilore_jax import methods
-
     for k in ("batch_size", "group_size", "seq_len", "prompt_len", "reps"):
-      _positive(f"bench.{k}", getattr(self, k))
+      check_positive(f"bench.{k}", getattr(self, k))
     if self.batch_size % self.group_size:
-      raise ValueError(f"bench.batch_size ({self.batch_size}) must be a multiple of bench.group_size "
-                       f"({self.group_size})")
+      raise ConfigError(f"bench.batch_size ({self.batch_size}) must be a multiple of bench.group_size "
+                        f"({self.group_size})")
     if not 0 < self.prompt_len < self.seq_len:
-      raise ValueError(f"bench.prompt_len must be in (0, bench.seq_len={self.seq_len}), got {self.prompt_len}")
+      raise ConfigError(f"bench.prompt_len must be in (0, bench.seq_len={self.seq_len}), got {self.prompt_len}")
     for r in self.budget_ratios:
       if r < 1.0:
-        raise ValueError(f"bench.budget_ratios must be >= 1.0 (full checkpointing is the floor), got {r}")
+        raise ConfigError(f"bench.budget_ratios must be >= 1.0 (full checkpointing is the floor), got {r}")
     for m in self.methods:
-      _choice("bench.methods", m, methods.METHODS)
-    _positive("bench.risk_batches", self.risk_batches, allow_zero=True)
+      check_choice("bench.methods", m, MEMORY_POLICIES)
+    check_range("bench.zero_adv_frac", self.zero_adv_frac, 0.0, 1.0)
+    check_positive("bench.logp_noise", self.logp_noise, allow_zero=True)
+    check_positive("bench.risk_batches", self.risk_batches, allow_zero=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,11 +361,14 @@ class Config:
     batch = self.rollout.num_prompts * self.rollout.num_generations
     mb = self.train.minibatch_size or batch
     if batch % mb:
-      raise ValueError(f"train.minibatch_size ({mb}) must divide the rollout batch "
-                       f"(num_prompts * num_generations = {batch})")
+      raise ConfigError(f"train.minibatch_size ({mb}) must divide the rollout batch "
+                        f"(num_prompts * num_generations = {batch})")
     if mb % (self.train.microbatch_size or mb):
-      raise ValueError(f"train.microbatch_size ({self.train.microbatch_size}) must divide "
-                       f"train.minibatch_size ({mb})")
+      raise ConfigError(f"train.microbatch_size ({self.train.microbatch_size}) must divide "
+                        f"train.minibatch_size ({mb})")
+    if not self.grpo.max_completion_len:  # Dr.GRPO's normaliser defaults to the generation budget
+      object.__setattr__(self, "grpo", dataclasses.replace(self.grpo,
+                                                           max_completion_len=self.rollout.max_new_tokens))
 
   @property
   def minibatch_size(self) -> int:
@@ -330,31 +402,31 @@ def _coerce(key: str, value, tp):
     if isinstance(value, str):
       value = [value]
     if not isinstance(value, (list, tuple)):
-      raise ValueError(f"{key} must be a list, got {value!r}")
+      raise ConfigError(f"{key} must be a list, got {value!r}")
     inner = typing.get_args(tp)[0]
     return tuple(_coerce(key, v, inner) for v in value)
   if tp is bool:
     if not isinstance(value, bool):
-      raise ValueError(f"{key} must be true or false, got {value!r}")
+      raise ConfigError(f"{key} must be true or false, got {value!r}")
     return value
   if tp is int:
     if isinstance(value, bool) or not isinstance(value, int):
-      raise ValueError(f"{key} must be an integer, got {value!r}")
+      raise ConfigError(f"{key} must be an integer, got {value!r}")
     return value
   if tp is float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-      raise ValueError(f"{key} must be a number, got {value!r}")
+      raise ConfigError(f"{key} must be a number, got {value!r}")
     return float(value)
   if tp is str:
     if not isinstance(value, str):
-      raise ValueError(f"{key} must be a string, got {value!r}")
+      raise ConfigError(f"{key} must be a string, got {value!r}")
     return value
   return value
 
 
 def _build(cls, d: dict, prefix: str):
   if not isinstance(d, dict):
-    raise ValueError(f"config section {prefix.rstrip('.') or '<root>'} must be a mapping, got {d!r}")
+    raise ConfigError(f"config section {prefix.rstrip('.') or '<root>'} must be a mapping, got {d!r}")
   hints = typing.get_type_hints(cls)
   fields = {f.name for f in dataclasses.fields(cls)}
   kwargs: dict[str, Any] = {}
@@ -367,10 +439,11 @@ def _build(cls, d: dict, prefix: str):
   for key, value in d.items():
     if key not in fields:
       valid = sorted(fields | (set(_ARCH_FIELDS) if cls is ModelSection else set()))
-      raise ValueError(f"unknown config key '{prefix}{key}'; valid keys here: {valid}")
+      raise ConfigError(f"unknown config key '{prefix}{key}'; valid keys here: {valid}")
     tp = hints[key]
     if dataclasses.is_dataclass(tp):
-      kwargs[key] = _build(tp, dict(value or {}), f"{prefix}{key}.")
+      kwargs[key] = _build(tp, dict(value) if isinstance(value, dict) else ({} if value is None else value),
+                           f"{prefix}{key}.")
     else:
       kwargs[key] = _coerce(prefix + key, value, tp)
   return cls(**kwargs)
@@ -381,15 +454,18 @@ def parse_overrides(overrides: list[str]) -> dict:
   out: dict = {}
   for item in overrides:
     if "=" not in item:
-      raise ValueError(f"override {item!r} must look like key.path=value")
+      raise ConfigError(f"override {item!r} must look like key.path=value")
     key, raw = item.split("=", 1)
     node = out
     parts = key.strip().split(".")
     for p in parts[:-1]:
       node = node.setdefault(p, {})
       if not isinstance(node, dict):
-        raise ValueError(f"override {item!r}: {p} is not a section")
-    node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+        raise ConfigError(f"override {item!r}: {p} is not a section")
+    try:
+      node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+      raise ConfigError(f"override {item!r}: the value is not valid YAML ({e})") from None
   return out
 
 
@@ -402,16 +478,8 @@ def _merge(base: dict, extra: dict) -> dict:
   return base
 
 
-def from_dict(d: dict) -> Config:
-  return _build(Config, d, "")
+def from_dict(d: dict, overrides: list[str] = ()) -> Config:
+  """A loaded YAML mapping plus dotted overrides -> validated Config."""
+  return _build(Config, _merge(d, parse_overrides(list(overrides))), "")
 
 
-def load_config(path: str | None, overrides: list[str] = ()) -> Config:
-  """YAML file (may be None) + dotted overrides -> validated Config."""
-  d = {}
-  if path:
-    with open(path) as f:
-      d = yaml.safe_load(f) or {}
-    if not isinstance(d, dict):
-      raise ValueError(f"{path}: the top level must be a mapping")
-  return from_dict(_merge(d, parse_overrides(list(overrides))))

@@ -1,13 +1,20 @@
-"""Greedy accuracy and pass@k of a policy on a task's test split."""
+"""Greedy accuracy and pass@k of a policy on a task's test split, and of saved policies (HF exports or run
+directories, restored without constructing a trainer)."""
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import rollout, sampler
+from hilore_jax import checkpointing, engine, model, optim, rollout, tasks, tokenizer as tokenizers
+from hilore_jax import config as config_lib
+from hilore_jax.config import Config, SamplingConfig
+from hilore_jax.errors import CheckpointError
+from hilore_jax.model import hf
 from hilore_jax.tasks import Example
 
 
@@ -16,8 +23,8 @@ def evaluate(cfg, params, tokenizer, examples: Sequence[Example], reward_fn, *, 
              rng: jax.Array | None = None) -> dict:
   """{'eval/accuracy': greedy accuracy, 'eval/pass@k': any of k samples correct, 'eval/n': examples}."""
   rng = jax.random.PRNGKey(0) if rng is None else rng
-  greedy = sampler.SamplingConfig(max_new_tokens=max_new_tokens, greedy=True)
-  sampled = sampler.SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature)
+  greedy = SamplingConfig(max_new_tokens=max_new_tokens, greedy=True)
+  sampled = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature)
   correct, passed = [], []
   for i in range(0, len(examples), batch_size):
     chunk = list(examples[i:i + batch_size])
@@ -31,3 +38,58 @@ def evaluate(cfg, params, tokenizer, examples: Sequence[Example], reward_fn, *, 
   if pass_k > 0:
     out[f"eval/pass@{pass_k}"] = float(np.mean(passed))
   return out
+
+
+# ----------------------------------------------------------------------------- saved policies
+
+
+def restore_params(run_dir: str, config: Config) -> tuple[model.ModelConfig, dict]:
+  """(model cfg, params) of a run directory's latest orbax checkpoint, restored onto the default device."""
+  directory = os.path.join(run_dir, "checkpoints")
+  ckpt = checkpointing.Checkpointer(directory, keep=1 << 30, create=False)
+  try:
+    step = ckpt.latest_step()
+    if step is None:
+      raise CheckpointError(f"{directory} holds no checkpoint")
+    meta = ckpt.restore_meta(step)
+    saved = meta.get("config") or {}
+    if saved.get("model"):  # the run's own model and optimizer, not whatever the eval config says
+      saved = dict(saved, out_dir=run_dir, train=dict(saved.get("train", {}), resume=False))
+      config = config_lib.from_dict(saved)
+    model_cfg = engine.model_config(config)
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    params = jax.eval_shape(lambda: model.init_params(model_cfg, jax.random.PRNGKey(0)))
+    opt = optim.make_optimizer(config.optimizer, 1)
+    train = {"params": params, "opt_state": jax.eval_shape(opt.init, params), "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    tree = {"train": train, **({"ref": params} if config.grpo.beta > 0 else {})}
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), tree)
+    restored, _ = ckpt.restore(step, abstract)
+    return model_cfg, restored["train"]["params"]
+  finally:
+    ckpt.close()
+
+
+def load_policy(config: Config, checkpoint: str):
+  """(model cfg, params, tokenizer) from an HF directory, a run directory, or its checkpoints/ folder."""
+  if os.path.exists(os.path.join(checkpoint, "config.json")):
+    cfg, params = hf.load_hf(checkpoint, config.model.param_dtype, config.model.dtype)
+    has_tok = any(os.path.exists(os.path.join(checkpoint, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+    return cfg, params, tokenizers.load_tokenizer(checkpoint if has_tok else config.tokenizer_path)
+  run_dir = os.path.dirname(checkpoint.rstrip("/")) if os.path.basename(checkpoint.rstrip("/")) == "checkpoints" \
+      else checkpoint
+  if not os.path.isdir(os.path.join(run_dir, "checkpoints")):
+    raise CheckpointError(f"{checkpoint}: neither an HF directory (config.json) nor a run directory with checkpoints/")
+  cfg, params = restore_params(run_dir, config)
+  return cfg, params, tokenizers.load_tokenizer(config.tokenizer_path)
+
+
+def evaluate_checkpoint(config: Config, checkpoint: str) -> dict:
+  """Greedy accuracy and pass@k of a saved policy on the config's task."""
+  cfg, params, tok = load_policy(config, checkpoint)
+  task = tasks.build_task(config.task)
+  c = config
+  out = evaluate(cfg, params, tok, task.test_examples[:c.eval.num_examples], task.reward,
+                 max_prompt_len=c.rollout.max_prompt_len, max_new_tokens=c.rollout.max_new_tokens,
+                 pass_k=c.eval.pass_k, temperature=c.eval.temperature, batch_size=c.eval.batch_size,
+                 rng=jax.random.PRNGKey(c.seed + 1))
+  return {"checkpoint": checkpoint, "task": task.name, **out}

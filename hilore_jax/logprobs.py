@@ -6,8 +6,10 @@ import jax
 import jax.numpy as jnp
 
 
-def _chunk_stats(h_BCD, w_DV, targets_BC):
+def _chunk_stats(h_BCD, w_DV, targets_BC, temperature: float = 1.0):
   logits = jnp.einsum("bcd,dv->bcv", h_BCD, w_DV.astype(h_BCD.dtype)).astype(jnp.float32)
+  if temperature != 1.0:  # the sampling distribution's log-probs (rollouts sample from logits / T)
+    logits = logits / temperature
   logz = jax.nn.logsumexp(logits, axis=-1)
   target_logit = jnp.take_along_axis(logits, targets_BC[..., None], axis=-1)[..., 0]
   probs = jnp.exp(logits - logz[..., None])
@@ -15,8 +17,9 @@ def _chunk_stats(h_BCD, w_DV, targets_BC):
   return target_logit - logz, entropy
 
 
-def token_logprobs(h_BTD: jax.Array, w_DV: jax.Array, targets_BT: jax.Array, chunk: int = 128):
-  """(log p(target), entropy) [B, T] from final hidden states, `chunk` positions at a time.
+def token_logprobs(h_BTD: jax.Array, w_DV: jax.Array, targets_BT: jax.Array, chunk: int = 128,
+                   temperature: float = 1.0):
+  """(log p(target), entropy) [B, T] under softmax(logits / temperature), `chunk` positions at a time.
 
   Each chunk runs under jax.checkpoint so backward recomputes its logits instead of keeping them.
   """
@@ -26,7 +29,7 @@ def token_logprobs(h_BTD: jax.Array, w_DV: jax.Array, targets_BT: jax.Array, chu
   pad = n * chunk - T
   h = jnp.pad(h_BTD, ((0, 0), (0, pad), (0, 0))).reshape(B, n, chunk, D).swapaxes(0, 1)
   tgt = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(B, n, chunk).swapaxes(0, 1)
-  stats = jax.checkpoint(_chunk_stats)
+  stats = jax.checkpoint(lambda h, w, t: _chunk_stats(h, w, t, temperature))
 
   def body(carry, xs):
     return carry, stats(xs[0], w_DV, xs[1])
@@ -34,8 +37,3 @@ def token_logprobs(h_BTD: jax.Array, w_DV: jax.Array, targets_BT: jax.Array, chu
   _, (logp, ent) = jax.lax.scan(body, None, (h, tgt))
   unchunk = lambda x: x.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
   return unchunk(logp), unchunk(ent)
-
-
-def naive_token_logprobs(h_BTD, w_DV, targets_BT):
-  """Reference: full logits at once (tests only compare against this)."""
-  return _chunk_stats(h_BTD, w_DV, targets_BT)

@@ -6,6 +6,31 @@ import json
 import math
 import os
 
+import numpy as np
+
+
+UPDATE_KEYS = ("loss", "grad_norm", "clipfrac", "kl", "entropy")
+
+
+def reduce_updates(rows: list[dict]) -> dict:
+  """One step's optimizer updates -> the step's row: means of the per-update metrics (zeros if none ran)."""
+  return {k: float(np.mean([r[k] for r in rows])) if rows else 0.0 for k in UPDATE_KEYS}
+
+
+def _reducer(key: str):
+  if key.startswith("alloc/frac"):
+    return lambda xs: float(np.mean(xs))  # the step's allocation fractions, averaged over its minibatches
+  if key == "alloc/bucket":
+    return lambda xs: xs[-1]
+  if key.startswith("time/"):
+    return lambda xs: float(np.sum(xs))
+  return max  # bytes, gaps and predicted errors at their worst
+
+
+def reduce_allocations(rows: list[dict]) -> dict:
+  """A step's per-minibatch allocation metrics (alloc/*, memory/*, time/schedule_s) -> one value per key."""
+  return {k: _reducer(k)([r[k] for r in rows]) for k in (rows[0] if rows else {})}
+
 
 class MetricsWriter:
   """Appends one JSON object per step to OUT/metrics.jsonl; on resume drops rows past the resumed step."""

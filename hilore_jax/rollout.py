@@ -9,7 +9,8 @@ import jax
 import numpy as np
 
 from hilore_jax import sampler
-from hilore_jax.model_config import ModelConfig
+from hilore_jax.config import SamplingConfig
+from hilore_jax.model import ModelConfig
 from hilore_jax.tasks import Example
 
 
@@ -53,7 +54,7 @@ def decode_completions(tokenizer, tokens: np.ndarray, mask: np.ndarray) -> list[
 
 
 def sample_completions(cfg: ModelConfig, params, tokenizer, examples: Sequence[Example], num_generations: int,
-                       max_prompt_len: int, sc: sampler.SamplingConfig, rng: jax.Array, reward_fn) -> Rollout:
+                       max_prompt_len: int, sc: SamplingConfig, rng: jax.Array, reward_fn) -> Rollout:
   """G completions for every example, scored by reward_fn(completion_text, reference)."""
   ids, mask, truncated = encode_prompts(tokenizer, [e.prompt for e in examples], max_prompt_len)
   ids, mask = np.repeat(ids, num_generations, 0), np.repeat(mask, num_generations, 0)

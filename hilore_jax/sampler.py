@@ -2,35 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from hilore_jax import model
-from hilore_jax.model_config import ModelConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-  """Static decoding settings (hashable: a change recompiles the sampler)."""
-
-  max_new_tokens: int = 16
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = 0  # 0: off
-  greedy: bool = False
-
-  def __post_init__(self):
-    if self.max_new_tokens <= 0:
-      raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
-    if not self.greedy and self.temperature <= 0:
-      raise ValueError(f"temperature must be > 0 (or set greedy), got {self.temperature}")
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-    if self.top_k < 0:
-      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+from hilore_jax.config import SamplingConfig
+from hilore_jax.model import ModelConfig
 
 
 def process_logits(logits_BV: jax.Array, sc: SamplingConfig) -> jax.Array:

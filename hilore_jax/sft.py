@@ -11,7 +11,7 @@ import numpy as np
 import optax
 
 from hilore_jax import rollout, train_step
-from hilore_jax.model_config import ModelConfig
+from hilore_jax.model import ModelConfig
 from hilore_jax.tasks import Example
 
 

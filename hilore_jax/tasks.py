@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import random
 import re
 from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, Iterator, Sequence
+
+from hilore_jax.config import ArithmeticSpec, TaskConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,31 +37,6 @@ class Task:
 
 
 # ----------------------------------------------------------------------------- synthetic arithmetic
-
-
-@dataclasses.dataclass(frozen=True)
-class ArithmeticSpec:
-  """Difficulty knobs of the synthetic task."""
-
-  seed: int = 0
-  min_value: int = 0
-  max_value: int = 99
-  num_terms: int = 2
-  ops: tuple[str, ...] = ("+",)
-  num_test: int = 200
-  teacher_error_rate: float = 0.0  # share of warm-start targets where the teacher answers one too high
-  fixed_width: bool = False  # zero-pad operands and gold answers to a fixed width ('07+45=' -> '052')
-
-  def __post_init__(self):
-    if not 0.0 <= self.teacher_error_rate <= 1.0:
-      raise ValueError(f"teacher_error_rate must be in [0, 1], got {self.teacher_error_rate}")
-    if self.min_value < 0 or self.max_value < self.min_value:
-      raise ValueError(f"need 0 <= min_value <= max_value, got {self.min_value}, {self.max_value}")
-    if self.num_terms < 2:
-      raise ValueError(f"num_terms must be >= 2, got {self.num_terms}")
-    bad = sorted(set(self.ops) - {"+", "-", "*"})
-    if bad or not self.ops:
-      raise ValueError(f"ops must be a non-empty subset of ['+', '-', '*'], got {list(self.ops)}")
 
 
 def _answer_width(spec: ArithmeticSpec) -> int:
@@ -211,3 +191,22 @@ def iter_jsonl_examples(path: str, reward_kind: str) -> Iterator[Example]:
           yield Example(row["prompt"], row["answer"], row.get("solution"))
         except (ValueError, KeyError, TypeError) as e:
           raise ValueError(f"{path}:{lineno}: malformed {reward_kind} line: {e!r}") from None
+
+
+# ----------------------------------------------------------------------------- from config
+
+
+def build_task(tc: TaskConfig) -> Task:
+  """The task a config names (JSONL files are read here)."""
+  if tc.kind == "arithmetic":
+    return arithmetic_task(tc.arithmetic)
+  if tc.kind == "gsm8k":
+    train, rep = load_gsm8k(tc.train_path, tc.skip_malformed, tc.prompt_template)
+    test, rep_t = load_gsm8k(tc.test_path, tc.skip_malformed, tc.prompt_template)
+    for r in (rep, rep_t):
+      if r.skipped:
+        log.warning("%s: skipped %d malformed lines (task.skip_malformed=true)", r.path, r.skipped)
+    return dataset_task("gsm8k", train, test, gsm8k_reward, tc.seed)
+  train = list(iter_jsonl_examples(tc.train_path, "math"))
+  test = list(iter_jsonl_examples(tc.test_path, "math"))
+  return dataset_task("math", train, test, math_reward, tc.seed)

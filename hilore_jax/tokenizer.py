@@ -7,6 +7,8 @@ import os
 from tokenizers import Tokenizer, decoders, models
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from hilore_jax import runtime
+
 CHAR_TOKENIZER = "char"  # built locally at first use, so the embedded default needs no download
 PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
 _CHARS = "0123456789+-*/=()., ?:#\n" + "abcdefghijklmnopqrstuvwxyz" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -22,14 +24,9 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
   return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, bos_token=BOS)
 
 
-def cache_root() -> str:
-  """hilore-jax's cache directory ($HILORE_CACHE or ~/.cache/hilore_jax)."""
-  return os.environ.get("HILORE_CACHE", os.path.expanduser("~/.cache/hilore_jax"))
-
-
 def char_tokenizer_dir(cache_dir: str | None = None) -> str:
   """Directory holding the saved character tokenizer, written once."""
-  cache_dir = cache_dir or cache_root()
+  cache_dir = cache_dir or runtime.cache_root()
   path = os.path.join(cache_dir, f"char_tokenizer_{_VERSION}")
   if not os.path.exists(os.path.join(path, "tokenizer.json")):
     tmp = f"{path}.tmp{os.getpid()}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -11,41 +12,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import (checkpointing, evaluation, grpo, hf, manager, metrics, model, optim, rollout, sampler, sft,
+from hilore_jax import (checkpointing, engine, evaluation, grpo, metrics, model, optim, rollout, runtime, sft,
                         sharding, tasks, tokenizer as tokenizers, train_step)
-from hilore_jax.config import Config, MemoryConfig, TaskConfig
+from hilore_jax.config import Config, MemoryConfig
+from hilore_jax.errors import ConfigError, RunExists, TrainingDiverged
+from hilore_jax.memory import MemoryManager
+from hilore_jax.model import hf
 
 log = logging.getLogger(__name__)
 
 
-class TrainingDiverged(RuntimeError):
-  """A non-finite loss or gradient; the last good checkpoint is left untouched."""
-
-
-def build_task(tc: TaskConfig) -> tasks.Task:
-  if tc.kind == "arithmetic":
-    return tasks.arithmetic_task(tc.arithmetic)
-  if tc.kind == "gsm8k":
-    train, rep = tasks.load_gsm8k(tc.train_path, tc.skip_malformed, tc.prompt_template)
-    test, rep_t = tasks.load_gsm8k(tc.test_path, tc.skip_malformed, tc.prompt_template)
-    for r in (rep, rep_t):
-      if r.skipped:
-        log.warning("%s: skipped %d malformed lines (task.skip_malformed=true)", r.path, r.skipped)
-    return tasks.dataset_task("gsm8k", train, test, tasks.gsm8k_reward, tc.seed)
-  train = list(tasks.iter_jsonl_examples(tc.train_path, "math"))
-  test = list(tasks.iter_jsonl_examples(tc.test_path, "math"))
-  return tasks.dataset_task("math", train, test, tasks.math_reward, tc.seed)
-
-
 def layer_policies(mc: MemoryConfig, cfg) -> tuple[model.LayerPolicy, ...]:
   """Per-layer remat choice of the fixed policies (planned methods start from none and allocate per step)."""
-  return model.uniform_policies(cfg, model.FULL_REMAT if mc.policy == "gc" else model.NO_REMAT)
-
-
-def init_distributed(config: Config):
-  m = config.mesh
-  if m.distributed:
-    jax.distributed.initialize(m.coordinator_address, m.num_processes, m.process_id)
+  return model.uniform(cfg.num_hidden_layers, model.FULL_REMAT if mc.policy == "gc" else model.NO_REMAT)
 
 
 class Trainer:
@@ -53,54 +32,39 @@ class Trainer:
 
   def __init__(self, config: Config):
     self.config = c = config
-    init_distributed(c)
+    if c.mesh.distributed:
+      runtime.init_distributed(c.mesh.coordinator_address, c.mesh.num_processes, c.mesh.process_id)
     self.out_dir = c.out_dir
     os.makedirs(self.out_dir, exist_ok=True)
     self.tokenizer = tokenizers.load_tokenizer(c.tokenizer_path)
-    self.model_cfg = c.model.model_config()
+    self.model_cfg = engine.model_config(c)
     if len(self.tokenizer) > self.model_cfg.vocab_size:
-      raise ValueError(f"tokenizer has {len(self.tokenizer)} tokens but model.vocab_size is "
-                       f"{self.model_cfg.vocab_size}")
-    self.task = build_task(c.task)
-    self.mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp)
-    n_shards = sharding.num_batch_shards(self.mesh)
+      raise ConfigError(f"tokenizer has {len(self.tokenizer)} tokens but model.vocab_size is "
+                        f"{self.model_cfg.vocab_size}")
+    self.task = tasks.build_task(c.task)
+    self.batch_size = c.rollout.num_prompts * c.rollout.num_generations
     mb = c.minibatch_size
     micro = c.train.microbatch_size or mb
-    if micro % n_shards:
-      raise ValueError(f"train.microbatch_size ({micro}) must be divisible by the {n_shards} devices of the mesh")
-    self.batch_size = c.rollout.num_prompts * c.rollout.num_generations
     self.updates_per_step = c.grpo.num_iterations * (self.batch_size // mb)
-    self.optimizer = optim.make_optimizer(c.optimizer, c.train.steps * self.updates_per_step)
-    self.lr_schedule = optim.schedule(c.optimizer, c.train.steps * self.updates_per_step)
-    self.loss_cfg = c.grpo.loss_config(c.rollout.max_new_tokens)
-    self.sampling = sampler.SamplingConfig(c.rollout.max_new_tokens, c.rollout.temperature, c.rollout.top_p,
-                                           c.rollout.top_k)
+    total_updates = c.train.steps * self.updates_per_step
+    self.lr_schedule = optim.schedule(c.optimizer, total_updates)
     self.spec = train_step.StepSpec(
-        self.model_cfg, self.loss_cfg, layer_policies(c.memory, self.model_cfg), mb // micro, c.train.logprob_chunk,
+        self.model_cfg, c.grpo, layer_policies(c.memory, self.model_cfg), mb // micro, c.train.logprob_chunk,
         use_old_logp=c.grpo.num_iterations > 1, use_ref_logp=c.grpo.beta > 0)
-    self._init_state()
-    self.stepper = train_step.Stepper(self.mesh, self.optimizer, self.state_shardings)
-    self.memory = (manager.MemoryManager(c.memory, self.spec, self.stepper)
+    self.rng, init_key = jax.random.split(jax.random.PRNGKey(c.seed))
+    host_params = hf.load_hf(c.model.path, c.model.param_dtype, c.model.dtype)[1] if c.model.path else None
+    self.engine = engine.build(c, self.model_cfg, total_updates, host_params, init_key)
+    n_shards = sharding.num_batch_shards(self.engine.mesh)
+    if micro % n_shards:
+      raise ConfigError(f"train.microbatch_size ({micro}) must be divisible by the {n_shards} devices of the mesh")
+    self.state, self.state_shardings = self.engine.state, self.engine.state_shardings
+    self.param_shardings = self.engine.param_shardings
+    self.stepper = self.engine.stepper
+    self.memory = (MemoryManager(c.memory, engine.memory_hooks(self.stepper, self.spec))
                    if c.memory.policy not in ("none", "gc") else None)
     self.checkpointer = checkpointing.Checkpointer(os.path.join(self.out_dir, "checkpoints"), c.checkpoint.keep)
     self._logprobs = jax.jit(lambda p, b: train_step.completion_logprobs(self.model_cfg, p, b, None,
                                                                           c.train.logprob_chunk)[0])
-
-  # --------------------------------------------------------------------------- state
-
-  def _init_state(self):
-    c = self.config
-    rng = jax.random.PRNGKey(c.seed)
-    self.rng, init_key = jax.random.split(rng)
-    params_shape = jax.eval_shape(lambda k: model.init_params(self.model_cfg, k, c.model.init_std), init_key)
-    if c.model.path:
-      _, host_params = hf.load_hf(c.model.path, c.model.param_dtype, c.model.dtype)
-      make = lambda sh: jax.device_put(host_params, sh)
-    else:
-      make = lambda sh: jax.jit(lambda k: model.init_params(self.model_cfg, k, c.model.init_std),
-                                out_shardings=sh)(init_key)
-    self.state, self.state_shardings = train_step.init_state(self.mesh, self.optimizer, params_shape, make)
-    self.param_shardings = self.state_shardings["params"]
     self.ref_params = None
     self.start_step = 0
     self.data_position = 0
@@ -123,7 +87,7 @@ class Trainer:
     meta = {"step": step, "data_position": self.data_position,
             "rng": np.asarray(jax.random.key_data(self.rng)).tolist(), "eval_before": self.eval_before,
             "warmstart_losses": self.warmstart_losses, "config": self.config.to_dict(),
-            "memory_manager": self.memory.state if self.memory is not None else None}
+            "memory_manager": self.memory.state_json() if self.memory is not None else None}
     self.checkpointer.save(step, self._checkpoint_tree(), meta)
 
   def restore_latest(self) -> bool:
@@ -149,9 +113,9 @@ class Trainer:
   # --------------------------------------------------------------------------- pieces
 
   def place_batch(self, batch: dict) -> dict:
-    n = sharding.num_batch_shards(self.mesh)
-    sh = sharding.batch_sharding(self.mesh)
-    return {k: jax.device_put(v, sh if v.shape[0] % n == 0 else sharding.replicated(self.mesh))
+    n = sharding.num_batch_shards(self.engine.mesh)
+    sh = sharding.batch_sharding(self.engine.mesh)
+    return {k: jax.device_put(v, sh if v.shape[0] % n == 0 else sharding.replicated(self.engine.mesh))
             for k, v in batch.items()}
 
   def evaluate(self, params, rng) -> dict:
@@ -168,7 +132,7 @@ class Trainer:
         batch_size=c.train.warmstart_batch_size, lr=c.train.warmstart_lr, max_prompt_len=c.rollout.max_prompt_len,
         max_new_tokens=c.rollout.max_new_tokens, place=self.place_batch, progress=progress)
     params = jax.device_put(params, self.param_shardings)
-    opt_state = jax.jit(self.optimizer.init, out_shardings=self.state_shardings["opt_state"])(params)
+    opt_state = jax.jit(self.engine.optimizer.init, out_shardings=self.state_shardings["opt_state"])(params)
     self.state = {"params": params, "opt_state": opt_state, "step": self.state["step"]}
 
   def build_update_batch(self, roll: rollout.Rollout, rng: np.random.Generator) -> tuple[list[dict], dict]:
@@ -203,7 +167,7 @@ class Trainer:
     c = self.config
     if not c.train.resume and self.checkpointer.latest_step() is not None:
       # never overwrite another run's checkpoints by accident
-      raise FileExistsError(f"{self.checkpointer.directory} already holds checkpoints (latest step "
+      raise RunExists(f"{self.checkpointer.directory} already holds checkpoints (latest step "
                             f"{self.checkpointer.latest_step()}): pass train.resume=true to continue that run, "
                             f"or choose a new out_dir")
     resumed = c.train.resume and self.restore_latest()
@@ -242,13 +206,15 @@ class Trainer:
     return self.finish()
 
   def run_step(self, step: int) -> dict:
+    """rollout -> rewards -> advantages -> minibatches -> allocations (all minibatches at once) -> compiled
+    steps -> metrics, read to host once."""
     c = self.config
     t0 = time.perf_counter()
     examples = self.task.train_batch(self.data_position, c.rollout.num_prompts)
     self.data_position += c.rollout.num_prompts
     self.rng, key = jax.random.split(self.rng)
     roll = rollout.sample_completions(self.model_cfg, self.state["params"], self.tokenizer, examples,
-                                      c.rollout.num_generations, c.rollout.max_prompt_len, self.sampling, key,
+                                      c.rollout.num_generations, c.rollout.max_prompt_len, c.rollout.sampling(), key,
                                       self.task.reward)
     t_rollout = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -258,16 +224,19 @@ class Trainer:
       minibatches = [{**b, "ref_logp": self._logprobs(self.ref_params, b)} for b in minibatches]
     if self.spec.use_old_logp:  # several updates per batch: the ratio needs the pre-update policy
       minibatches = [{**b, "old_logp": self._logprobs(self.state["params"], b)} for b in minibatches]
-    step_metrics, peak_bytes, mem_rows = [], 0, []
-    for it in range(c.grpo.num_iterations):
-      for b in minibatches:
-        spec = self.spec
-        if self.memory is not None:
-          spec, mem = self.memory.step_spec(self.state, b, step, pool=minibatches)
-          mem_rows.append(mem)
-        compiled, peak_bytes = self.stepper.get(spec, self.state, b, reason=f"memory.policy={c.memory.policy}")
+    specs = [self.spec] * len(minibatches)
+    alloc_rows = []
+    if self.memory is not None and minibatches:
+      allocations = self.memory.step(self.state["params"], minibatches, step)
+      specs = [dataclasses.replace(self.spec, policies=a.policies) for a in allocations]
+      alloc_rows = [a.metrics for a in allocations] * c.grpo.num_iterations
+    step_metrics, peaks = [], []
+    for _ in range(c.grpo.num_iterations):
+      for spec, b in zip(specs, minibatches):
+        compiled = self.stepper.get(spec, b, reason=f"memory.policy={c.memory.policy}")
         self.state, m = compiled(self.state, b)
         step_metrics.append(m)
+        peaks.append(compiled.peak_bytes)
     # the next rollout needs these params anyway, so waiting here costs nothing and times the update honestly
     step_metrics = jax.device_get(step_metrics)
     t_update = time.perf_counter() - t1
@@ -275,27 +244,18 @@ class Trainer:
            **stats, "completion_len/mean": float(roll.mask.sum(1).mean()),
            "prompts/truncated": roll.truncated_prompts, "data/position": self.data_position,
            "lr": float(self.lr_schedule(max(int(self.state["step"]) - 1, 0))), "updates": len(step_metrics)}
-    if step_metrics:
-      avg = {k: float(np.mean([m[k] for m in step_metrics])) for k in ("loss", "grad_norm", "clipfrac", "kl",
-                                                                        "entropy")}
-      if not all(np.isfinite(v) for v in (avg["loss"], avg["grad_norm"])):
-        raise TrainingDiverged(f"non-finite loss or gradient at step {step + 1} (loss={avg['loss']}, "
-                               f"grad_norm={avg['grad_norm']})")
-      row.update(avg)
-    else:
-      row.update(loss=0.0, grad_norm=0.0, clipfrac=0.0, kl=0.0, entropy=0.0)
+    row.update(metrics.reduce_updates(step_metrics))
+    if not all(np.isfinite(row[k]) for k in ("loss", "grad_norm")):
+      raise TrainingDiverged(f"non-finite loss or gradient at step {step + 1} (loss={row['loss']}, "
+                             f"grad_norm={row['grad_norm']})")
+    row.update(metrics.reduce_allocations(alloc_rows))
     tokens = sum(int(np.prod(b["prompt_ids"].shape)) + int(np.prod(b["tokens"].shape)) for b in minibatches)
     tokens *= c.grpo.num_iterations
-    if mem_rows:  # the step's allocation(s): fractions averaged, bytes at their worst
-      row.update({k: float(np.mean([r[k] for r in mem_rows])) for k in mem_rows[0] if k.startswith("alloc/frac")})
-      row.update({k: max(r[k] for r in mem_rows) for k in mem_rows[0] if k.startswith("memory/")})
-      row["alloc/bucket"] = mem_rows[-1]["alloc/bucket"]
-      row["alloc/greedy_gap"] = max(r["alloc/greedy_gap"] for r in mem_rows)
-      row["alloc/predicted_err"] = max(r["alloc/predicted_err"] for r in mem_rows)
-      row["time/schedule_s"] = float(sum(r["time/schedule_s"] for r in mem_rows))
+    if peaks:
+      row["memory/compiled_bytes"] = max(peaks)
     row.update({"time/rollout_s": t_rollout, "time/update_s": t_update, "time/step_s": time.perf_counter() - t0,
                 "throughput/update_tokens_per_s": tokens / t_update if t_update > 0 else 0.0,
-                "memory/peak_bytes": peak_bytes, "compile/count": self.stepper.compile_count})
+                "memory/peak_bytes": peaks[-1] if peaks else 0, "compile/count": self.stepper.compile_count})
     return row
 
   def finish(self) -> dict:

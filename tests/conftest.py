@@ -7,7 +7,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
-from hilore_jax.model_config import ModelConfig  # noqa: E402
+from hilore_jax.model import ModelConfig  # noqa: E402
 
 
 @pytest.fixture

@@ -2,17 +2,17 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from hilore_jax import allocator, buckets, grpo, model, train_step
+from hilore_jax import engine, model, train_step
+from hilore_jax.memory import allocator, buckets
+from hilore_jax.config import GRPOConfig
 
 
 def test_bucketing_by_hand():
-  b = buckets.make_bucketer([1, 2, 3, 4, 5, 6, 7, 8], 4)
-  assert b.num_buckets == 4 and b.edges == pytest.approx((2.75, 4.5, 6.25))
-  assert [b.bucket(x) for x in (0.0, 2.75, 2.8, 5, 100)] == [0, 0, 1, 2, 3]
-  assert b.upper(1, 9.0) == 4.5 and b.upper(3, 9.0) == 9.0
-  assert buckets.make_bucketer([3, 3, 3], 4).num_buckets == 2  # repeated levels collapse
-  with pytest.raises(ValueError, match="buckets must be >= 1"):
-    buckets.make_bucketer([1.0], 0)
+  b = buckets.Bucketer.around(4.0, 4)  # edges a factor sqrt(2) apart, the middle one at the level
+  assert b.num_buckets == 4 and b.edges == pytest.approx((2 * 2 ** 0.5, 4.0, 4 * 2 ** 0.5))
+  assert [b.bucket(x) for x in (0.0, 2.8, 2.9, 5, 100)] == [0, 0, 1, 2, 3]
+  assert b.upper(1, 9.0) == 4.0 and b.upper(3, 9.0) == 9.0
+  assert buckets.Bucketer.around(0.0, 4).num_buckets == 1  # nothing exposed at calibration: one bucket
 
 
 def test_allocation_per_bucket_is_solved_once():
@@ -42,14 +42,14 @@ def test_second_step_in_the_same_bucket_compiles_nothing(tiny_cfg):
   opt = optax.adam(1e-3)
   state = {"params": params, "opt_state": opt.init(params), "step": jnp.int32(0)}
   shardings = jax.tree_util.tree_map(lambda _: sharding.replicated(mesh), state)
-  stepper = train_step.Stepper(mesh, opt, shardings)
+  stepper = engine.Stepper(mesh, opt, state, shardings)
   rng = np.random.default_rng(0)
   batch = lambda: {"prompt_ids": rng.integers(3, 31, (4, 3)).astype(np.int32), "prompt_mask": np.ones((4, 3), np.int32),
                    "tokens": rng.integers(3, 31, (4, 2)).astype(np.int32), "mask": np.ones((4, 2), np.int32),
                    "adv": rng.normal(size=4).astype(np.float32)}
-  lc = grpo.LossConfig()
-  by_bucket = {0: model.uniform_policies(tiny_cfg, model.FULL_REMAT),
-               1: model.uniform_policies(tiny_cfg, model.LayerPolicy(remat=True, lowp=(model.MLP_DOWN_IN,)))}
+  lc = GRPOConfig()
+  by_bucket = {0: model.uniform(tiny_cfg.num_hidden_layers, model.FULL_REMAT),
+               1: model.uniform(tiny_cfg.num_hidden_layers, model.LayerPolicy(remat=True, lowp=(model.MLP_DOWN_IN,)))}
   for bucket in (0, 0, 1, 1, 0):
     spec = train_step.StepSpec(tiny_cfg, lc, by_bucket[bucket])
     state, _ = stepper(spec, state, batch(), reason=f"bucket {bucket}")

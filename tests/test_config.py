@@ -4,16 +4,16 @@ import sys
 
 import pytest
 
-from hilore_jax import config
+from hilore_jax import cli, config
 
 
 def test_yaml_and_overrides(tmp_path):
   path = tmp_path / "c.yaml"
   path.write_text("model:\n  hidden_size: 40\n  num_attention_heads: 4\ntrain:\n  steps: 5\ntask:\n  arithmetic:\n    ops: ['+', '-']\n")
-  c = config.load_config(str(path), ["train.steps=20", "out_dir=/tmp/run", "grpo.eps_high=0.28", "model.dtype=bfloat16"])
+  c = cli.load_config(str(path), ["train.steps=20", "out_dir=/tmp/run", "grpo.eps_high=0.28", "model.dtype=bfloat16"])
   assert c.train.steps == 20 and c.out_dir == "/tmp/run" and c.grpo.eps_high == 0.28
   assert c.task.arithmetic.ops == ("+", "-")
-  mc = c.model.model_config()
+  mc = c.model.shape_config()
   assert mc.hidden_size == 40 and mc.dtype == "bfloat16"
   with pytest.raises(dataclasses_frozen_error()):
     c.train.steps = 3
@@ -44,7 +44,7 @@ def dataclasses_frozen_error():
 ])
 def test_bad_values_name_the_key(override, message):
   with pytest.raises(ValueError, match=message):
-    config.load_config(None, [override])
+    cli.load_config(None, [override])
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,4 +61,4 @@ def test_shipped_configs_load():
   paths = glob.glob(os.path.join(ROOT, "configs", "*.yaml"))
   assert paths
   for path in paths:
-    config.load_config(path)
+    cli.load_config(path)

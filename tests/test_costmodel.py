@@ -2,12 +2,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import costmodel, model, units
-from hilore_jax.allocator import H, L, R
+from hilore_jax import model
+from hilore_jax.memory import costmodel, profile as units
+from hilore_jax.model import units as U
+from hilore_jax.memory.allocator import H, L, R
 
 
 def test_rerun_ops_follow_the_layer_graph():
-  every = {op for op, _ in units.PRODUCER.values()}
+  # every producer but the output projection (nothing backward reads comes after it)
+  every = set(U.PRODUCERS) - {"down_proj"}
   assert costmodel.rerun_ops({}) == every  # full checkpointing reruns the whole layer
   # q/k/v kept: attention still reruns scores and pv (probs are never kept), and the q/k/v input is still needed
   # for their weight gradients, so its norm reruns unless it is kept H or L
@@ -41,14 +44,14 @@ def test_no_rerun_choice_really_recomputes_nothing_expensive(tiny_cfg):
 
 
 def test_candidates_are_pareto_and_risk_prunes(tiny_cfg):
-  us = units.enumerate_units(tiny_cfg, 2, 9, 8, {"ops": {op: 1.0 + i for i, op in enumerate(units.OPS)},
+  us = units.enumerate_units(tiny_cfg, 2, 9, 8, {"ops": {op: 1.0 + i for i, op in enumerate(sorted(set(U.PRODUCERS) - {"down_proj"}))},
                                                  "codec": {k: {"int8": 0.01} for k in model.LOWP_UNITS}})
   layer0 = [u for u in us if u.layer == 0]
-  cands = costmodel.candidates(layer0, {op: 1.0 + i for i, op in enumerate(units.OPS)})
+  cands = costmodel.candidates(layer0, {op: 1.0 + i for i, op in enumerate(sorted(set(U.PRODUCERS) - {"down_proj"}))})
   assert any(c.lowp for c in cands) and any(not c.lowp for c in cands)
   opts = costmodel.layer_options(cands, {k: 1.0 for k in model.LOWP_UNITS})
   b, t = np.array([o.bytes for o in opts]), np.array([o.time_s for o in opts])
   for i in range(len(opts)):  # nothing dominated remains
     assert not np.any((b <= b[i]) & (t <= t[i]) & ((b < b[i]) | (t < t[i])) &
                       (np.array([o.risk for o in opts]) <= opts[i].risk))
-  assert min(o.bytes for o in opts) == 0 and max(o.time_s for o in opts) == sum(1.0 + i for i in range(len(units.OPS)))
+  assert min(o.bytes for o in opts) == 0 and max(o.time_s for o in opts) == sum(1.0 + i for i in range(len(set(U.PRODUCERS)) - 1))

@@ -1,8 +1,10 @@
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import exposure, grpo
-from hilore_jax.exposure import ExposureSwitches
+from hilore_jax import grpo
+from hilore_jax.memory import exposure
+from hilore_jax.config import ExposureSwitches
+from hilore_jax.config import GRPOConfig
 
 
 def _inputs():
@@ -15,7 +17,7 @@ def _inputs():
 
 def test_token_weights_by_hand():
   logp, old, ref, adv, mask = _inputs()
-  lc = grpo.LossConfig(loss_agg="token-mean", eps_low=0.2, eps_high=0.2)
+  lc = GRPOConfig(loss_agg="token-mean", eps_low=0.2, eps_high=0.2)
   w = exposure.token_weights(logp, old, ref, adv, mask, lc)
   # 6 tokens: |A * ratio| / 6 where unclipped; ratio exp(0.5) > 1.2 with A > 0 is clipped -> 0
   np.testing.assert_allclose(w, [[1 / 6, 0.0, 1 / 6], [0, 0, 0], [2 / 6, 0, 0]], rtol=1e-6)
@@ -28,7 +30,7 @@ def test_token_weights_by_hand():
 def test_kl_switch():
   logp, old, _, adv, mask = _inputs()
   ref = logp - 0.3
-  lc = grpo.LossConfig(beta=0.5, kl_estimator="k1")
+  lc = GRPOConfig(beta=0.5, kl_estimator="k1")
   on = exposure.token_weights(logp, logp, ref, adv * 0, mask, lc)
   off = exposure.token_weights(logp, logp, ref, adv * 0, mask, lc, ExposureSwitches(kl=False))
   np.testing.assert_allclose(on, 0.5 * mask / 6, rtol=1e-6)  # k1's gradient is 1

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hilore_jax import grpo
-from hilore_jax.grpo import LossConfig
+from hilore_jax.config import GRPOConfig as LossConfig
 
 
 def test_grpo_advantages_by_hand():
@@ -113,9 +113,11 @@ def test_loss_coefficients_equal_autodiff(agg, beta, est, dual):
 
 
 def test_bad_names():
-  with pytest.raises(ValueError, match="loss_agg must be one of"):
+  with pytest.raises(ValueError, match="grpo.loss_agg must be one of"):
     LossConfig(loss_agg="sum")
-  with pytest.raises(ValueError, match="advantage must be one of"):
-    grpo.advantages("ppo", jnp.zeros((1, 2)))
-  with pytest.raises(ValueError, match="std_scale must be one of"):
+  with pytest.raises(ValueError, match="grpo.advantage must be one of"):
+    LossConfig(advantage="ppo")
+  with pytest.raises(ValueError, match="grpo.std_scale must be one of"):
+    LossConfig(std_scale="row")
+  with pytest.raises(ValueError, match="std_scale must be one of"):  # the numerics refuse it too
     grpo.advantages("grpo", jnp.zeros((1, 2)), "row")

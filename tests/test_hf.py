@@ -7,7 +7,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import hilore_jax
-from hilore_jax import hf
+from hilore_jax.model import hf
 
 torch = pytest.importorskip("torch", reason="torch is not importable: the HF parity tests need PyTorch")
 transformers = pytest.importorskip("transformers")

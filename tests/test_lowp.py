@@ -4,25 +4,27 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hilore_jax import codec, lowp, model, residuals
+from hilore_jax import model
+from hilore_jax.model import codec, lowp
+from hilore_jax.model import units as U
 from hilore_jax.model import LayerPolicy
 
 
 def test_int8_codes_by_hand():
   x = jnp.array([[1.0, -2.0, 0.5, 0.0, 127.0]])
-  codes, scale = codec.quantize_int8(x, group_size=3)  # groups [1, -2, .5] and [0, 127, pad]
+  codes, scale = codec.encode(x, "int8", 3)  # groups [1, -2, .5] and [0, 127, pad]
   np.testing.assert_allclose(scale[..., 0], [[2 / 127, 1.0]], rtol=1e-6)
   assert codes.dtype == jnp.int8
   assert codes[0, 0].tolist() == [64, -127, 32] and codes[0, 1].tolist() == [0, 127, 0]  # round(127/2)=64 (half-even: 63.5->64)
-  back = codec.dequantize_int8(codes, scale, x.shape, jnp.float32)
+  back = codec.decode(codes, scale, x.shape, jnp.float32, "int8")
   assert np.all(np.abs(back - x) <= np.repeat(np.asarray(scale[..., 0]), 3, -1)[..., :5] / 2 + 1e-7)
   assert codec.code_bytes((2, 5), group_size=3) == 2 * (6 + 8)
 
 
 def test_bounded_error_on_random_data():
   x = jax.random.normal(jax.random.PRNGKey(0), (3, 7, 50)) * 3
-  codes, scale = codec.quantize_int8(x, 16)
-  err = jnp.abs(codec.dequantize_int8(codes, scale, x.shape, jnp.float32) - x)
+  codes, scale = codec.encode(x, "int8", 16)
+  err = jnp.abs(codec.decode(codes, scale, x.shape, jnp.float32, "int8") - x)
   assert float(err.max()) <= float(scale.max()) / 2 + 1e-6
   assert 0 < float(jnp.linalg.norm(err) / jnp.linalg.norm(x)) < 0.01
 
@@ -47,13 +49,13 @@ HLR = LayerPolicy(remat=True, save=(model.MLP_GATE, model.MLP_UP, model.Q, model
 def test_saved_residuals_prove_h_l_r(tiny_cfg, dtype, short):
   cfg = tiny_cfg.replace(dtype=dtype)
   p = _params(cfg)
-  res = residuals.saved_residuals(lambda q: _loss(cfg, q, IDS, (HLR,) * 3), p)
+  res = model.saved_residuals(lambda q: _loss(cfg, q, IDS, (HLR,) * 3), p)
   names = [r.name for r in res]
   for name in HLR.save:  # H: saved, in compute dtype
     hits = [r for r in res if r.name == name]
     assert len(hits) == 3 and all(r.dtype == short for r in hits), name
   for unit in HLR.lowp:  # L: int8 codes + float32 scales, no float copy
-    cname, sname = lowp.code_names(unit)
+    cname, sname = U.code_names(unit)
     assert [r.dtype for r in res if r.name == cname] == ["i8"] * 3
     assert [r.dtype for r in res if r.name == sname] == ["f32"] * 3
     assert unit not in names
@@ -110,7 +112,7 @@ def test_int4_packs_two_codes_per_byte():
 def test_other_formats_saved_as_their_codes(tiny_cfg, fmt, short):
   p = _params(tiny_cfg)
   pol = LayerPolicy(remat=True, lowp=(model.MLP_DOWN_IN, model.ATTN_CTX), formats=(fmt, "int8"), group_size=8)
-  res = residuals.saved_residuals(lambda q: _loss(tiny_cfg, q, IDS, (pol,) * 3), p)
+  res = model.saved_residuals(lambda q: _loss(tiny_cfg, q, IDS, (pol,) * 3), p)
   assert [r.dtype for r in res if r.name == "mlp_down_in:code"] == [short] * 3
   assert [r.dtype for r in res if r.name == "attn_ctx:code"] == ["i8"] * 3
   g = lambda pols: jax.grad(_loss, argnums=1)(tiny_cfg, p, IDS, pols)
@@ -120,20 +122,24 @@ def test_other_formats_saved_as_their_codes(tiny_cfg, fmt, short):
 
 
 def test_offload_is_refused_on_cpu(tiny_cfg):
-  pol = LayerPolicy(remat=True, offload=(model.MLP_GATE,))
+  from hilore_jax.errors import OffloadUnsupported
+  from hilore_jax.memory import methods, profile
+
   assert not model.offload_supported()
-  with pytest.raises(model.OffloadUnsupported, match="unsupported on the cpu backend"):
-    model.forward(tiny_cfg, _params(tiny_cfg), IDS, layer_policies=(pol,) * 3)
+  us = profile.enumerate_units(tiny_cfg, 2, 9, 8)
+  plan = methods.Plan(tuple("O" if u.kind == model.MLP_GATE else "R" for u in us), (None,) * len(us), 0, 0.0, 0.0)
+  with pytest.raises(OffloadUnsupported, match=r"offloading \['mlp_gate'\] \(O\) is unsupported on the cpu backend"):
+    methods.policies(plan, us, tiny_cfg.num_hidden_layers, 8)
 
 
 def test_policy_validation():
-  with pytest.raises(ValueError, match="cannot be kept low-precision"):
+  with pytest.raises(ValueError, match=r"LayerPolicy.lowp: \['mlp_gate'\] are not valid here"):
     LayerPolicy(remat=True, lowp=(model.MLP_GATE,))
-  with pytest.raises(ValueError, match="both saved"):
+  with pytest.raises(ValueError, match="more than one of H"):
     LayerPolicy(remat=True, save=(model.MLP_NORM,), lowp=(model.MLP_NORM,))
   with pytest.raises(ValueError, match="only apply when remat"):
     LayerPolicy(lowp=(model.MLP_NORM,))
-  with pytest.raises(ValueError, match="unknown low-precision format 'int3'"):
+  with pytest.raises(ValueError, match=r"unknown low-precision formats \['int3'\]"):
     LayerPolicy(remat=True, lowp=(model.MLP_NORM,), formats=("int3",))
-  with pytest.raises(ValueError, match="both offloaded"):
+  with pytest.raises(ValueError, match="more than one of H"):
     LayerPolicy(remat=True, save=(model.MLP_GATE,), offload=(model.MLP_GATE,))

@@ -4,8 +4,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from hilore_jax import codec, methods, model, residuals, units
-from hilore_jax.allocator import H, L, R
+from hilore_jax import model
+from hilore_jax.memory import methods, profile as units
+from hilore_jax.model import codec, units as U
+from hilore_jax.memory.allocator import H, L, R
 
 B, T = 2, 9
 IDS = jnp.arange(B * T, dtype=jnp.int32).reshape(B, T) % 29 + 1
@@ -21,7 +23,7 @@ def _units(cfg):
 
 def _saved(cfg, pols):
   p = model.init_params(cfg, jax.random.PRNGKey(0))
-  res = residuals.saved_residuals(lambda q: jnp.sum(model.forward(cfg, q, IDS, layer_policies=pols) ** 2), p)
+  res = model.saved_residuals(lambda q: jnp.sum(model.forward(cfg, q, IDS, layer_policies=pols) ** 2), p)
   return collections.Counter((r.name, r.dtype) for r in res if r.name)
 
 
@@ -43,7 +45,7 @@ def _check(cfg, method, extra, **kw):
   plan = methods.plan(method, us, ops, extra, group_size=8, **kw)
   assert plan.bytes <= extra or method in ("none",)
   saved = _saved(cfg, methods.policies(plan, us, cfg.num_hidden_layers, 8, method))
-  kept = {k: v for k, v in saved.items() if k[0] in units.KINDS or ":" in k[0]}
+  kept = {k: v for k, v in saved.items() if k[0] in U.UNITS or ":" in k[0]}
   if method != "none":
     assert kept == _expected(plan, us), method  # exactly what the plan keeps, in the form it claims
   return plan, saved
@@ -62,7 +64,7 @@ def test_none_keeps_everything_and_gc_keeps_only_layer_inputs(tiny_cfg):
   for method in ("none", "gc"):
     plan = methods.plan(method, us, ops, 0)
     pols = methods.policies(plan, us, tiny_cfg.num_hidden_layers, 8, method)
-    res = residuals.saved_residuals(lambda q: jnp.sum(model.forward(tiny_cfg, q, IDS, layer_policies=pols) ** 2), p)
+    res = model.saved_residuals(lambda q: jnp.sum(model.forward(tiny_cfg, q, IDS, layer_policies=pols) ** 2), p)
     shapes[method] = [r.shape for r in res]
     assert set(plan.choice) == {H if method == "none" else R}
     if method == "gc":
@@ -75,7 +77,7 @@ def test_sac_keeps_only_matmul_outputs(tiny_cfg):
   plan, _ = _check(tiny_cfg, "sac", _budget(tiny_cfg, 0.3))
   us, _ = _units(tiny_cfg)
   kept = {u.kind for u, c in zip(us, plan.choice) if c == H}
-  assert kept and kept <= set(methods.SAC_KINDS) and L not in plan.choice
+  assert kept and kept <= set(U.MATMUL_UNITS) and L not in plan.choice
 
 
 def test_optimal_hr_is_exact_and_uses_the_graph(tiny_cfg):

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hilore_jax import model, residuals
+from hilore_jax import model
 from hilore_jax.model import LayerPolicy
 
 
@@ -64,18 +64,18 @@ def test_per_layer_policies_give_same_gradients_and_save_what_they_say(tiny_cfg)
   p = _params(tiny_cfg)
   ids = jnp.array([[3, 5, 7, 11, 13, 17, 19]])
   policies = (model.NO_REMAT, model.FULL_REMAT, LayerPolicy(remat=True, save=(model.MLP_GATE, model.ATTN_NORM)))
-  g_ref = jax.grad(_loss, argnums=1)(tiny_cfg, p, ids, model.uniform_policies(tiny_cfg, model.NO_REMAT))
+  g_ref = jax.grad(_loss, argnums=1)(tiny_cfg, p, ids, model.uniform(tiny_cfg.num_hidden_layers, model.NO_REMAT))
   g = jax.grad(_loss, argnums=1)(tiny_cfg, p, ids, policies)
   chex.assert_trees_all_close(g, g_ref, rtol=1e-5, atol=1e-6)
 
   def saved(pols):
-    return residuals.saved_residuals(lambda q: _loss(tiny_cfg, q, ids, pols), p)
+    return model.saved_residuals(lambda q: _loss(tiny_cfg, q, ids, pols), p)
 
   def count(pols, name):
-    return residuals.count_named(saved(pols), name)
+    return sum(r.name == name for r in saved(pols))
 
-  none = model.uniform_policies(tiny_cfg, model.NO_REMAT)
-  full = model.uniform_policies(tiny_cfg, model.FULL_REMAT)
+  none = model.uniform(tiny_cfg.num_hidden_layers, model.NO_REMAT)
+  full = model.uniform(tiny_cfg.num_hidden_layers, model.FULL_REMAT)
   assert count(none, model.MLP_GATE) == tiny_cfg.num_hidden_layers
   assert count(full, model.MLP_GATE) == 0
   assert count(policies, model.MLP_GATE) == 2  # layer 0 (no remat) and layer 2 (saves it by name)
@@ -85,14 +85,14 @@ def test_per_layer_policies_give_same_gradients_and_save_what_they_say(tiny_cfg)
 
 
 def test_layer_policy_validation(tiny_cfg):
-  with pytest.raises(ValueError, match="unknown checkpoint names"):
+  with pytest.raises(ValueError, match=r"LayerPolicy.save: \['nope'\] are not valid"):
     LayerPolicy(remat=True, save=("nope",))
   with pytest.raises(ValueError, match="3 layers"):
     model.forward(tiny_cfg, _params(tiny_cfg), jnp.array([[1, 2]]), layer_policies=(model.NO_REMAT,))
 
 
 def test_config_validation():
-  from hilore_jax.model_config import ModelConfig
+  from hilore_jax.model import ModelConfig
   with pytest.raises(ValueError, match="num_key_value_heads"):
     ModelConfig(num_attention_heads=4, num_key_value_heads=3)
   with pytest.raises(ValueError, match="rope scaling"):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from hilore_jax import model, sampler
-from hilore_jax.sampler import SamplingConfig
+from hilore_jax.config import SamplingConfig
 
 EOS, PAD = 1, 0
 

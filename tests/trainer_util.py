@@ -1,6 +1,6 @@
 """A few-step GRPO config on a tiny model, for the trainer tests."""
 
-from hilore_jax import config
+from hilore_jax import cli, config
 
 TINY = [
     "model.vocab_size=80", "model.hidden_size=24", "model.intermediate_size=37", "model.num_hidden_layers=2",
@@ -14,4 +14,4 @@ TINY = [
 
 
 def tiny_config(out_dir, *overrides):
-  return config.load_config(None, [*TINY, f"out_dir={out_dir}", *overrides])
+  return cli.load_config(None, [*TINY, f"out_dir={out_dir}", *overrides])

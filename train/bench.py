@@ -2,9 +2,9 @@
 
 import argparse
 import logging
-import sys
+import os
 
-from hilore_jax import config as config_lib
+from hilore_jax import cli
 
 
 def main(argv=None):
@@ -13,22 +13,18 @@ def main(argv=None):
   ap.add_argument("--out", required=True, help="directory for results.json, results.md, frontier.png, risk.md")
   ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. bench.seq_len=128 model.hidden_size=96")
   args = ap.parse_args(argv)
-  logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-  try:
-    cfg = config_lib.load_config(args.config, args.overrides)
-  except (ValueError, FileNotFoundError) as e:
-    sys.exit(f"config error: {e}")
-  from hilore_jax import allocator, bench, model
+  cli.setup_logging(logging.WARNING)
 
-  try:
-    result = bench.run(cfg, args.out, progress=lambda s: print(s, flush=True))
-  except (allocator.InfeasibleBudget, model.OffloadUnsupported) as e:
-    sys.exit(f"memory error: {e}")
-  with open(f"{args.out}/results.md") as f:
-    print(f.read())
-  if result["risk"]:
-    with open(f"{args.out}/risk.md") as f:
-      print(f.read())
+  def body():
+    cfg = cli.load_config(args.config, args.overrides)
+    from hilore_jax.bench import run
+
+    result = run.run(cfg, args.out, progress=lambda s: print(s, flush=True))
+    for name in ("results.md", "risk.md") if result["risk"] else ("results.md",):
+      with open(os.path.join(args.out, name)) as f:
+        print(f.read())
+
+  cli.run(body)
 
 
 if __name__ == "__main__":

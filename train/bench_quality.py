@@ -3,9 +3,10 @@
 import argparse
 import json
 import logging
-import sys
+import os
 
-from hilore_jax import config as config_lib
+from hilore_jax import cli
+from hilore_jax.errors import ConfigError
 
 
 def main(argv=None):
@@ -14,29 +15,29 @@ def main(argv=None):
   ap.add_argument("--out", default="runs/bench_quality", help="directory for the runs and quality.json/.md/.png")
   ap.add_argument("overrides", nargs="*", help="seeds=N and dotted overrides, e.g. train.steps=20")
   args = ap.parse_args(argv)
-  seeds = 3
-  overrides = []
-  for o in args.overrides:
-    if o.startswith("seeds="):
-      try:
-        seeds = int(o.split("=", 1)[1])
-      except ValueError:
-        sys.exit(f"config error: seeds must be an integer, got {o!r}")
-      if seeds < 1:
-        sys.exit(f"config error: seeds must be >= 1, got {seeds}")
-    else:
-      overrides.append(o)
-  logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-  try:
-    cfg = config_lib.load_config(args.config, overrides)
-  except (ValueError, FileNotFoundError) as e:
-    sys.exit(f"config error: {e}")
-  from hilore_jax import quality
+  cli.setup_logging(logging.WARNING)
 
-  result = quality.run(cfg, seeds, args.out, progress=lambda s: print(s, flush=True))
-  with open(f"{args.out}/quality.md") as f:
-    print(f.read())
-  print(json.dumps(result["paired_diff_pp"]))
+  def body():
+    seeds, overrides = 3, []
+    for o in args.overrides:
+      if o.startswith("seeds="):
+        try:
+          seeds = int(o.split("=", 1)[1])
+        except ValueError:
+          raise ConfigError(f"seeds must be an integer, got {o!r}") from None
+        if seeds < 1:
+          raise ConfigError(f"seeds must be >= 1, got {seeds}")
+      else:
+        overrides.append(o)
+    cfg = cli.load_config(args.config, overrides)
+    from hilore_jax.bench import quality
+
+    result = quality.run(cfg, seeds, args.out, progress=lambda s: print(s, flush=True))
+    with open(os.path.join(args.out, "quality.md")) as f:
+      print(f.read())
+    print(json.dumps(result["paired_diff_pp"]))
+
+  cli.run(body)
 
 
 if __name__ == "__main__":

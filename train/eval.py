@@ -3,9 +3,9 @@
 import argparse
 import json
 import logging
-import sys
 
-from hilore_jax import config as config_lib
+from hilore_jax import cli
+from hilore_jax.errors import ConfigError
 
 
 def main(argv=None):
@@ -14,22 +14,20 @@ def main(argv=None):
   ap.add_argument("--checkpoint", help="a run directory, its checkpoints/ folder, or an HF export directory")
   ap.add_argument("overrides", nargs="*", help="dotted overrides; checkpoint=... also works")
   args = ap.parse_args(argv)
-  logging.basicConfig(level=logging.WARNING)
+  cli.setup_logging(logging.WARNING)
   overrides = [o for o in args.overrides if not o.startswith("checkpoint=")]
   checkpoint = args.checkpoint or next((o.split("=", 1)[1] for o in args.overrides if o.startswith("checkpoint=")),
                                        None)
-  if not checkpoint:
-    sys.exit("give --checkpoint DIR (or checkpoint=DIR)")
-  try:
-    cfg = config_lib.load_config(args.config, overrides)
-  except (ValueError, FileNotFoundError) as e:
-    sys.exit(f"config error: {e}")
-  from hilore_jax.eval_run import evaluate_checkpoint
 
-  try:
+  def body():
+    if not checkpoint:
+      raise ConfigError("give --checkpoint DIR (or checkpoint=DIR)")
+    cfg = cli.load_config(args.config, overrides)
+    from hilore_jax.evaluation import evaluate_checkpoint
+
     print(json.dumps(evaluate_checkpoint(cfg, checkpoint), indent=2))
-  except FileNotFoundError as e:
-    sys.exit(f"checkpoint error: {e}")
+
+  cli.run(body)
 
 
 if __name__ == "__main__":

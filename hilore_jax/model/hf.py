@@ -14,8 +14,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.flax import save_file
 
-from hilore_jax import model_config
-from hilore_jax.model_config import ModelConfig
+from hilore_jax.model import config as model_config
+from hilore_jax.model.config import ModelConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -8,13 +8,17 @@ from typing import Sequence
 
 import numpy as np
 
-from hilore_jax import allocator, codec, costmodel, model, units
-from hilore_jax.allocator import H, L, O, R
+from hilore_jax import model
+from hilore_jax.config import MEMORY_POLICIES
+from hilore_jax.errors import OffloadUnsupported
+from hilore_jax.memory import allocator, costmodel
+from hilore_jax.memory.allocator import H, L, O, R
+from hilore_jax.memory.profile import Unit
+from hilore_jax.model import codec
+from hilore_jax.model import units as U
 
-METHODS = ("none", "gc", "sac", "optimal_hr", "uniform_int8", "greedy_bits", "adacc_style", "hilore")
+METHODS = MEMORY_POLICIES
 CALIBRATED = ("greedy_bits", "adacc_style", "hilore")  # methods that need measured per-unit errors
-# PyTorch SAC's default: keep matmul outputs, chosen by recompute time per byte (mlp_input is o_proj's output)
-SAC_KINDS = (model.Q, model.K, model.V, model.MLP_INPUT, model.MLP_GATE, model.MLP_UP)
 # relative rounding step of each format against int8's (absmax/127): int4 absmax/7; bf16 ~2^-9 of the value
 FORMAT_STEP = {"int4": 127 / 7, "int8": 1.0, "fp8_e4m3": 1.0, "bf16": 0.5}
 
@@ -34,7 +38,7 @@ class Plan:
     return {f"frac_{c}": self.choice.count(c) / n for c in (H, L, R, O)}
 
 
-def layers_of(unit_list: Sequence[units.Unit]) -> list[list[int]]:
+def layers_of(unit_list: Sequence[Unit]) -> list[list[int]]:
   """Indices into unit_list, grouped by layer (in layer order)."""
   out: dict[int, list[int]] = {}
   for i, u in enumerate(unit_list):
@@ -42,11 +46,22 @@ def layers_of(unit_list: Sequence[units.Unit]) -> list[list[int]]:
   return [out[k] for k in sorted(out)]
 
 
-def policies(plan: Plan, unit_list: Sequence[units.Unit], num_layers: int, group_size: int,
+def require_offload(what: str):
+  """OffloadUnsupported unless this backend has a pinned_host memory kind (the one place it is raised)."""
+  if not model.offload_supported():
+    import jax
+
+    raise OffloadUnsupported(f"{what} is unsupported on the {jax.default_backend()} backend: it needs a device with "
+                             "its own memory and a pinned_host memory kind (GPU/TPU); use H, L or R here")
+
+
+def policies(plan: Plan, unit_list: Sequence[Unit], num_layers: int, group_size: int,
              method: str = "") -> tuple[model.LayerPolicy, ...]:
   """Per-layer LayerPolicy for a plan (none: no remat at all)."""
   if method == "none":
     return (model.NO_REMAT,) * num_layers
+  if O in plan.choice:
+    require_offload(f"offloading {sorted({u.kind for u, c in zip(unit_list, plan.choice) if c == O})} (O)")
   save = [[] for _ in range(num_layers)]
   lowp = [[] for _ in range(num_layers)]
   fmts = [[] for _ in range(num_layers)]
@@ -63,7 +78,7 @@ def policies(plan: Plan, unit_list: Sequence[units.Unit], num_layers: int, group
                                  group_size=group_size) for s, l, f, o in zip(save, lowp, fmts, off))
 
 
-def evaluate(choice: Sequence[str], unit_list: Sequence[units.Unit], op_s: dict,
+def evaluate(choice: Sequence[str], unit_list: Sequence[Unit], op_s: dict,
              risk_of: dict | None = None) -> tuple[int, float, float]:
   """(bytes, seconds, risk) of a per-unit choice under the dataflow cost model."""
   b = t = r = 0.0
@@ -92,7 +107,7 @@ def layer_groups(unit_list, op_s, risk_of: dict, allow_l: bool, allow_o: bool) -
   return groups
 
 
-def plan(method: str, unit_list: Sequence[units.Unit], op_s: dict, extra_bytes: int, *, risk_of: dict | None = None,
+def plan(method: str, unit_list: Sequence[Unit], op_s: dict, extra_bytes: int, *, risk_of: dict | None = None,
          delta: float = 0.0, fmt: str = "int8", allow_o: bool = False, sensitivity: dict | None = None,
          group_size: int = 64, solver: str = "greedy") -> Plan:
   """The method's plan for `extra_bytes` of activation memory on top of full checkpointing.
@@ -102,8 +117,6 @@ def plan(method: str, unit_list: Sequence[units.Unit], op_s: dict, extra_bytes: 
   """
   if method not in METHODS:
     raise ValueError(f"unknown memory.policy {method!r}; choose one of {list(METHODS)}")
-  if extra_bytes < 0:
-    raise allocator.InfeasibleBudget(f"memory budget is {-extra_bytes} bytes below full checkpointing's, the minimum")
   n = len(unit_list)
   if method == "none":
     return _plan((H,) * n, unit_list, op_s)
@@ -112,7 +125,7 @@ def plan(method: str, unit_list: Sequence[units.Unit], op_s: dict, extra_bytes: 
   if method == "sac":
     # a 0/1 knapsack of matmul outputs valued by their own op's time, as PyTorch's SAC optimizer does (it does not
     # know which other tensors backward will still have to recompute)
-    idx = [i for i, u in enumerate(unit_list) if u.kind in SAC_KINDS]
+    idx = [i for i, u in enumerate(unit_list) if u.kind in U.MATMUL_UNITS]
     costs = [allocator.UnitCost(str(i), unit_list[i].bytes_h, None, unit_list[i].recompute_s) for i in idx]
     picked = allocator.exact(allocator.per_unit(costs), extra_bytes, 0.0).choice
     choice = [R] * n

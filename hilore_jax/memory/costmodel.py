@@ -16,29 +16,28 @@ from typing import Sequence
 
 import numpy as np
 
-from hilore_jax import allocator, model, units
-from hilore_jax.allocator import H, L, O, R
-
-EXACT_READS = (model.Q, model.K, model.V, model.ATTN_PROBS, model.MLP_INPUT, model.MLP_GATE, model.MLP_UP)
-WEIGHT_READS = model.LOWP_UNITS  # read only by a weight gradient in backward: a low-precision code suffices
+from hilore_jax.memory import allocator
+from hilore_jax.memory.allocator import H, L, O, R
+from hilore_jax.memory.profile import Unit
+from hilore_jax.model import units as U
 
 
 def rerun_ops(choice: dict[str, str]) -> frozenset[str]:
   """Producer ops backward must rerun when units are kept as `choice` (kind -> H/L/R/O; missing: R)."""
-  need = list(EXACT_READS) + [u for u in WEIGHT_READS if choice.get(u, R) == R]
+  # backward reads these exactly; a unit read only by its weights' gradient is satisfied by an L code
+  need = list(U.EXACT_READS) + [t.name for t in U.TABLE if t.backward == U.WEIGHTS and choice.get(t.name, R) == R]
   ops, seen = set(), set()
   while need:
     v = need.pop()
-    if v in seen or v == model.LAYER_INPUT or choice.get(v, R) in (H, O):
-      continue
+    if v in seen or U.BY_NAME[v].producer is None or choice.get(v, R) in (H, O):
+      continue  # kept exactly, or the layer boundary (always kept)
     seen.add(v)
-    op, inputs = units.PRODUCER[v]
-    ops.add(op)
-    need.extend(inputs)
+    ops.add(U.BY_NAME[v].producer)
+    need.extend(U.BY_NAME[v].reads)
   return frozenset(ops)
 
 
-def choice_time(choice: dict[str, str], op_s: dict[str, float], layer_units: Sequence[units.Unit]) -> float:
+def choice_time(choice: dict[str, str], op_s: dict[str, float], layer_units: Sequence[Unit]) -> float:
   """Rerun + encode/decode + host-transfer seconds of one layer's choice."""
   t = sum(op_s.get(op, 0.0) for op in rerun_ops(choice))
   for u in layer_units:
@@ -47,7 +46,7 @@ def choice_time(choice: dict[str, str], op_s: dict[str, float], layer_units: Seq
   return t
 
 
-def choice_bytes(choice: dict[str, str], layer_units: Sequence[units.Unit]) -> int:
+def choice_bytes(choice: dict[str, str], layer_units: Sequence[Unit]) -> int:
   return sum(u.bytes_h if choice.get(u.kind, R) == H else u.bytes_l if choice.get(u.kind, R) == L else 0
              for u in layer_units)
 
@@ -73,7 +72,7 @@ def _pareto_2d(cands: list[Candidate]) -> list[Candidate]:
 
 
 @functools.lru_cache(maxsize=64)
-def _candidates_cached(layer_units: tuple[units.Unit, ...], op_items: tuple, allow: tuple) -> tuple[Candidate, ...]:
+def _candidates_cached(layer_units: tuple[Unit, ...], op_items: tuple, allow: tuple) -> tuple[Candidate, ...]:
   op_s = dict(op_items)
   kinds = [u.kind for u in layer_units]
   allowed = dict(allow)
@@ -87,7 +86,7 @@ def _candidates_cached(layer_units: tuple[units.Unit, ...], op_items: tuple, all
   return tuple(c for group in by_lset.values() for c in _pareto_2d(group))
 
 
-def candidates(layer_units: Sequence[units.Unit], op_s: dict[str, float], allow_l: bool = True,
+def candidates(layer_units: Sequence[Unit], op_s: dict[str, float], allow_l: bool = True,
                allow_o: bool = False) -> tuple[Candidate, ...]:
   """Every layer choice that is (bytes, time)-Pareto for its set of L units (risk depends only on that set)."""
   allow = []

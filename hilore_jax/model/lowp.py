@@ -8,12 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from hilore_jax import codec
-
-
-def code_names(unit: str) -> tuple[str, str]:
-  """Checkpoint names of a unit's codes and scales (what a remat policy saves for an L unit)."""
-  return f"{unit}:code", f"{unit}:scale"
+from hilore_jax.model import codec
+from hilore_jax.model.units import code_names
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))

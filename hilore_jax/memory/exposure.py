@@ -20,20 +20,10 @@ import jax
 import jax.numpy as jnp
 
 from hilore_jax import grpo
+from hilore_jax.config import ExposureSwitches
 
 
-@dataclasses.dataclass(frozen=True)
-class ExposureSwitches:
-  """Each component can be switched off for ablations."""
-
-  ratio_clip: bool = True  # use w_t (ratio, clip mask); off: |advantage| per token
-  update_mask: bool = True  # only tokens that are updated; off: every position counts
-  kl: bool = True  # include the beta * KL part of w_t
-  activation: bool = True  # weight by the unit's per-token reconstruction error; off: 1
-  susceptibility: bool = True  # per-unit measured factor; off: 1
-
-
-def token_weights(logp, old_logp, ref_logp, adv_B, mask_BT, lc: grpo.LossConfig,
+def token_weights(logp, old_logp, ref_logp, adv_B, mask_BT, lc,
                   sw: ExposureSwitches = ExposureSwitches()) -> jax.Array:
   """|w_t| [B, T] under the switches (the GRPO forward quantities alone)."""
   mask = mask_BT if sw.update_mask else jnp.ones_like(mask_BT)

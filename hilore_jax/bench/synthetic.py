@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hilore_jax import grpo, train_step
-from hilore_jax.model_config import ModelConfig
+from hilore_jax.model import ModelConfig
 
 
 def grpo_batch(cfg: ModelConfig, params, rng: np.random.Generator, rows: int, prompt_len: int, completion_len: int,

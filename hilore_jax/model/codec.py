@@ -62,15 +62,6 @@ def decode(codes: jax.Array, scale: jax.Array, shape: tuple[int, ...], dtype, fm
   return (y * scale).reshape(*shape[:-1], -1)[..., :shape[-1]].astype(dtype)
 
 
-def quantize_int8(x: jax.Array, group_size: int = 64) -> tuple[jax.Array, jax.Array]:
-  """int8 codes and scales; |x - dequant| <= scale / 2 per element."""
-  return encode(x, "int8", group_size)
-
-
-def dequantize_int8(codes: jax.Array, scale: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
-  return decode(codes, scale, shape, dtype, "int8")
-
-
 def code_bytes(shape: tuple[int, ...], group_size: int = 64, fmt: str = "int8") -> int:
   """Bytes of an L copy: the (padded) codes plus one float32 scale per group."""
   _check(fmt)

@@ -11,96 +11,84 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import codec, exposure, model, train_step
-from hilore_jax.exposure import ExposureSwitches
-from hilore_jax.model_config import ModelConfig
+from hilore_jax import model
+from hilore_jax.config import ExposureSwitches
+from hilore_jax.memory import exposure
+from hilore_jax.memory.hooks import StepHooks
+from hilore_jax.model import codec
+from hilore_jax.model import units as U
 
 
-def lowp_units(cfg: ModelConfig) -> list[tuple[int, str]]:
+def lowp_units(num_layers: int) -> list[tuple[int, str]]:
   """(layer, kind) of every unit that can be L."""
-  return [(layer, kind) for layer in range(cfg.num_hidden_layers) for kind in model.LOWP_UNITS]
+  return [(layer, kind) for layer in range(num_layers) for kind in U.LOWP_UNITS]
 
 
-def token_errors(cfg: ModelConfig, params, batch: dict, units: Sequence[tuple[int, str]], group_size: int,
+def token_errors(hooks: StepHooks, params, batch: dict, units: Sequence[tuple[int, str]], group_size: int,
                  fmt: str = "int8") -> jax.Array:
-  """[U, B, N] norm of each unit's L reconstruction error per token, at the positions that predict completions."""
-  ids, mask = train_step.sequence_inputs(batch)
-  P, N = batch["prompt_ids"].shape[1], batch["tokens"].shape[1]
-  taps: list[dict] = []
-  model.hidden_states(cfg, params, ids, mask, taps=taps)
+  """[U, B, N] norm of each unit's L reconstruction error per token, at the positions whose log-probs count."""
+  taps = hooks.unit_tensors(params, batch)
   out = []
   for layer, kind in units:
-    x = taps[layer][kind][:, P - 1:P + N - 1]
+    x = taps[layer][kind]
     x = x.reshape(*x.shape[:2], -1).astype(jnp.float32)
     x_hat = codec.decode(*codec.encode(x, fmt, group_size), x.shape, jnp.float32, fmt)
     out.append(jnp.linalg.norm(x_hat - x, axis=-1))
   return jnp.stack(out)
 
 
-def raw_exposure(spec: train_step.StepSpec, params, batch: dict, units, switches=ExposureSwitches(),
-                 group_size: int = 64, fmt: str = "int8") -> jax.Array:
+def raw_exposure(hooks: StepHooks, params, batch: dict, units, switches=ExposureSwitches(), group_size: int = 64,
+                 fmt: str = "int8") -> jax.Array:
   """[U] exposure without susceptibility, from the forward quantities of this batch."""
-  logp, _ = train_step.completion_logprobs(spec.model_cfg, params, batch, None, spec.logprob_chunk)
-  old = batch["old_logp"] if spec.use_old_logp else logp
-  ref = batch["ref_logp"] if spec.use_ref_logp else logp
-  w = exposure.token_weights(logp, old, ref, batch["adv"], batch["mask"], spec.loss_cfg, switches)
-  err = token_errors(spec.model_cfg, params, batch, units, group_size, fmt)
+  w = hooks.token_weights(params, batch, switches)
+  err = token_errors(hooks, params, batch, units, group_size, fmt)
   return exposure.unit_exposure(w, err, jnp.ones(len(units)), dataclasses.replace(switches, susceptibility=False))
 
 
-# one jitted gradient for the module: specs are static, so repeated specs (the exact gradient) compile once
-_grad = jax.jit(lambda p, b, s: train_step.grads_and_stats(p, b, s)[0], static_argnums=2)
+def norm(tree) -> jax.Array:
+  """Euclidean norm of a pytree, leaf by leaf (no flattened copy of the model)."""
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree_util.tree_leaves(tree)))
 
 
-def _exact_spec(spec: train_step.StepSpec) -> train_step.StepSpec:
-  return dataclasses.replace(spec, policies=model.uniform_policies(spec.model_cfg, model.NO_REMAT))
+def relative_error(g, exact) -> float:
+  """||g - exact|| / ||exact|| over pytrees."""
+  diff = jax.tree_util.tree_map(lambda a, b: a.astype(jnp.float32) - b.astype(jnp.float32), g, exact)
+  return float(norm(diff) / jnp.maximum(norm(exact), 1e-30))
 
 
-def flatten(tree) -> jax.Array:
-  """All leaves as one float32 vector."""
-  return jnp.concatenate([x.ravel().astype(jnp.float32) for x in jax.tree_util.tree_leaves(tree)])
+def cosine(g, exact) -> float:
+  dot = sum(jnp.sum(a.astype(jnp.float32) * b.astype(jnp.float32))
+            for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(exact)))
+  return float(dot / jnp.maximum(norm(g) * norm(exact), 1e-30))
 
 
-def gradient(spec: train_step.StepSpec, params, batch: dict):
-  """The gradient tree under spec's policies (jitted once per spec)."""
-  return _grad(params, batch, spec)
+def exact_gradient(hooks: StepHooks, params, batch: dict):
+  """The gradient with every activation kept (H)."""
+  return hooks.gradient(params, batch, model.uniform(hooks.model_cfg.num_hidden_layers, model.NO_REMAT))
 
 
-def exact_gradient(spec: train_step.StepSpec, params, batch: dict) -> jax.Array:
-  """The flat fp32 gradient with every activation kept (H)."""
-  return flatten(_grad(params, batch, _exact_spec(spec)))
-
-
-def gradient_error(spec: train_step.StepSpec, params, batch: dict, policies, exact=None) -> float:
+def gradient_error(hooks: StepHooks, params, batch: dict, policies, exact=None) -> float:
   """||g - g_exact|| / ||g_exact|| with g under `policies`, g_exact with every activation kept (H)."""
-  if exact is None:
-    exact = exact_gradient(spec, params, batch)
-  g = flatten(_grad(params, batch, dataclasses.replace(spec, policies=tuple(policies))))
-  return float(jnp.linalg.norm(g - exact) / jnp.maximum(jnp.linalg.norm(exact), 1e-30))
+  exact = exact_gradient(hooks, params, batch) if exact is None else exact
+  return relative_error(hooks.gradient(params, batch, tuple(policies)), exact)
 
 
-# the weights whose gradient reads each L unit (the only gradients its rounding error reaches)
-UNIT_WEIGHTS = {model.ATTN_NORM: ("attn", ("wq_DNH", "wk_DKH", "wv_DKH")), model.ATTN_CTX: ("attn", ("wo_NHD",)),
-                model.MLP_NORM: ("mlp", ("wgate_DF", "wup_DF")), model.MLP_DOWN_IN: ("mlp", ("wdown_FD",))}
-
-
-def measure_unit_errors(spec: train_step.StepSpec, params, batch: dict, units, group_size: int,
+def measure_unit_errors(hooks: StepHooks, params, batch: dict, units, group_size: int,
                         fmt: str = "int8") -> np.ndarray:
   """[U] true relative gradient error ||g_u - g|| / ||g|| when only unit u is L, for every unit at once.
 
   An L unit's code is read only by its own weights' gradient (input gradients use exact weights), so with every
   unit L each unit's error sits alone in its weights' gradient blocks: one gradient measures all of them.
   """
-  exact = _grad(params, batch, _exact_spec(spec))
-  approx = _grad(params, batch, dataclasses.replace(spec, policies=lowp_policies(spec.model_cfg, units, group_size,
-                                                                                 fmt)))
-  norm = float(jnp.linalg.norm(flatten(exact)))
+  exact = exact_gradient(hooks, params, batch)
+  approx = hooks.gradient(params, batch, lowp_policies(hooks.model_cfg.num_hidden_layers, units, group_size, fmt))
+  total = float(norm(exact))
   out = []
   for layer, kind in units:
-    sub, names = UNIT_WEIGHTS[kind]
-    sq = sum(float(jnp.sum((approx["layers"][layer][sub][n].astype(jnp.float32) -
-                            exact["layers"][layer][sub][n].astype(jnp.float32)) ** 2)) for n in names)
-    out.append(np.sqrt(sq) / max(norm, 1e-30))
+    blocks_a, blocks_e = model.layer_params(approx, layer), model.layer_params(exact, layer)
+    sq = sum(float(jnp.sum((blocks_a[sub][leaf].astype(jnp.float32) - blocks_e[sub][leaf].astype(jnp.float32)) ** 2))
+             for sub, leaf in U.BY_NAME[kind].weights)
+    out.append(np.sqrt(sq) / max(total, 1e-30))
   return np.array(out)
 
 
@@ -134,18 +122,18 @@ def risk_metrics(score: np.ndarray, err: np.ndarray, top: float = 0.1) -> dict[s
   return {"spearman": float(rho), f"top{int(top * 100)}_recall": len(true_top & pred_top) / k, "auroc": auroc}
 
 
-def lowp_policies(cfg: ModelConfig, chosen: Sequence[tuple[int, str]], group_size: int,
+def lowp_policies(num_layers: int, chosen: Sequence[tuple[int, str]], group_size: int,
                   fmt: str = "int8") -> tuple[model.LayerPolicy, ...]:
   """Every activation kept except `chosen` units, which are L."""
-  pols = list(model.uniform_policies(cfg, model.NO_REMAT))
-  for layer in range(cfg.num_hidden_layers):
+  pols = list(model.uniform(num_layers, model.NO_REMAT))
+  for layer in range(num_layers):
     lowp = tuple(k for l, k in chosen if l == layer)
     if lowp:
       pols[layer] = model.LayerPolicy(remat=True, lowp=lowp, formats=(fmt,) * len(lowp), group_size=group_size)
   return tuple(pols)
 
 
-def calibrate_delta(spec: train_step.StepSpec, params, batches: Sequence[dict], units, predicted: np.ndarray,
+def calibrate_delta(hooks: StepHooks, params, batches: Sequence[dict], units, predicted: np.ndarray,
                     measured_KU: np.ndarray, tolerance: float, group_size: int, fmt: str = "int8",
                     max_halvings: int = 8) -> tuple[float, float]:
   """Largest risk budget delta (from tolerance^2, halving) whose lowest-risk L set stays under the tolerance on
@@ -164,8 +152,8 @@ def calibrate_delta(spec: train_step.StepSpec, params, batches: Sequence[dict], 
     err = float(np.sqrt((measured_KU[:, chosen] ** 2).sum(1)).max()) if chosen else 0.0
     if err <= tolerance:
       if chosen:  # the set as it will run: one real gradient confirms the root-sum-square
-        pols = lowp_policies(spec.model_cfg, [units[i] for i in chosen], group_size, fmt)
-        err = gradient_error(spec, params, batches[0], pols)
+        pols = lowp_policies(hooks.model_cfg.num_hidden_layers, [units[i] for i in chosen], group_size, fmt)
+        err = gradient_error(hooks, params, batches[0], pols)
       return delta, err
     delta /= 2
   return 0.0, 0.0
@@ -176,13 +164,13 @@ def calibrate_delta(spec: train_step.StepSpec, params, batches: Sequence[dict], 
 ABLATIONS = ("ratio_clip", "update_mask", "kl", "activation", "susceptibility")
 
 
-def risk_report(spec: train_step.StepSpec, params, cal_batches: Sequence[dict], eval_batches: Sequence[dict], units,
+def risk_report(hooks: StepHooks, params, cal_batches: Sequence[dict], eval_batches: Sequence[dict], units,
                 group_size: int, fmt: str = "int8") -> dict[str, dict[str, float]]:
   """How well each score predicts the measured per-unit error on held-out batches (pooled over batches and units):
   the full exposure score, each component switched off, and simple baselines. Scores are fit on cal_batches."""
-  measure = lambda bs: np.stack([measure_unit_errors(spec, params, b, units, group_size, fmt) for b in bs])
+  measure = lambda bs: np.stack([measure_unit_errors(hooks, params, b, units, group_size, fmt) for b in bs])
   err_cal, err_ev = measure(cal_batches), measure(eval_batches)
-  raw_fn = jax.jit(lambda p, b, sw: raw_exposure(spec, p, b, units, sw, group_size, fmt), static_argnums=2)
+  raw_fn = jax.jit(lambda p, b, sw: raw_exposure(hooks, p, b, units, sw, group_size, fmt), static_argnums=2)
   rows = {}
   variants = {"full": ExposureSwitches()}
   variants.update({f"without {a}": ExposureSwitches(**{a: False}) for a in ABLATIONS})
@@ -193,7 +181,7 @@ def risk_report(spec: train_step.StepSpec, params, cal_batches: Sequence[dict], 
     rows[name] = risk_metrics((raw_ev * sus).ravel(), err_ev.ravel())
   # baselines: the unit's reconstruction error alone; its calibrated mean error (type/layer, batch-independent);
   # the batch's total |advantage| (the same for every unit of a batch)
-  recon = jax.jit(lambda p, b: jnp.sqrt(jnp.sum(token_errors(spec.model_cfg, p, b, units, group_size, fmt) ** 2,
+  recon = jax.jit(lambda p, b: jnp.sqrt(jnp.sum(token_errors(hooks, p, b, units, group_size, fmt) ** 2,
                                                  axis=(1, 2))))
   rows["baseline: reconstruction error only"] = risk_metrics(
       np.stack([np.asarray(recon(params, b)) for b in eval_batches]).ravel(), err_ev.ravel())

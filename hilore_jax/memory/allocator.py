@@ -42,10 +42,6 @@ class Allocation:
   picks: tuple[int, ...] = ()  # the option index chosen in each group
 
 
-class InfeasibleBudget(ValueError):
-  """The memory budget is below what recomputing every unit needs."""
-
-
 def per_unit(units: Sequence[UnitCost]) -> list[list[Option]]:
   """Independent units as groups of one: options R, H and (where possible) L."""
   groups = []
@@ -68,7 +64,7 @@ def _start(groups, budget_bytes) -> list[int]:
   picks = [min(range(len(g)), key=lambda i: (g[i].bytes, g[i].time_s, g[i].risk)) for g in groups]
   floor = sum(g[i].bytes for g, i in zip(groups, picks))
   if budget_bytes < floor:
-    raise InfeasibleBudget(f"memory budget is {floor - budget_bytes} bytes below what full recomputation needs "
+    raise ValueError(f"memory budget is {floor - budget_bytes} bytes below what full recomputation needs "
                            f"(the minimum is {floor} bytes on top of the fixed base)")
   return picks
 
@@ -128,9 +124,3 @@ def exact(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: fl
   x = np.round(res.x).astype(int)
   picks = [int(np.argmax(x[s:s + k])) for s, k in zip(start, sizes)]
   return _summary(groups, picks)
-
-
-def optimality_gap(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: float) -> float:
-  """(greedy time - optimal time) / optimal time; 0 when the greedy is optimal."""
-  g, e = greedy(groups, budget_bytes, risk_budget), exact(groups, budget_bytes, risk_budget)
-  return (g.time_s - e.time_s) / max(e.time_s, 1e-12)

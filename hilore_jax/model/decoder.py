@@ -1,95 +1,22 @@
-"""Qwen2/Llama decoder as pure functions of a params pytree, with per-layer remat policies."""
+"""Qwen2/Llama decoder as pure functions of a params pytree, with per-layer remat policies.
+
+A layer is a sequence of producer ops (`OPS`, the functions the memory profile times) over the tensors of
+`units.TABLE`; each tensor is tagged with its checkpoint name so a per-layer policy decides what backward keeps.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from hilore_jax import codec, lowp
-from hilore_jax.model_config import ModelConfig
-
-# Per-layer tensors that backward may keep; the HiLoRe memory manager allocates these units.
-LAYER_INPUT = "layer_input"      # residual stream entering the layer
-ATTN_NORM = "attn_norm"          # RMSNorm output read by q/k/v projections (one unit)
-Q, K, V = "q", "k", "v"          # q/k after RoPE, v
-ATTN_PROBS = "attn_probs"        # softmax probabilities [B, N, T, S]
-ATTN_CTX = "attn_ctx"            # attention output, the o_proj input
-ATTN_OUT = "attn_out"            # o_proj output
-MLP_INPUT = "mlp_input"          # residual stream after attention
-MLP_NORM = "mlp_norm"            # RMSNorm output read by gate/up projections (one unit)
-MLP_GATE, MLP_UP = "mlp_gate", "mlp_up"
-MLP_SILU = "mlp_silu"            # silu(gate)
-MLP_DOWN_IN = "mlp_down_in"      # silu(gate) * up, the down-projection input
-MLP_OUT = "mlp_out"              # down-projection output
-CHECKPOINT_NAMES = (LAYER_INPUT, ATTN_NORM, Q, K, V, ATTN_PROBS, ATTN_CTX, ATTN_OUT, MLP_INPUT, MLP_NORM,
-                    MLP_GATE, MLP_UP, MLP_SILU, MLP_DOWN_IN, MLP_OUT)
-# Units that can be kept as int8 (L): projection inputs, whose only backward use is the weight gradient.
-LOWP_UNITS = (ATTN_NORM, ATTN_CTX, MLP_NORM, MLP_DOWN_IN)
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerPolicy:
-  """How one layer keeps activations for backward.
-
-  remat=False keeps everything (H). remat=True keeps the `save` names in compute dtype (H), the `lowp` units as
-  low-precision codes plus scales (L, format per unit in `formats`, default int8), the `offload` names in host
-  memory (O, accelerators only), and recomputes the rest (R).
-  """
-
-  remat: bool = False
-  save: tuple[str, ...] = ()
-  lowp: tuple[str, ...] = ()
-  group_size: int = 64
-  formats: tuple[str, ...] = ()  # one codec format per lowp unit; empty: all int8
-  offload: tuple[str, ...] = ()
-
-  def __post_init__(self):
-    unknown = sorted(set(self.save) - set(CHECKPOINT_NAMES))
-    if unknown:
-      raise ValueError(f"unknown checkpoint names {unknown}; valid: {list(CHECKPOINT_NAMES)}")
-    bad = sorted(set(self.lowp) - set(LOWP_UNITS))
-    if bad:
-      raise ValueError(f"units {bad} cannot be kept low-precision; L units: {list(LOWP_UNITS)}")
-    if (self.save or self.lowp) and not self.remat:
-      raise ValueError("LayerPolicy.save / lowp only apply when remat=True")
-    both = sorted(set(self.save) & set(self.lowp))
-    if both:
-      raise ValueError(f"units {both} are both saved (H) and low-precision (L)")
-    if self.formats and len(self.formats) != len(self.lowp):
-      raise ValueError(f"LayerPolicy.formats has {len(self.formats)} entries for {len(self.lowp)} lowp units")
-    for f in self.formats:
-      if f not in codec.FORMATS:
-        raise ValueError(f"unknown low-precision format {f!r}; choose one of {list(codec.FORMATS)}")
-    unknown = sorted(set(self.offload) - set(CHECKPOINT_NAMES))
-    if unknown:
-      raise ValueError(f"unknown offload names {unknown}; valid: {list(CHECKPOINT_NAMES)}")
-    if self.offload and not self.remat:
-      raise ValueError("LayerPolicy.offload only applies when remat=True")
-    both = sorted(set(self.offload) & (set(self.save) | set(self.lowp)))
-    if both:
-      raise ValueError(f"units {both} are both offloaded (O) and saved (H) or low-precision (L)")
-
-  def format_of(self, unit: str) -> str:
-    return self.formats[self.lowp.index(unit)] if self.formats else "int8"
-
-  @property
-  def saved_names(self) -> tuple[str, ...]:
-    """Names the checkpoint policy keeps: H units and the codes/scales of L units."""
-    return tuple(self.save) + tuple(n for u in self.lowp for n in lowp.code_names(u))
-
-
-NO_REMAT = LayerPolicy(remat=False)
-FULL_REMAT = LayerPolicy(remat=True)
-
-
-def uniform_policies(cfg: ModelConfig, policy: LayerPolicy) -> tuple[LayerPolicy, ...]:
-  """The same policy for every layer."""
-  return (policy,) * cfg.num_hidden_layers
+from hilore_jax.model import lowp
+from hilore_jax.model import units as U
+from hilore_jax.model.config import ModelConfig
+from hilore_jax.model.policy import NO_REMAT, LayerPolicy, remat, uniform
 
 
 # ----------------------------------------------------------------------------- params
@@ -174,93 +101,102 @@ def _proj(x, w, b, spec):
 
 
 def _projections(x, unit: str, ws: tuple, bs: tuple, specs: tuple, policy: LayerPolicy | None):
-  """Projections of one input; through the int8-residual custom VJP when the unit is L."""
+  """Projections of one input; through the low-precision-residual custom VJP when the unit is L."""
   if policy is None or unit not in policy.lowp:
     return tuple(_proj(x, w, b, s) for w, b, s in zip(ws, bs, specs))
   ys = lowp.project(x, ws, specs, unit, policy.group_size, policy.format_of(unit))
   return tuple(y if b is None else y + b.astype(y.dtype) for y, b in zip(ys, bs))
 
 
-def attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS) -> tuple[jax.Array, jax.Array]:
-  """Grouped-query attention; softmax in float32. Returns (context [B,T,N,H], probs [B,K,G,T,S])."""
+def attention_probs(q_BTNH, k_BSKH, mask_BTS) -> jax.Array:
+  """Grouped-query softmax probabilities [B, K, G, T, S], computed in float32."""
   B, T, N, H = q_BTNH.shape
   KV = k_BSKH.shape[2]
   q = q_BTNH.reshape(B, T, KV, N // KV, H)
   scores = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH).astype(jnp.float32) / math.sqrt(H)
   scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(q_BTNH.dtype), ATTN_PROBS)
-  ctx = jnp.einsum("bkgts,bskh->btkgh", probs, v_BSKH)
-  return ctx.reshape(B, T, N, H), probs
+  return jax.nn.softmax(scores, axis=-1).astype(q_BTNH.dtype)
 
 
-def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, cos_BTH, sin_BTH, mask_BTS, kv_cache=None, cache_index=None,
+def attention_context(probs_BKGTS, v_BSKH) -> jax.Array:
+  """Probability-weighted values [B, T, N, H]."""
+  B, KV, G, T, _ = probs_BKGTS.shape
+  ctx = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH)
+  return ctx.reshape(B, T, KV * G, ctx.shape[-1])
+
+
+class LayerCtx(NamedTuple):
+  """What every layer reads besides its own params and input: RoPE tables and the attention mask."""
+
+  cos_BTH: jax.Array
+  sin_BTH: jax.Array
+  mask_BTS: jax.Array
+
+
+# The producer ops of units.TABLE, each (cfg, layer params, tensors by name, ctx) -> its tensor. The memory
+# profile times exactly these; the layer below computes the same math (with L projections where the policy says).
+OPS = {
+    "attn_norm_op": lambda c, p, t, x: rms_norm(t[U.LAYER_INPUT], p["attn_norm_D"], c.rms_norm_eps),
+    "q_proj": lambda c, p, t, x: apply_rope(_proj(t[U.ATTN_NORM], p["attn"]["wq_DNH"], p["attn"].get("bq_NH"),
+                                                  "btd,dnh->btnh"), x.cos_BTH, x.sin_BTH),
+    "k_proj": lambda c, p, t, x: apply_rope(_proj(t[U.ATTN_NORM], p["attn"]["wk_DKH"], p["attn"].get("bk_KH"),
+                                                  "btd,dkh->btkh"), x.cos_BTH, x.sin_BTH),
+    "v_proj": lambda c, p, t, x: _proj(t[U.ATTN_NORM], p["attn"]["wv_DKH"], p["attn"].get("bv_KH"), "btd,dkh->btkh"),
+    "scores": lambda c, p, t, x: attention_probs(t[U.Q], t[U.K], x.mask_BTS),
+    "pv": lambda c, p, t, x: attention_context(t[U.ATTN_PROBS], t[U.V]),
+    "o_proj": lambda c, p, t, x: t[U.LAYER_INPUT] + _proj(t[U.ATTN_CTX], p["attn"]["wo_NHD"], p["attn"].get("bo_D"),
+                                                          "btnh,nhd->btd"),
+    "mlp_norm_op": lambda c, p, t, x: rms_norm(t[U.MLP_INPUT], p["mlp_norm_D"], c.rms_norm_eps),
+    "gate_proj": lambda c, p, t, x: _proj(t[U.MLP_NORM], p["mlp"]["wgate_DF"], p["mlp"].get("bgate_F"),
+                                          "btd,df->btf"),
+    "up_proj": lambda c, p, t, x: _proj(t[U.MLP_NORM], p["mlp"]["wup_DF"], p["mlp"].get("bup_F"), "btd,df->btf"),
+    "act": lambda c, p, t, x: jax.nn.silu(t[U.MLP_GATE]) * t[U.MLP_UP],
+    "down_proj": lambda c, p, t, x: _proj(t[U.MLP_DOWN_IN], p["mlp"]["wdown_FD"], p["mlp"].get("bdown_D"),
+                                          "btf,fd->btd"),
+}
+
+
+def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, ctx: LayerCtx, kv_cache=None, cache_index=None,
                   policy: LayerPolicy | None = None, taps: dict | None = None):
   """One pre-norm decoder layer; with kv_cache=(k, v) writes this step's k/v at cache_index first.
 
-  taps, if given, receives each L-capable unit's tensor (for exposure; read only inside a jitted statistic).
+  taps, if given, receives each L-capable unit's tensor (read only inside a jitted statistic).
   """
   tap = (lambda name, t: taps.__setitem__(name, t)) if taps is not None else (lambda name, t: None)
-  x_BTD = checkpoint_name(x_BTD, LAYER_INPUT)
+  x_BTD = checkpoint_name(x_BTD, U.LAYER_INPUT)
   a = p["attn"]
-  h = checkpoint_name(rms_norm(x_BTD, p["attn_norm_D"], cfg.rms_norm_eps), ATTN_NORM)
-  tap(ATTN_NORM, h)
-  q, k, v = _projections(h, ATTN_NORM, (a["wq_DNH"], a["wk_DKH"], a["wv_DKH"]),
+  h = checkpoint_name(rms_norm(x_BTD, p["attn_norm_D"], cfg.rms_norm_eps), U.ATTN_NORM)
+  tap(U.ATTN_NORM, h)
+  q, k, v = _projections(h, U.ATTN_NORM, (a["wq_DNH"], a["wk_DKH"], a["wv_DKH"]),
                          (a.get("bq_NH"), a.get("bk_KH"), a.get("bv_KH")),
                          ("btd,dnh->btnh", "btd,dkh->btkh", "btd,dkh->btkh"), policy)
-  v = checkpoint_name(v, V)
-  q = checkpoint_name(apply_rope(q, cos_BTH, sin_BTH), Q)
-  k = checkpoint_name(apply_rope(k, cos_BTH, sin_BTH), K)
+  v = checkpoint_name(v, U.V)
+  q = checkpoint_name(apply_rope(q, ctx.cos_BTH, ctx.sin_BTH), U.Q)
+  k = checkpoint_name(apply_rope(k, ctx.cos_BTH, ctx.sin_BTH), U.K)
   new_cache = None
   if kv_cache is not None:
     ck, cv = kv_cache
     ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, cache_index, 0, 0))
     cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, cache_index, 0, 0))
     new_cache, k, v = (ck, cv), ck.astype(q.dtype), cv.astype(q.dtype)
-  ctx, _ = attention(q, k, v, mask_BTS)
-  ctx = checkpoint_name(ctx, ATTN_CTX)
-  tap(ATTN_CTX, ctx)
-  (attn_out,) = _projections(ctx, ATTN_CTX, (a["wo_NHD"],), (a.get("bo_D"),), ("btnh,nhd->btd",), policy)
-  attn_out = checkpoint_name(attn_out, ATTN_OUT)
-  x_BTD = checkpoint_name(x_BTD + attn_out, MLP_INPUT)
+  probs = checkpoint_name(attention_probs(q, k, ctx.mask_BTS), U.ATTN_PROBS)
+  ctx_BTNH = checkpoint_name(attention_context(probs, v), U.ATTN_CTX)
+  tap(U.ATTN_CTX, ctx_BTNH)
+  (attn_out,) = _projections(ctx_BTNH, U.ATTN_CTX, (a["wo_NHD"],), (a.get("bo_D"),), ("btnh,nhd->btd",), policy)
+  attn_out = checkpoint_name(attn_out, U.ATTN_OUT)
+  x_BTD = checkpoint_name(x_BTD + attn_out, U.MLP_INPUT)
   m = p["mlp"]
-  h = checkpoint_name(rms_norm(x_BTD, p["mlp_norm_D"], cfg.rms_norm_eps), MLP_NORM)
-  tap(MLP_NORM, h)
-  gate, up = _projections(h, MLP_NORM, (m["wgate_DF"], m["wup_DF"]), (m.get("bgate_F"), m.get("bup_F")),
+  h = checkpoint_name(rms_norm(x_BTD, p["mlp_norm_D"], cfg.rms_norm_eps), U.MLP_NORM)
+  tap(U.MLP_NORM, h)
+  gate, up = _projections(h, U.MLP_NORM, (m["wgate_DF"], m["wup_DF"]), (m.get("bgate_F"), m.get("bup_F")),
                           ("btd,df->btf", "btd,df->btf"), policy)
-  gate, up = checkpoint_name(gate, MLP_GATE), checkpoint_name(up, MLP_UP)
-  act = checkpoint_name(jax.nn.silu(gate), MLP_SILU)
-  down_in = checkpoint_name(act * up, MLP_DOWN_IN)
-  tap(MLP_DOWN_IN, down_in)
-  (out,) = _projections(down_in, MLP_DOWN_IN, (m["wdown_FD"],), (m.get("bdown_D"),), ("btf,fd->btd",), policy)
-  out = checkpoint_name(out, MLP_OUT)
+  gate, up = checkpoint_name(gate, U.MLP_GATE), checkpoint_name(up, U.MLP_UP)
+  act = checkpoint_name(jax.nn.silu(gate), U.MLP_SILU)
+  down_in = checkpoint_name(act * up, U.MLP_DOWN_IN)
+  tap(U.MLP_DOWN_IN, down_in)
+  (out,) = _projections(down_in, U.MLP_DOWN_IN, (m["wdown_FD"],), (m.get("bdown_D"),), ("btf,fd->btd",), policy)
+  out = checkpoint_name(out, U.MLP_OUT)
   return x_BTD + out, new_cache
-
-
-class OffloadUnsupported(RuntimeError):
-  """Offloading (O) was asked for on a backend without separate host memory."""
-
-
-def offload_supported() -> bool:
-  """True on backends whose device has its own memory and a pinned_host memory kind (GPU, TPU)."""
-  if jax.default_backend() == "cpu":
-    return False  # CPU "device" memory already is host memory: offloading would move nothing
-  return any(m.kind == "pinned_host" for m in jax.devices()[0].addressable_memories())
-
-
-def _remat_layer(cfg: ModelConfig, policy: LayerPolicy):
-  fn = lambda p, x, cos, sin, mask: decoder_layer(cfg, p, x, cos, sin, mask, policy=policy)[0]
-  if not policy.remat:
-    return fn
-  if policy.offload:
-    if not offload_supported():
-      raise OffloadUnsupported(
-          f"offloading {list(policy.offload)} (O) is unsupported on the {jax.default_backend()} backend: it needs a "
-          "device with its own memory and a pinned_host memory kind (GPU/TPU); use H, L or R here")
-    pol = jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=list(policy.saved_names), names_which_can_be_offloaded=list(policy.offload),
-        offload_src="device", offload_dst="pinned_host")
-    return jax.checkpoint(fn, policy=pol)
-  return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(*policy.saved_names))
 
 
 def default_positions(attention_mask_BT: jax.Array) -> jax.Array:
@@ -270,6 +206,11 @@ def default_positions(attention_mask_BT: jax.Array) -> jax.Array:
 
 def embed(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array) -> jax.Array:
   return jnp.take(params["embed_VD"], input_ids_BT, axis=0).astype(cfg.compute_dtype)
+
+
+def layer_params(params: dict, layer: int) -> dict:
+  """One layer's params (or gradients: any pytree shaped like params)."""
+  return params["layers"][layer]
 
 
 def lm_head_weight(cfg: ModelConfig, params: dict) -> jax.Array:
@@ -289,19 +230,20 @@ def hidden_states(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array, atten
     attention_mask_BT = jnp.ones((B, T), jnp.int32)
   if positions_BT is None:
     positions_BT = default_positions(attention_mask_BT)
-  policies = tuple(layer_policies) if layer_policies is not None else uniform_policies(cfg, NO_REMAT)
+  policies = tuple(layer_policies) if layer_policies is not None else uniform(cfg.num_hidden_layers, NO_REMAT)
   if len(policies) != cfg.num_hidden_layers:
     raise ValueError(f"got {len(policies)} layer policies for {cfg.num_hidden_layers} layers")
   causal_TT = jnp.tril(jnp.ones((T, T), bool))
   mask_BTS = causal_TT[None] & attention_mask_BT.astype(bool)[:, None, :]
-  cos, sin = rope_cos_sin(cfg, positions_BT)
+  ctx = LayerCtx(*rope_cos_sin(cfg, positions_BT), mask_BTS)
   x = embed(cfg, params, input_ids_BT)
   for p, policy in zip(params["layers"], policies):
     if taps is not None:
       taps.append({})
-      x = decoder_layer(cfg, p, x, cos, sin, mask_BTS, taps=taps[-1])[0]
+      x = decoder_layer(cfg, p, x, ctx, taps=taps[-1])[0]
     else:
-      x = _remat_layer(cfg, policy)(p, x, cos, sin, mask_BTS)
+      layer = lambda p, x, ctx, policy=policy: decoder_layer(cfg, p, x, ctx, policy=policy)[0]
+      x = remat(layer, policy)(p, x, ctx)
   return rms_norm(x, params["final_norm_D"], cfg.rms_norm_eps)
 
 
@@ -329,11 +271,11 @@ def forward_cached(cfg: ModelConfig, params: dict, input_ids_BT, positions_BT, k
   S = key_mask_BS.shape[1]
   slot_T = cache_index + jnp.arange(T)
   mask_BTS = (jnp.arange(S)[None, :] <= slot_T[:, None])[None] & key_mask_BS.astype(bool)[:, None, :]
-  cos, sin = rope_cos_sin(cfg, positions_BT)
+  ctx = LayerCtx(*rope_cos_sin(cfg, positions_BT), mask_BTS)
   x = embed(cfg, params, input_ids_BT)
   new_cache = []
   for p, kv in zip(params["layers"], cache):
-    x, kv = decoder_layer(cfg, p, x, cos, sin, mask_BTS, kv, cache_index)
+    x, kv = decoder_layer(cfg, p, x, ctx, kv, cache_index)
     new_cache.append(kv)
   h = rms_norm(x, params["final_norm_D"], cfg.rms_norm_eps)
   logits = jnp.einsum("btd,dv->btv", h, lm_head_weight(cfg, params).astype(h.dtype)).astype(jnp.float32)

@@ -1,0 +1,172 @@
+"""The memory-method benchmark: every method's actor update (GRPO loss, backward, optimizer) on the same synthetic
+minibatch, model and budget rule, timed interleaved, with compiled peak bytes, gradient error against the exact
+No-GC gradient, and the risk-prediction table."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import platform
+import time
+
+import jax
+import numpy as np
+
+from hilore_jax import engine, model, sharding, train_step
+from hilore_jax.bench import report, synthetic
+from hilore_jax.config import Config
+from hilore_jax.memory import MemoryManager, calibration, methods
+
+log = logging.getLogger(__name__)
+
+ROW_KEYS = ("method", "budget_ratio", "peak_bytes", "tokens_per_s", "gain_vs_gc_pct", "grad_rel_err_mean",
+            "grad_rel_err_max", "grad_cos", "frac_H", "frac_L", "frac_R", "schedule_overhead_pct", "compiles")
+
+
+@dataclasses.dataclass
+class Entry:
+  """One (method, budget) configuration: its compiled step and what was measured about it."""
+
+  method: str
+  budget_ratio: float | None
+  spec: train_step.StepSpec
+  compiled: object
+  row: dict
+  schedule_s: float = 0.0
+  times: list = dataclasses.field(default_factory=list)
+
+
+def machine() -> dict:
+  dev = jax.devices()[0]
+  return {"platform": platform.platform(), "python": platform.python_version(), "jax": jax.__version__,
+          "backend": jax.default_backend(), "device": dev.device_kind, "devices": jax.device_count(),
+          "cpus": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+
+def _median_s(fn, reps: int = 50) -> float:
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def run(cfg: Config, out_dir: str, progress=print) -> dict:
+  """Run the benchmark and write results.json, results.md, frontier.png and risk.md into out_dir."""
+  bc, mcfg = cfg.bench, engine.model_config(cfg)
+  os.makedirs(out_dir, exist_ok=True)
+  eng = engine.build(cfg, mcfg, 10_000)
+  mesh, state, stepper = eng.mesh, eng.state, eng.stepper
+  completion = bc.seq_len - bc.prompt_len
+  grpo_cfg = dataclasses.replace(cfg.grpo, max_completion_len=completion)
+  spec = train_step.StepSpec(mcfg, grpo_cfg, model.uniform(mcfg.num_hidden_layers, model.NO_REMAT), 1,
+                             cfg.train.logprob_chunk, use_old_logp=True, use_ref_logp=cfg.grpo.beta > 0)
+  hooks = engine.memory_hooks(stepper, spec)
+  rng = np.random.default_rng(cfg.seed)
+  K = cfg.memory.calib_batches
+  progress(f"bench: building {1 + K + bc.risk_batches} synthetic GRPO minibatches of {bc.batch_size} x {bc.seq_len}")
+  batches = [synthetic.grpo_batch(mcfg, state["params"], rng, bc.batch_size, bc.prompt_len, completion, bc.group_size,
+                                  bc.zero_adv_frac, bc.logp_noise) for _ in range(1 + K + bc.risk_batches)]
+  if not spec.use_ref_logp:
+    batches = [{k: v for k, v in b.items() if k != "ref_logp"} for b in batches]
+  sh = sharding.batch_sharding(mesh)
+  batches = [{k: jax.device_put(v, sh) for k, v in b.items()} for b in batches]
+  batch, cal_batches, risk_batches = batches[0], batches[1:1 + K], batches[1 + K:]
+  params = state["params"]
+  # the reference: every activation kept, computed in float32 whatever the model's compute dtype; errors are
+  # measured on the timed batch and the held-out ones
+  ref_hooks = engine.memory_hooks(stepper, dataclasses.replace(spec, model_cfg=mcfg.replace(dtype="float32")))
+  err_batches = [batch] + risk_batches
+  exact = [calibration.exact_gradient(ref_hooks, params, b) for b in err_batches]
+  calib = None
+  if any(m in methods.CALIBRATED for m in bc.methods):
+    progress(f"bench: calibrating risk on {K} batches (per-unit gradient errors)")
+    t0 = time.perf_counter()
+    m0 = MemoryManager(dataclasses.replace(cfg.memory, policy="hilore"), hooks)
+    m0.setup(params, cal_batches, 0)
+    calib = m0.state.calibration
+    progress(f"bench: calibration took {time.perf_counter() - t0:.0f}s, delta {calib.delta:.3g}, "
+             f"measured {calib.calibration_error:.3g}")
+
+  entries: list[Entry] = []
+  for method in bc.methods:
+    for ratio in ([None] if method in ("none", "gc") else bc.budget_ratios):
+      entries.append(_configure(cfg, method, ratio, spec, hooks, stepper, params, batch, calib, err_batches, exact))
+      e = entries[-1]
+      progress(f"bench: {method} @ {ratio}: peak {e.row['peak_bytes'] / 2**20:.1f} MiB, H/L/R "
+               f"{e.row['frac_H']:.2f}/{e.row['frac_L']:.2f}/{e.row['frac_R']:.2f}, "
+               f"grad err {e.row['grad_rel_err_mean']:.2e}")
+
+  risk_rows = {}  # before timing: the timed steps donate (and so delete) the parameters they are given
+  if risk_batches and calib is not None:
+    progress(f"bench: risk-prediction table on {K} calibration + {len(risk_batches)} held-out batches")
+    risk_rows = calibration.risk_report(hooks, params, cal_batches, risk_batches,
+                                        calibration.lowp_units(mcfg.num_hidden_layers), cfg.memory.group_size,
+                                        cfg.memory.lowp_format)
+  progress(f"bench: timing {len(entries)} configurations x {bc.reps} reps, interleaved")
+  order = np.random.default_rng(cfg.seed + 1)
+  for e in entries:  # one untimed run each (first-call allocations)
+    state, _ = e.compiled(state, batch)
+  jax.block_until_ready(state)
+  for rep in range(bc.reps):
+    for i in order.permutation(len(entries)):
+      e = entries[i]
+      t0 = time.perf_counter()
+      state, m = e.compiled(state, batch)
+      jax.block_until_ready((state, m))
+      e.times.append(time.perf_counter() - t0)
+  tokens = bc.batch_size * bc.seq_len
+  gc_tps = next((tokens / np.median(e.times) for e in entries if e.method == "gc"), None)
+  # deterministic companion of the timings: the share of GC's extra (recompute) FLOPs a plan removes
+  f_gc = next((e.row["flops"] for e in entries if e.method == "gc"), None)
+  f_none = next((e.row["flops"] for e in entries if e.method == "none"), None)
+  for e in entries:
+    step_s = float(np.median(e.times))
+    e.row["step_s"] = step_s
+    e.row["tokens_per_s"] = tokens / step_s
+    e.row["gain_vs_gc_pct"] = 100 * (e.row["tokens_per_s"] / gc_tps - 1) if gc_tps else None
+    e.row["schedule_overhead_pct"] = 100 * e.schedule_s / step_s
+    if f_gc is not None and f_none is not None and f_gc > f_none:
+      e.row["recompute_removed_pct"] = 100 * (f_gc - e.row["flops"]) / (f_gc - f_none)
+
+  result = {"machine": machine(), "config": cfg.to_dict(), "rows": [e.row for e in entries],
+            "calibration": dataclasses.asdict(calib) if calib else None, "risk": risk_rows}
+  report.write_outputs(result, out_dir)
+  return result
+
+
+def _configure(cfg, method, ratio, spec, hooks, stepper, params, batch, calib, err_batches, exact) -> Entry:
+  """Plan, compile and measure one (method, budget) configuration."""
+  mcfg = spec.model_cfg
+  sched = 0.0
+  before, probes = stepper.compile_count, stepper.probe_compiles
+  if method in ("none", "gc"):
+    pol = model.NO_REMAT if method == "none" else model.FULL_REMAT
+    spec_m = dataclasses.replace(spec, policies=model.uniform(mcfg.num_hidden_layers, pol))
+    fr = {"frac_H": 1.0 if method == "none" else 0.0, "frac_L": 0.0, "frac_R": 0.0 if method == "none" else 1.0}
+    budget = None
+  else:
+    mc = dataclasses.replace(cfg.memory, policy=method, budget_ratio=ratio, budget_bytes=None)
+    mm = MemoryManager(mc, hooks)
+    mm.setup(params, [batch], 0, calibration_state=calib)
+    (alloc,) = mm.allocate([batch])
+    spec_m = dataclasses.replace(spec, policies=alloc.policies)
+    fr = {k: alloc.metrics[f"alloc/{k}"] for k in ("frac_H", "frac_L", "frac_R")}
+    budget = alloc.metrics["memory/budget_bytes"]
+    # what a training step pays to choose its policy once compiled: exposure level + cached plan lookup
+    sched = _median_s(lambda: mm.allocate([batch]))
+  compiled = stepper.get(spec_m, batch, reason=f"bench {method} @ {ratio}")
+  compiles = stepper.compile_count - before
+  errs, coss = [], []
+  for b, ref in zip(err_batches, exact):
+    g = hooks.gradient(params, b, spec_m.policies)
+    errs.append(calibration.relative_error(g, ref))
+    coss.append(calibration.cosine(g, ref))
+  row = {"method": method, "budget_ratio": ratio, "peak_bytes": int(compiled.peak_bytes), "budget_bytes": budget,
+         "tokens_per_s": None, "gain_vs_gc_pct": None, "grad_rel_err_mean": float(np.mean(errs)),
+         "grad_rel_err_max": float(np.max(errs)), "grad_cos": float(np.min(coss)), **fr, "schedule_overhead_pct": None,
+         "same_as_gc": method != "none" and all(p == model.FULL_REMAT for p in spec_m.policies),
+         "compiles": compiles, "probe_compiles": stepper.probe_compiles - probes, "flops": compiled.flops}
+  return Entry(method, ratio, spec_m, compiled, row, sched)

@@ -1,0 +1,40 @@
+"""What the memory manager needs from a trainer, as callables: it never imports a train step, so another JAX
+trainer (a flax.nnx model, say) can use it by supplying these."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+
+from hilore_jax.config import ExposureSwitches
+from hilore_jax.model import LayerPolicy, ModelConfig
+
+Policies = Sequence[LayerPolicy]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepHooks:
+  """The trainer's side of the memory manager.
+
+  compile_peak(policies, batch): compile the train step for these per-layer policies on this batch's shapes and
+    return its peak bytes (a probe: the trainer may keep the compiled step and reuse it if it runs).
+  batch_shape(batch): (rows, sequence length) of the activations one gradient pass holds (a microbatch).
+  gradient(params, batch, policies): the parameter gradient under these policies (calibrated methods).
+  token_weights(params, batch, switches): |w_t| [B, N], the loss coefficient of every completion token; params
+    None means from what the batch carries alone (no forward pass).
+  unit_tensors(params, batch): per layer, the L-capable units' activations [B, N, ...] at the positions whose
+    log-probs enter the loss (for per-token reconstruction errors).
+  """
+
+  model_cfg: ModelConfig
+  compile_peak: Callable[[Policies, dict], int]
+  batch_shape: Callable[[dict], tuple[int, int]]
+  gradient: Callable[[Any, dict, Policies], Any] | None = None
+  token_weights: Callable[[Any, dict, ExposureSwitches], jax.Array] | None = None
+  unit_tensors: Callable[[Any, dict], list[dict[str, jax.Array]]] | None = None
+
+  @property
+  def calibrates(self) -> bool:
+    return None not in (self.gradient, self.token_weights, self.unit_tensors)

@@ -1,0 +1,126 @@
+"""Recovery units with measured costs: each layer's units (from the model's dataflow table) with bytes as H and
+L, their producer ops' times (the decoder's own functions), codec times and, on accelerators, host round trips."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hilore_jax import model, runtime
+from hilore_jax.model import codec
+from hilore_jax.model import units as U
+
+PROFILE_VERSION = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+  layer: int
+  kind: str
+  shape: tuple[int, ...]
+  bytes_h: int
+  bytes_l: int | None  # None: this kind cannot be kept low-precision
+  recompute_s: float  # the unit's own producer op
+  codec_s: float  # encode + decode in the configured format
+  offload_s: float | None = None  # device -> host -> device; None where offloading is unsupported
+
+
+def _median_time(fn: Callable, args, reps: int) -> float:
+  jax.block_until_ready(fn(*args))  # compile and warm up
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def _op_calls(cfg: model.ModelConfig, batch: int, seq: int) -> dict[str, tuple[Callable, tuple]]:
+  """Each producer op of the table as a jitted call of the decoder's own function on inputs of the real shapes."""
+  sizes = U.dims(cfg, batch, seq)
+  layer_cfg = cfg.replace(num_hidden_layers=1)
+  params = model.init_params(layer_cfg, jax.random.PRNGKey(0))["layers"][0]
+  keys = iter(jax.random.split(jax.random.PRNGKey(1), len(U.TABLE)))
+  tensors = {t.name: jax.random.normal(next(keys), U.shape(t.name, sizes), cfg.compute_dtype) for t in U.TABLE}
+  tensors[U.ATTN_PROBS] = jax.nn.softmax(tensors[U.ATTN_PROBS].astype(jnp.float32), -1).astype(cfg.compute_dtype)
+  pos = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+  mask = jnp.broadcast_to(jnp.tril(jnp.ones((seq, seq), bool)), (batch, seq, seq))
+  ctx = model.LayerCtx(*model.rope_cos_sin(cfg, pos), mask)
+  calls = {}
+  for op, reads in U.PRODUCERS.items():
+    fn = jax.jit(lambda p, t, ctx, op=op: model.OPS[op](cfg, p, t, ctx))
+    calls[op] = (fn, (params, {r: tensors[r] for r in reads}, ctx))
+  return calls
+
+
+def profile_key(cfg: model.ModelConfig, batch: int, seq: int, group_size: int) -> str:
+  shape = {k: getattr(cfg, k) for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                        "num_key_value_heads", "head_dim")}
+  ident = json.dumps({"model": shape, "batch": [batch, seq], "dtype": cfg.dtype, "group": group_size,
+                      "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+                      "version": PROFILE_VERSION}, sort_keys=True)
+  return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def _offload_roundtrip(shape, dt) -> tuple[Callable, tuple]:
+  dev = jax.devices()[0]
+  host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+  back = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+  return (lambda x: jax.device_put(jax.device_put(x, host), back)), (jnp.zeros(shape, dt),)
+
+
+def profile_ops(cfg: model.ModelConfig, batch: int, seq: int, group_size: int = 64, reps: int = 7,
+                cache_dir: str | None = None) -> dict:
+  """Measured seconds (median of reps) per producer op, per unit and format for encode+decode, and per unit for
+  a host round trip where offloading is supported; cached on disk by model shape, batch, dtype and backend."""
+  cache_dir = cache_dir or runtime.cache_dir("profiles")
+  path = os.path.join(cache_dir, profile_key(cfg, batch, seq, group_size) + ".json")
+  if os.path.exists(path):
+    with open(path) as f:
+      return json.load(f)
+  sizes = U.dims(cfg, batch, seq)
+  out: dict = {"ops": {op: _median_time(fn, args, reps) for op, (fn, args) in _op_calls(cfg, batch, seq).items()},
+               "codec": {}, "offload": {}}
+  for kind in U.LOWP_UNITS:
+    x = jnp.zeros(U.shape(kind, sizes), cfg.compute_dtype) + 0.5
+    out["codec"][kind] = {}
+    for fmt in codec.FORMATS:
+      rt = jax.jit(lambda x, f=fmt: codec.decode(*codec.encode(x, f, group_size), x.shape, x.dtype, f))
+      out["codec"][kind][fmt] = _median_time(rt, (x,), reps)
+  if model.offload_supported():
+    for kind in U.UNITS:
+      out["offload"][kind] = _median_time(*_offload_roundtrip(U.shape(kind, sizes), cfg.compute_dtype), reps)
+  os.makedirs(cache_dir, exist_ok=True)
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(out, f, indent=2)
+  os.replace(tmp, path)
+  return out
+
+
+def enumerate_units(cfg: model.ModelConfig, batch: int, seq: int, group_size: int = 64, profile: dict | None = None,
+                    fmt: str = "int8") -> list[Unit]:
+  """Every layer's units with bytes as H (compute dtype) and as L (codes + scales in `fmt`), and measured times."""
+  sizes = U.dims(cfg, batch, seq)
+  itemsize = jnp.dtype(cfg.compute_dtype).itemsize
+  ops = (profile or {}).get("ops", {})
+  codecs = (profile or {}).get("codec", {})
+  offload = (profile or {}).get("offload", {})
+  units = []
+  for layer in range(cfg.num_hidden_layers):
+    for kind in U.UNITS:
+      shape = U.shape(kind, sizes)
+      lowp = kind in U.LOWP_UNITS
+      units.append(Unit(layer, kind, shape, U.numel(kind, sizes) * itemsize,
+                        codec.code_bytes(shape, group_size, fmt) if lowp else None,
+                        ops.get(U.BY_NAME[kind].producer, 0.0), codecs.get(kind, {}).get(fmt, 0.0) if lowp else 0.0,
+                        offload.get(kind)))
+  return units

@@ -1,0 +1,97 @@
+"""The layer dataflow table: every tensor a decoder layer tags for backward, who produces it, who reads it.
+
+This is the one statement of that fact. The decoder tags its tensors with these names, the memory profile times
+the producer ops (the decoder's own functions, `decoder.OPS`), the cost model derives what backward must rerun,
+calibration and the methods read which units may be low-precision and which weights' gradients they reach.
+`tests/test_units.py` checks the table against the names the decoder emits and the tensors each op reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+# Checkpoint names (what `jax.ad_checkpoint.checkpoint_name` tags in a layer).
+LAYER_INPUT = "layer_input"      # residual stream entering the layer
+ATTN_NORM = "attn_norm"          # RMSNorm output read by q/k/v projections (one unit)
+Q, K, V = "q", "k", "v"          # q/k after RoPE, v
+ATTN_PROBS = "attn_probs"        # softmax probabilities [B, K, G, T, S]
+ATTN_CTX = "attn_ctx"            # attention output, the o_proj input
+ATTN_OUT = "attn_out"            # o_proj output
+MLP_INPUT = "mlp_input"          # residual stream after attention
+MLP_NORM = "mlp_norm"            # RMSNorm output read by gate/up projections (one unit)
+MLP_GATE, MLP_UP = "mlp_gate", "mlp_up"
+MLP_SILU = "mlp_silu"            # silu(gate)
+MLP_DOWN_IN = "mlp_down_in"      # silu(gate) * up, the down-projection input
+MLP_OUT = "mlp_out"              # down-projection output
+
+# What backward reads a tensor for: its exact value (a norm, softmax or nonlinearity's derivative reads it), only
+# the gradient of the weights it multiplies (a projection input: a low-precision code is enough), or nothing.
+EXACT, WEIGHTS, NONE = "exact", "weights", "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+  """One row of the table."""
+
+  name: str
+  shape: str  # shape letters: B batch, T query positions, S key positions, D hidden, N heads, K kv heads,
+  #             G query heads per kv head, H head size, F intermediate
+  producer: str | None  # the op (a key of decoder.OPS) that computes it; None: the layer boundary
+  reads: tuple[str, ...]  # tensors that op reads (recomputing it needs them)
+  backward: str  # EXACT | WEIGHTS | NONE
+  weights: tuple[str, ...] = ()  # (sub-dict, leaf) of the params whose gradient reads it
+  lowp: bool = False  # may be kept as a low-precision code (L)
+  unit: bool = False  # the allocator chooses H / L / R for it (the rest is never kept on its own)
+  matmul: bool = False  # produced by a matrix multiplication (SAC-style methods keep these)
+
+
+TABLE: tuple[Tensor, ...] = (
+    Tensor(LAYER_INPUT, "BTD", None, (), EXACT),
+    Tensor(ATTN_NORM, "BTD", "attn_norm_op", (LAYER_INPUT,), WEIGHTS,
+           (("attn", "wq_DNH"), ("attn", "wk_DKH"), ("attn", "wv_DKH")), lowp=True, unit=True),
+    Tensor(Q, "BTNH", "q_proj", (ATTN_NORM,), EXACT, unit=True, matmul=True),
+    Tensor(K, "BTKH", "k_proj", (ATTN_NORM,), EXACT, unit=True, matmul=True),
+    Tensor(V, "BTKH", "v_proj", (ATTN_NORM,), EXACT, unit=True, matmul=True),
+    Tensor(ATTN_PROBS, "BKGTS", "scores", (Q, K), EXACT),
+    Tensor(ATTN_CTX, "BTNH", "pv", (ATTN_PROBS, V), WEIGHTS, (("attn", "wo_NHD"),), lowp=True, unit=True),
+    Tensor(ATTN_OUT, "BTD", "o_proj", (ATTN_CTX, LAYER_INPUT), NONE),
+    Tensor(MLP_INPUT, "BTD", "o_proj", (ATTN_CTX, LAYER_INPUT), EXACT, unit=True, matmul=True),
+    Tensor(MLP_NORM, "BTD", "mlp_norm_op", (MLP_INPUT,), WEIGHTS, (("mlp", "wgate_DF"), ("mlp", "wup_DF")),
+           lowp=True, unit=True),
+    Tensor(MLP_GATE, "BTF", "gate_proj", (MLP_NORM,), EXACT, unit=True, matmul=True),
+    Tensor(MLP_UP, "BTF", "up_proj", (MLP_NORM,), EXACT, unit=True, matmul=True),
+    Tensor(MLP_SILU, "BTF", "act", (MLP_GATE, MLP_UP), NONE),
+    Tensor(MLP_DOWN_IN, "BTF", "act", (MLP_GATE, MLP_UP), WEIGHTS, (("mlp", "wdown_FD"),), lowp=True, unit=True),
+    Tensor(MLP_OUT, "BTD", "down_proj", (MLP_DOWN_IN,), NONE),
+)
+
+BY_NAME: dict[str, Tensor] = {t.name: t for t in TABLE}
+CHECKPOINT_NAMES: tuple[str, ...] = tuple(t.name for t in TABLE)
+UNITS: tuple[str, ...] = tuple(t.name for t in TABLE if t.unit)  # what the allocator decides, per layer
+LOWP_UNITS: tuple[str, ...] = tuple(t.name for t in TABLE if t.lowp)
+EXACT_READS: tuple[str, ...] = tuple(t.name for t in TABLE if t.backward == EXACT and t.producer)
+MATMUL_UNITS: tuple[str, ...] = tuple(t.name for t in TABLE if t.unit and t.matmul)
+# the producer ops a recompute may need, each with the tensors it reads
+PRODUCERS: dict[str, tuple[str, ...]] = {t.producer: t.reads for t in TABLE if t.producer}
+
+
+def code_names(unit: str) -> tuple[str, str]:
+  """Checkpoint names of an L unit's codes and scales (what a remat policy saves instead of the tensor)."""
+  return f"{unit}:code", f"{unit}:scale"
+
+
+def dims(cfg, batch: int, seq: int) -> dict[str, int]:
+  """Size of every shape letter for a model config and a [batch, seq] input."""
+  N, K = cfg.num_attention_heads, cfg.num_key_value_heads
+  return {"B": batch, "T": seq, "S": seq, "D": cfg.hidden_size, "N": N, "K": K, "G": N // K, "H": cfg.head_size,
+          "F": cfg.intermediate_size}
+
+
+def shape(name: str, sizes: dict[str, int]) -> tuple[int, ...]:
+  """The tensor's shape from its letters."""
+  return tuple(sizes[c] for c in BY_NAME[name].shape)
+
+
+def numel(name: str, sizes: dict[str, int]) -> int:
+  return math.prod(shape(name, sizes))
