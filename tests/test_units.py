@@ -43,3 +43,63 @@ def test_profile_is_measured_and_cached(tiny_cfg, tmp_path):
   us = units.enumerate_units(tiny_cfg, 2, 16, 8, prof)
   assert us[0].recompute_s == prof["ops"][U.BY_NAME[us[0].kind].producer]
   assert us[0].codec_s == prof["codec"][us[0].kind]["int8"] and us[0].offload_s is None
+
+
+def _names(jaxpr) -> list[str]:
+  """Every checkpoint name in a jaxpr, sub-jaxprs included."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "name":
+      out.append(eqn.params["name"])
+    for v in eqn.params.values():
+      for sub in (v if isinstance(v, (list, tuple)) else (v,)):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          out.extend(_names(inner))
+  return out
+
+
+def _layer_names(cfg, policy):
+  p = model.init_params(cfg.replace(num_hidden_layers=1), jax.random.PRNGKey(0))["layers"][0]
+  B, T = 2, 5
+  x = jnp.ones((B, T, cfg.hidden_size))
+  ctx = model.LayerCtx(*model.rope_cos_sin(cfg, jnp.broadcast_to(jnp.arange(T), (B, T))),
+                       jnp.ones((B, T, T), bool))
+  # the backward pass (vjp) traces the custom VJPs of L units too
+  fn = lambda p, x: jax.vjp(lambda p, x: model.decoder.decoder_layer(cfg, p, x, ctx, policy=policy)[0], p, x)[0]
+  return _names(jax.make_jaxpr(fn)(p, x).jaxpr)
+
+
+def test_the_table_names_exactly_what_the_decoder_tags(tiny_cfg):
+  names = _layer_names(tiny_cfg, None)
+  assert sorted(set(names)) == sorted(U.CHECKPOINT_NAMES)
+  assert len(names) == len(U.CHECKPOINT_NAMES)  # each tensor tagged once
+  lowp = model.LayerPolicy(remat=True, lowp=U.LOWP_UNITS)
+  codes = set(_layer_names(tiny_cfg, lowp)) - set(U.CHECKPOINT_NAMES)
+  assert codes == {n for u in U.LOWP_UNITS for n in U.code_names(u)}
+
+
+class _Recorder(dict):
+  def __init__(self, tensors):
+    super().__init__(tensors)
+    self.read = set()
+
+  def __getitem__(self, key):
+    self.read.add(key)
+    return super().__getitem__(key)
+
+
+def test_each_producer_reads_what_the_table_says(tiny_cfg):
+  assert set(model.OPS) == set(U.PRODUCERS)
+  sizes = U.dims(tiny_cfg, 2, 5)
+  p = model.init_params(tiny_cfg.replace(num_hidden_layers=1), jax.random.PRNGKey(0))["layers"][0]
+  ctx = model.LayerCtx(*model.rope_cos_sin(tiny_cfg, jnp.broadcast_to(jnp.arange(5), (2, 5))),
+                       jnp.ones((2, 5, 5), bool))
+  for t in U.TABLE:
+    if t.producer is None:
+      continue
+    assert U.PRODUCERS[t.producer] == t.reads, t.name  # an op reads the same tensors for each output
+    rec = _Recorder({n: jnp.ones(U.shape(n, sizes)) for n in U.CHECKPOINT_NAMES})
+    out = model.OPS[t.producer](tiny_cfg, p, rec, ctx)
+    assert rec.read == set(t.reads), (t.producer, rec.read)
+    assert out.shape == U.shape(t.name, sizes), t.name
