@@ -1,9 +1,15 @@
+import concurrent.futures
 import json
 import os
+import random
+import re
+import time
+from decimal import Decimal
 
 import pytest
 
 from hilore_jax import tasks
+from hilore_jax.config import ArithmeticSpec
 
 SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k", "test.jsonl")
 SAMPLE = os.path.join(os.path.dirname(__file__), "data", "gsm8k_sample.jsonl")
@@ -68,10 +74,10 @@ def test_math_verify_equivalence():
 
 
 def test_arithmetic_task_is_seeded_and_disjoint():
-  spec = tasks.ArithmeticSpec(seed=3, max_value=20, num_terms=3, ops=("+", "-"), num_test=17)
+  spec = ArithmeticSpec(seed=3, max_value=20, num_terms=3, ops=("+", "-"), num_test=17)
   a, b = tasks.arithmetic_task(spec), tasks.arithmetic_task(spec)
   assert a.train_batch(5, 7) == b.train_batch(5, 7)
-  assert a.train_batch(0, 5) != tasks.arithmetic_task(tasks.ArithmeticSpec(seed=4, max_value=20)).train_batch(0, 5)
+  assert a.train_batch(0, 5) != tasks.arithmetic_task(ArithmeticSpec(seed=4, max_value=20)).train_batch(0, 5)
   test_prompts = {e.prompt for e in a.test_examples}
   assert len(test_prompts) == 17
   train = a.train_batch(0, 300)
@@ -85,11 +91,11 @@ def test_arithmetic_task_is_seeded_and_disjoint():
 
 def test_bad_arithmetic_spec():
   with pytest.raises(ValueError, match="ops"):
-    tasks.ArithmeticSpec(ops=("/",))
+    ArithmeticSpec(ops=("/",))
 
 
 def test_fixed_width_format():
-  t = tasks.arithmetic_task(tasks.ArithmeticSpec(seed=1, max_value=99, fixed_width=True))
+  t = tasks.arithmetic_task(ArithmeticSpec(seed=1, max_value=99, fixed_width=True))
   for e in t.train_batch(0, 50):
     a, b = e.prompt[:-1].split("+")
     assert len(a) == len(b) == 2 and int(a) + int(b) == e.reference
@@ -98,8 +104,8 @@ def test_fixed_width_format():
 
 
 def test_biased_teacher_changes_only_warmstart_targets():
-  clean = tasks.arithmetic_task(tasks.ArithmeticSpec(seed=2, fixed_width=True))
-  biased = tasks.arithmetic_task(tasks.ArithmeticSpec(seed=2, fixed_width=True, teacher_error_rate=0.6))
+  clean = tasks.arithmetic_task(ArithmeticSpec(seed=2, fixed_width=True))
+  biased = tasks.arithmetic_task(ArithmeticSpec(seed=2, fixed_width=True, teacher_error_rate=0.6))
   a, b = clean.train_batch(0, 400), biased.train_batch(0, 400)
   assert [e.prompt for e in a] == [e.prompt for e in b] and [e.reference for e in a] == [e.reference for e in b]
   wrong = [e for e in b if int(e.target) != e.reference]
@@ -107,3 +113,175 @@ def test_biased_teacher_changes_only_warmstart_targets():
   assert all(int(e.target) == e.reference + 1 and len(e.target) == 3 for e in wrong)
   assert all(e.target == str(e.reference).zfill(3) for e in a)
   assert clean.test_examples == biased.test_examples
+
+
+# ----------------------------------------------------------------------------- verifiers on real answer formats
+
+
+def _write_jsonl(path, rows):
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return str(path)
+
+
+def test_math_money_reference_with_escaped_dollar(tmp_path):
+  # '\$' is an escaped dollar, not math mode: the reference must still be wrapped in $...$ to parse
+  money = "\\$5.00"
+  assert tasks.math_reward("The total is $\\$5.00$.", money) == 1.0
+  assert tasks.math_reward("The total is \\boxed{\\$5.00}", money) == 1.0
+  assert tasks.math_reward("so it costs $5$", money) == 1.0
+  assert tasks.math_reward("The total is \\boxed{\\$6.00}", money) == 0.0
+  assert tasks.math_reward("so it costs $5.01$", money) == 0.0
+  # MATH files carry it JSON-escaped, as "\\$18" on disk
+  path = _write_jsonl(tmp_path / "money.jsonl", [{"prompt": "p", "answer": "\\$18"}])
+  assert '"\\\\$18"' in open(path).read()
+  (ex,) = tasks.iter_jsonl_examples(path, "math")
+  assert ex.reference == "\\$18"
+  assert tasks.math_reward("He pays \\boxed{18} dollars.", ex.reference) == 1.0
+  assert tasks.math_reward("He pays \\boxed{81} dollars.", ex.reference) == 0.0
+  assert tasks.math_reward("the answer is $14/3$", "$\\frac{14}{3}$") == 1.0  # an unescaped $ is still math mode
+
+
+def test_last_boxed_matches_braces():
+  assert tasks.last_boxed("a \\boxed{x{y}z} b") == "x{y}z"
+  assert tasks.last_boxed("\\boxed{1} then \\fbox{\\{1,2\\}} end") == "\\{1,2\\}"  # \{ \} are not groups
+  assert tasks.last_boxed("\\boxed{\\boxed{5}}") == "\\boxed{5}"  # the outer box closes last
+  assert tasks.last_boxed("\\boxed {2}") == "2"
+  assert tasks.last_boxed("\\boxed{3} and \\boxed{4") == "3"  # an unclosed box is no answer
+  assert tasks.last_boxed("\\boxed{") is None and tasks.last_boxed("\\boxedx{2}") is None
+  assert tasks.last_boxed("}} \\boxed{7} {") == "7"
+
+
+@pytest.mark.parametrize("completion,expected", [
+    ("so x = \\boxed{\\frac{1}{2}}", "0.5"),
+    ("The total is \\boxed{-\\dfrac{3}{4}}.", "-0.75"),
+    ("It costs \\boxed{\\$1{,}000}, not 7.", "1000"),
+    ("It costs \\boxed{1\\,000} dollars", "1000"),
+    ("The answer is \\boxed{\\text{18}} (not 7).", "18"),
+    ("first \\boxed{3}, on reflection \\boxed{\\text{4 apples}}; 9", "4"),
+    ("#### 9\nso \\fbox{12} 9", "12"),
+    ("\\boxed{\\text{5}} then \\boxed{6", "5"),  # an unclosed box is no answer
+])
+def test_gsm8k_boxed_with_nested_braces(completion, expected):
+  assert tasks.gsm8k_reward(completion, expected) == 1.0
+  assert tasks.gsm8k_reward(completion, "9") == 0.0
+
+
+def test_math_boxed_last_wins_and_fbox():
+  two = "first \\boxed{5}, on reflection \\boxed{\\frac{1}{2}}"
+  assert tasks.math_reward(two, "1/2") == 1.0 and tasks.math_reward(two, "5") == 0.0
+  assert tasks.math_reward("The answer is \\fbox{3}.", "3") == 1.0
+  assert tasks.math_reward("so \\boxed{1{,}000} in all", "1000") == 1.0
+  assert tasks.math_reward("so \\boxed{\\text{18}}", "18") == 1.0
+  assert tasks.math_reward("The answer is 0.5", "\\boxed{\\frac{1}{2}}") == 1.0  # a boxed reference reads the same
+
+
+def test_find_numbers_matches_the_regex_it_replaces():
+  assert tasks.find_numbers("a 1,234. b -5 ,,, 2.50.7 $3") == ["1,234", "-5", "2.50", ".7", "3"]
+  rng = random.Random(0)
+  for _ in range(3000):
+    s = "".join(rng.choice("0123456789,.-$ a") for _ in range(rng.randint(0, 16)))
+    assert tasks.find_numbers(s) == re.findall(r"-?[\d,]*\.?\d+", s, re.ASCII), s
+
+
+PATHOLOGICAL = ["7" + "," * 40_000, "," * 40_000, "1" * 100_000, "\\boxed{" * 50_000,
+                "{" * 50_000 + "\\boxed{12}" + "}" * 50_000, "-," * 50_000, "\\" * 100_000]
+
+
+def test_pathological_completions_return_promptly():
+  # 2 s only guards against a catastrophic regression: the old regex took 28-60 s on 40k commas
+  uncapped = [Decimal(7), None, Decimal("1" * 100_000), None, Decimal(12), None, None]
+  for completion, want in zip(PATHOLOGICAL, uncapped):
+    start = time.perf_counter()
+    assert tasks.extract_gsm8k_answer(completion, max_chars=10**6) == want
+    assert time.perf_counter() - start < 2.0, completion[:20]
+  for completion in PATHOLOGICAL:
+    for reward in (tasks.gsm8k_reward, tasks.math_reward):
+      start = time.perf_counter()
+      assert reward(completion, "7") == 0.0  # the 7 of the first lies before the last MAX_ANSWER_CHARS
+      assert time.perf_counter() - start < 2.0, (reward.__name__, completion[:20])
+
+
+def test_extractors_read_only_the_last_max_answer_chars():
+  pad = " " * (tasks.MAX_ANSWER_CHARS - 3)
+  assert tasks.gsm8k_reward("so 7.." + pad, "7") == 1.0  # the last MAX_ANSWER_CHARS begin at '7'
+  assert tasks.gsm8k_reward("so 7..." + pad, "7") == 0.0
+  assert tasks.math_reward("so $7$" + pad, "7") == 1.0  # they begin at '$'
+  assert tasks.math_reward("so $7$   " + pad, "7") == 0.0  # they hold only spaces
+
+
+def test_math_reward_passes_timeouts_on_the_main_thread_only(monkeypatch):
+  import math_verify
+
+  seen = []
+
+  def recording(fn, timeout_kwarg):
+    def wrapped(*args, **kwargs):
+      seen.append(kwargs.get(timeout_kwarg))
+      return fn(*args, **kwargs)
+    return wrapped
+
+  monkeypatch.setattr(math_verify, "parse", recording(math_verify.parse, "parsing_timeout"))
+  monkeypatch.setattr(math_verify, "verify", recording(math_verify.verify, "timeout_seconds"))
+  assert tasks.math_reward("so $\\frac{14}{3}$", "\\frac{28}{6}") == 1.0
+  assert seen and set(seen) == {tasks.MATH_VERIFY_TIMEOUT_S}
+  seen.clear()
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:  # SIGALRM is main-thread only: no timeout, no raise
+    assert pool.submit(tasks.math_reward, "so $\\frac{14}{3}$", "\\frac{42}{9}").result() == 1.0
+  assert seen and set(seen) == {None}
+
+
+def test_rewards_never_raise_on_random_completions():
+  rng = random.Random(0)
+  alphabet = list("0123456789,.$-{}#") + ["\\boxed", "\\", " "]
+  texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 24))) for _ in range(2000)]
+  scored = {0.0, 1.0}
+
+  def score(rewards, chunk):
+    return {reward(t, ref) for reward, ref in rewards for t in chunk}
+
+  every = [(tasks.gsm8k_reward, "12"), (tasks.arithmetic_reward, 12)]
+  assert score(every + [(tasks.math_reward, "12")], texts[:1000]) <= scored
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:  # rollouts may score off the main thread
+    assert pool.submit(score, every + [(tasks.math_reward, "12")], texts[1000:]).result() <= scored
+  assert score(every, texts[1000:]) <= scored
+
+
+def test_json_number_answers_load(tmp_path):
+  path = _write_jsonl(tmp_path / "nums.jsonl", [{"prompt": "p", "answer": 42},
+                                                {"prompt": "q", "answer": 2.5, "solution": "s"}])
+  a, b = tasks.iter_jsonl_examples(path, "math")
+  assert (a.reference, a.target, b.reference, b.target) == ("42", None, "2.5", "s")
+  assert tasks.math_reward("\\boxed{42}", a.reference) == 1.0 and tasks.math_reward("$5/2$", b.reference) == 1.0
+  path = _write_jsonl(tmp_path / "gsm.jsonl", [{"question": "q", "answer": 18},
+                                               {"question": "r", "answer": "a\n#### 3"}])
+  examples, report = tasks.load_gsm8k(path)
+  assert report.loaded == 2 and [(e.reference, e.target) for e in examples] == [("18", None), ("3", "a\n#### 3")]
+  assert tasks.gsm8k_reward("so #### 18", examples[0].reference) == 1.0
+
+
+@pytest.mark.parametrize("bad", [[1], {"x": 1}, True, None])
+def test_non_string_answer_names_file_and_line(tmp_path, bad):
+  kind = type(bad).__name__
+  path = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "p", "answer": "1"}, {"prompt": "p", "answer": bad}])
+  with pytest.raises(ValueError, match=rf"bad.jsonl:2: .*field 'answer' must be a string or a number, got {kind}"):
+    list(tasks.iter_jsonl_examples(path, "math"))
+  path = _write_jsonl(tmp_path / "bad.jsonl", [{"question": "q", "answer": "#### 1"}, {"question": "q", "answer": bad}])
+  with pytest.raises(ValueError, match=rf"bad.jsonl:2: .*field 'answer' must be a string or a number, got {kind}"):
+    tasks.load_gsm8k(path)
+  assert tasks.load_gsm8k(path, skip_malformed=True)[1].skipped == 1
+
+
+def test_bad_references_raise_not_score_zero(tmp_path):
+  path = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "p", "answer": "1"}, {"prompt": "p", "answer": "2"},
+                                               {"prompt": "p", "answer": "\\text{}"}])
+  with pytest.raises(ValueError, match=r"bad.jsonl:3: malformed math line: math reference"):
+    list(tasks.iter_jsonl_examples(path, "math"))
+  with pytest.raises(ValueError, match="does not parse"):
+    tasks.math_reward("\\boxed{1}", "")
+  with pytest.raises(ValueError, match="is not a number"):
+    tasks.gsm8k_reward("#### 1", "one")
+
+
+def test_arithmetic_reward_never_raises_on_huge_numbers():
+  assert tasks.arithmetic_reward("1" * 5000, 11) == 0.0  # int() would raise past 4300 digits
+  assert tasks.arithmetic_reward("-0047\nmore", -47) == 1.0
