@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import checkpointing, engine, model, optim, rollout, tasks, tokenizer as tokenizers
+from hilore_jax import checkpointing, engine, model, optim, rollout, tasks
 from hilore_jax import config as config_lib
+from hilore_jax import tokenizer as tokenizers
 from hilore_jax.config import Config, SamplingConfig
 from hilore_jax.errors import CheckpointError
 from hilore_jax.model import hf
@@ -60,7 +61,8 @@ def restore_params(run_dir: str, config: Config) -> tuple[model.ModelConfig, dic
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     params = jax.eval_shape(lambda: model.init_params(model_cfg, jax.random.PRNGKey(0)))
     opt = optim.make_optimizer(config.optimizer, 1)
-    train = {"params": params, "opt_state": jax.eval_shape(opt.init, params), "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    train = {"params": params, "opt_state": jax.eval_shape(opt.init, params),
+             "step": jax.ShapeDtypeStruct((), jnp.int32)}
     tree = {"train": train, **({"ref": params} if config.grpo.beta > 0 else {})}
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), tree)
     restored, _ = ckpt.restore(step, abstract)

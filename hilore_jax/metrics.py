@@ -8,7 +8,6 @@ import os
 
 import numpy as np
 
-
 UPDATE_KEYS = ("loss", "grad_norm", "clipfrac", "kl", "entropy")
 
 

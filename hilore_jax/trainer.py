@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import (checkpointing, engine, evaluation, grpo, metrics, model, optim, rollout, runtime, sft,
-                        sharding, tasks, tokenizer as tokenizers, train_step)
+from hilore_jax import (checkpointing, engine, evaluation, grpo, metrics, model, optim, rollout, runtime, sft, sharding,
+                        tasks, train_step)
+from hilore_jax import tokenizer as tokenizers
 from hilore_jax.config import Config, MemoryConfig
 from hilore_jax.errors import ConfigError, RunExists, TrainingDiverged
 from hilore_jax.memory import MemoryManager

@@ -12,10 +12,10 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout, not an install
-from hilore_jax import train_step  # noqa: E402
-from hilore_jax.sharding import FSDP  # noqa: E402
-from hilore_jax.trainer import Trainer  # noqa: E402
 from trainer_util import tiny_config  # noqa: E402
+
+from hilore_jax import train_step  # noqa: E402
+from hilore_jax.trainer import Trainer  # noqa: E402
 
 assert jax.device_count() == n_dev
 t = Trainer(tiny_config(out + ".run", f"mesh.data={data}", f"mesh.fsdp={fsdp}", "train.warmstart_steps=0",

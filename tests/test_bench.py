@@ -2,8 +2,8 @@ import json
 import math
 import os
 
-from hilore_jax import cli, config
-from hilore_jax.bench import report, run as bench
+from hilore_jax import cli
+from hilore_jax.bench import run as bench
 
 
 def test_bench_writes_all_outputs_with_every_method_under_budget(tmp_path):

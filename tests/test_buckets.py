@@ -3,8 +3,8 @@ import jax.numpy as jnp
 import pytest
 
 from hilore_jax import engine, model, train_step
-from hilore_jax.memory import allocator, buckets
 from hilore_jax.config import GRPOConfig
+from hilore_jax.memory import allocator, buckets
 
 
 def test_bucketing_by_hand():
@@ -36,6 +36,7 @@ def test_allocation_per_bucket_is_solved_once():
 def test_second_step_in_the_same_bucket_compiles_nothing(tiny_cfg):
   import numpy as np
   import optax
+
   from hilore_jax import sharding
   mesh = sharding.make_mesh(1, 1)
   params = model.init_params(tiny_cfg, jax.random.PRNGKey(0))

@@ -1,4 +1,3 @@
-import dataclasses
 
 import jax
 import numpy as np
@@ -6,9 +5,8 @@ import pytest
 
 from hilore_jax import engine, model, train_step
 from hilore_jax.bench import synthetic
+from hilore_jax.config import ExposureSwitches, GRPOConfig
 from hilore_jax.memory import calibration
-from hilore_jax.config import ExposureSwitches
-from hilore_jax.config import GRPOConfig
 
 
 def test_risk_metrics_by_hand():

@@ -4,12 +4,13 @@ import sys
 
 import pytest
 
-from hilore_jax import cli, config
+from hilore_jax import cli
 
 
 def test_yaml_and_overrides(tmp_path):
   path = tmp_path / "c.yaml"
-  path.write_text("model:\n  hidden_size: 40\n  num_attention_heads: 4\ntrain:\n  steps: 5\ntask:\n  arithmetic:\n    ops: ['+', '-']\n")
+  path.write_text("model:\n  hidden_size: 40\n  num_attention_heads: 4\ntrain:\n  steps: 5\n"
+                  "task:\n  arithmetic:\n    ops: ['+', '-']\n")
   c = cli.load_config(str(path), ["train.steps=20", "out_dir=/tmp/run", "grpo.eps_high=0.28", "model.dtype=bfloat16"])
   assert c.train.steps == 20 and c.out_dir == "/tmp/run" and c.grpo.eps_high == 0.28
   assert c.task.arithmetic.ops == ("+", "-")

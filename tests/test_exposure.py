@@ -1,10 +1,8 @@
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import grpo
+from hilore_jax.config import ExposureSwitches, GRPOConfig
 from hilore_jax.memory import exposure
-from hilore_jax.config import ExposureSwitches
-from hilore_jax.config import GRPOConfig
 
 
 def _inputs():

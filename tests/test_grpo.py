@@ -25,7 +25,8 @@ def test_grpo_advantages_by_hand():
 def test_rloo_and_dr_grpo_by_hand():
   r = jnp.array([[1.0, 0.0, 0.0, 1.0]])
   # leave-one-out means: (0+0+1)/3, (1+0+1)/3, ...
-  np.testing.assert_allclose(grpo.advantages("rloo", r, "none"), [[1 - 1 / 3, 0 - 2 / 3, 0 - 2 / 3, 1 - 1 / 3]], rtol=1e-6)
+  np.testing.assert_allclose(grpo.advantages("rloo", r, "none"), [[1 - 1 / 3, 0 - 2 / 3, 0 - 2 / 3, 1 - 1 / 3]],
+                             rtol=1e-6)
   np.testing.assert_allclose(grpo.advantages("dr_grpo", r, "group"), [[0.5, -0.5, -0.5, 0.5]])
   assert grpo.zero_std_groups(jnp.array([[1.0, 1.0], [0.0, 1.0]])).tolist() == [True, False]
 

@@ -1,8 +1,8 @@
 import pytest
+from trainer_util import tiny_config
 
 from hilore_jax import errors, metrics
 from hilore_jax.trainer import Trainer
-from trainer_util import tiny_config
 
 HILORE = ["memory.policy=hilore", "memory.group_size=8", "memory.buckets=3", "memory.budget_probes=2",
           "train.steps=3", "checkpoint.every=2", "eval.at_start=false", "eval.at_end=false",
@@ -45,8 +45,9 @@ def test_baseline_policy_trains_under_the_same_budget_rule(tmp_path):
 
 
 def test_offload_on_cpu_is_a_clear_cli_error(tmp_path):
-  from train import grpo as cli
   from trainer_util import TINY
+
+  from train import grpo as cli
 
   with pytest.raises(SystemExit, match="memory error: memory.offload=true is unsupported on the cpu backend"):
     cli.main([*TINY, f"out_dir={tmp_path}", "memory.policy=hilore", "memory.offload=true", "train.warmstart_steps=0",

@@ -5,9 +5,8 @@ import numpy as np
 import pytest
 
 from hilore_jax import model
-from hilore_jax.model import codec, lowp
+from hilore_jax.model import LayerPolicy, codec
 from hilore_jax.model import units as U
-from hilore_jax.model import LayerPolicy
 
 
 def test_int8_codes_by_hand():
@@ -15,7 +14,8 @@ def test_int8_codes_by_hand():
   codes, scale = codec.encode(x, "int8", 3)  # groups [1, -2, .5] and [0, 127, pad]
   np.testing.assert_allclose(scale[..., 0], [[2 / 127, 1.0]], rtol=1e-6)
   assert codes.dtype == jnp.int8
-  assert codes[0, 0].tolist() == [64, -127, 32] and codes[0, 1].tolist() == [0, 127, 0]  # round(127/2)=64 (half-even: 63.5->64)
+  # round(127/2) = 64 (half-even: 63.5 -> 64)
+  assert codes[0, 0].tolist() == [64, -127, 32] and codes[0, 1].tolist() == [0, 127, 0]
   back = codec.decode(codes, scale, x.shape, jnp.float32, "int8")
   assert np.all(np.abs(back - x) <= np.repeat(np.asarray(scale[..., 0]), 3, -1)[..., :5] / 2 + 1e-7)
   assert codec.code_bytes((2, 5), group_size=3) == 2 * (6 + 8)

@@ -5,9 +5,11 @@ import jax.numpy as jnp
 import pytest
 
 from hilore_jax import model
-from hilore_jax.memory import methods, profile as units
-from hilore_jax.model import codec, units as U
+from hilore_jax.memory import methods
+from hilore_jax.memory import profile as units
 from hilore_jax.memory.allocator import H, L, R
+from hilore_jax.model import codec
+from hilore_jax.model import units as U
 
 B, T = 2, 9
 IDS = jnp.arange(B * T, dtype=jnp.int32).reshape(B, T) % 29 + 1

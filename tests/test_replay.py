@@ -256,7 +256,7 @@ def test_state_round_trips_through_orbax(tmp_path):
 
 def test_disabled_is_a_pass_through():
   off = ReplayBuffer(dataclasses.replace(cfg(), enabled=False), P, N)
-  for batch, replayed, stats in run(off, range(4)):
+  for _, replayed, stats in run(off, range(4)):
     assert not replayed.any() and stats["replay/frac"] == 0.0 and off.size == 0
   assert any(r.any() for _, r, _ in run(ReplayBuffer(cfg(), P, N), range(4)))
 

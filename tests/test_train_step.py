@@ -1,14 +1,13 @@
 """The compiled step honours remat with gradient clipping on, and updates exactly as the one-function step does."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 from hilore_jax import engine, model, sharding, train_step
-from hilore_jax.model import ModelConfig
 from hilore_jax.config import GRPOConfig
+from hilore_jax.model import ModelConfig
 
 CFG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=87, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2)

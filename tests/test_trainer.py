@@ -5,10 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from trainer_util import tiny_config
 
 from hilore_jax import metrics
 from hilore_jax.trainer import Trainer, TrainingDiverged
-from trainer_util import tiny_config
 
 VOLATILE = ("time/", "throughput/", "compile/")
 
@@ -82,6 +82,7 @@ def test_zero_std_filtering_and_minibatch_padding(tmp_path):
 def test_cli_end_to_end_writes_everything(tmp_path):
   import subprocess
   import sys
+
   from trainer_util import TINY
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   out = tmp_path / "run"

@@ -1,6 +1,6 @@
 """A few-step GRPO config on a tiny model, for the trainer tests."""
 
-from hilore_jax import cli, config
+from hilore_jax import cli
 
 TINY = [
     "model.vocab_size=80", "model.hidden_size=24", "model.intermediate_size=37", "model.num_hidden_layers=2",

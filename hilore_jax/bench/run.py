@@ -110,7 +110,7 @@ def run(cfg: Config, out_dir: str, progress=print) -> dict:
   for e in entries:  # one untimed run each (first-call allocations)
     state, _ = e.compiled(state, batch)
   jax.block_until_ready(state)
-  for rep in range(bc.reps):
+  for _ in range(bc.reps):
     for i in order.permutation(len(entries)):
       e = entries[i]
       t0 = time.perf_counter()

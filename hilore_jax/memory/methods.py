@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-import numpy as np
-
 from hilore_jax import model
 from hilore_jax.config import MEMORY_POLICIES
 from hilore_jax.errors import OffloadUnsupported

@@ -18,7 +18,6 @@ from hilore_jax.model import units as U
 from hilore_jax.model.config import ModelConfig
 from hilore_jax.model.policy import NO_REMAT, LayerPolicy, remat, uniform
 
-
 # ----------------------------------------------------------------------------- params
 
 
