@@ -8,7 +8,7 @@ from decimal import Decimal
 
 import pytest
 
-from hilore_jax import tasks
+from hilore_jax import tasks, verifiers
 from hilore_jax.config import ArithmeticSpec
 
 SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k", "test.jsonl")
@@ -27,7 +27,7 @@ def test_every_gsm8k_gold_solution_scores_one():
   assert report.loaded == len(rows) and report.skipped == 0
   if GSM8K == SHARED:
     assert len(rows) == 1319
-  score = sum(tasks.gsm8k_reward(r["answer"], e.reference) for r, e in zip(rows, examples))
+  score = sum(verifiers.gsm8k_reward(r["answer"], e.reference) for r, e in zip(rows, examples))
   assert score == len(rows)
 
 
@@ -37,7 +37,7 @@ def test_changed_final_number_scores_zero():
   for r, e in list(zip(rows, examples))[:200]:
     head, final = r["answer"].rsplit("####", 1)
     wrong = f"{head}#### {int(float(final.strip().replace(',', ''))) + 1}"
-    assert tasks.gsm8k_reward(wrong, e.reference) == 0.0
+    assert verifiers.gsm8k_reward(wrong, e.reference) == 0.0
 
 
 @pytest.mark.parametrize("completion,expected", [
@@ -49,12 +49,12 @@ def test_changed_final_number_scores_zero():
     ("about 2.50", "2.5"),
 ])
 def test_answer_extraction(completion, expected):
-  assert tasks.gsm8k_reward(completion, expected) == 1.0
-  assert tasks.gsm8k_reward(completion, "13") == 0.0
+  assert verifiers.gsm8k_reward(completion, expected) == 1.0
+  assert verifiers.gsm8k_reward(completion, "13") == 0.0
 
 
 def test_no_number_scores_zero():
-  assert tasks.gsm8k_reward("I do not know", "3") == 0.0
+  assert verifiers.gsm8k_reward("I do not know", "3") == 0.0
 
 
 def test_malformed_line_names_file_and_line(tmp_path):
@@ -68,9 +68,9 @@ def test_malformed_line_names_file_and_line(tmp_path):
 
 
 def test_math_verify_equivalence():
-  assert tasks.math_reward("Thus $\\boxed{\\frac{14}{3}}$", "14/3") == 1.0
-  assert tasks.math_reward("the answer is $14/3$", "\\frac{14}{3}") == 1.0
-  assert tasks.math_reward("Thus $\\boxed{\\frac{14}{5}}$", "14/3") == 0.0
+  assert verifiers.math_reward("Thus $\\boxed{\\frac{14}{3}}$", "14/3") == 1.0
+  assert verifiers.math_reward("the answer is $14/3$", "\\frac{14}{3}") == 1.0
+  assert verifiers.math_reward("Thus $\\boxed{\\frac{14}{5}}$", "14/3") == 0.0
 
 
 def test_arithmetic_task_is_seeded_and_disjoint():
@@ -126,29 +126,29 @@ def _write_jsonl(path, rows):
 def test_math_money_reference_with_escaped_dollar(tmp_path):
   # '\$' is an escaped dollar, not math mode: the reference must still be wrapped in $...$ to parse
   money = "\\$5.00"
-  assert tasks.math_reward("The total is $\\$5.00$.", money) == 1.0
-  assert tasks.math_reward("The total is \\boxed{\\$5.00}", money) == 1.0
-  assert tasks.math_reward("so it costs $5$", money) == 1.0
-  assert tasks.math_reward("The total is \\boxed{\\$6.00}", money) == 0.0
-  assert tasks.math_reward("so it costs $5.01$", money) == 0.0
+  assert verifiers.math_reward("The total is $\\$5.00$.", money) == 1.0
+  assert verifiers.math_reward("The total is \\boxed{\\$5.00}", money) == 1.0
+  assert verifiers.math_reward("so it costs $5$", money) == 1.0
+  assert verifiers.math_reward("The total is \\boxed{\\$6.00}", money) == 0.0
+  assert verifiers.math_reward("so it costs $5.01$", money) == 0.0
   # MATH files carry it JSON-escaped, as "\\$18" on disk
   path = _write_jsonl(tmp_path / "money.jsonl", [{"prompt": "p", "answer": "\\$18"}])
   assert '"\\\\$18"' in open(path).read()
   (ex,) = tasks.iter_jsonl_examples(path, "math")
   assert ex.reference == "\\$18"
-  assert tasks.math_reward("He pays \\boxed{18} dollars.", ex.reference) == 1.0
-  assert tasks.math_reward("He pays \\boxed{81} dollars.", ex.reference) == 0.0
-  assert tasks.math_reward("the answer is $14/3$", "$\\frac{14}{3}$") == 1.0  # an unescaped $ is still math mode
+  assert verifiers.math_reward("He pays \\boxed{18} dollars.", ex.reference) == 1.0
+  assert verifiers.math_reward("He pays \\boxed{81} dollars.", ex.reference) == 0.0
+  assert verifiers.math_reward("the answer is $14/3$", "$\\frac{14}{3}$") == 1.0  # an unescaped $ is still math mode
 
 
 def test_last_boxed_matches_braces():
-  assert tasks.last_boxed("a \\boxed{x{y}z} b") == "x{y}z"
-  assert tasks.last_boxed("\\boxed{1} then \\fbox{\\{1,2\\}} end") == "\\{1,2\\}"  # \{ \} are not groups
-  assert tasks.last_boxed("\\boxed{\\boxed{5}}") == "\\boxed{5}"  # the outer box closes last
-  assert tasks.last_boxed("\\boxed {2}") == "2"
-  assert tasks.last_boxed("\\boxed{3} and \\boxed{4") == "3"  # an unclosed box is no answer
-  assert tasks.last_boxed("\\boxed{") is None and tasks.last_boxed("\\boxedx{2}") is None
-  assert tasks.last_boxed("}} \\boxed{7} {") == "7"
+  assert verifiers.last_boxed("a \\boxed{x{y}z} b") == "x{y}z"
+  assert verifiers.last_boxed("\\boxed{1} then \\fbox{\\{1,2\\}} end") == "\\{1,2\\}"  # \{ \} are not groups
+  assert verifiers.last_boxed("\\boxed{\\boxed{5}}") == "\\boxed{5}"  # the outer box closes last
+  assert verifiers.last_boxed("\\boxed {2}") == "2"
+  assert verifiers.last_boxed("\\boxed{3} and \\boxed{4") == "3"  # an unclosed box is no answer
+  assert verifiers.last_boxed("\\boxed{") is None and verifiers.last_boxed("\\boxedx{2}") is None
+  assert verifiers.last_boxed("}} \\boxed{7} {") == "7"
 
 
 @pytest.mark.parametrize("completion,expected", [
@@ -162,25 +162,25 @@ def test_last_boxed_matches_braces():
     ("\\boxed{\\text{5}} then \\boxed{6", "5"),  # an unclosed box is no answer
 ])
 def test_gsm8k_boxed_with_nested_braces(completion, expected):
-  assert tasks.gsm8k_reward(completion, expected) == 1.0
-  assert tasks.gsm8k_reward(completion, "9") == 0.0
+  assert verifiers.gsm8k_reward(completion, expected) == 1.0
+  assert verifiers.gsm8k_reward(completion, "9") == 0.0
 
 
 def test_math_boxed_last_wins_and_fbox():
   two = "first \\boxed{5}, on reflection \\boxed{\\frac{1}{2}}"
-  assert tasks.math_reward(two, "1/2") == 1.0 and tasks.math_reward(two, "5") == 0.0
-  assert tasks.math_reward("The answer is \\fbox{3}.", "3") == 1.0
-  assert tasks.math_reward("so \\boxed{1{,}000} in all", "1000") == 1.0
-  assert tasks.math_reward("so \\boxed{\\text{18}}", "18") == 1.0
-  assert tasks.math_reward("The answer is 0.5", "\\boxed{\\frac{1}{2}}") == 1.0  # a boxed reference reads the same
+  assert verifiers.math_reward(two, "1/2") == 1.0 and verifiers.math_reward(two, "5") == 0.0
+  assert verifiers.math_reward("The answer is \\fbox{3}.", "3") == 1.0
+  assert verifiers.math_reward("so \\boxed{1{,}000} in all", "1000") == 1.0
+  assert verifiers.math_reward("so \\boxed{\\text{18}}", "18") == 1.0
+  assert verifiers.math_reward("The answer is 0.5", "\\boxed{\\frac{1}{2}}") == 1.0  # a boxed reference reads the same
 
 
 def test_find_numbers_matches_the_regex_it_replaces():
-  assert tasks.find_numbers("a 1,234. b -5 ,,, 2.50.7 $3") == ["1,234", "-5", "2.50", ".7", "3"]
+  assert verifiers.find_numbers("a 1,234. b -5 ,,, 2.50.7 $3") == ["1,234", "-5", "2.50", ".7", "3"]
   rng = random.Random(0)
   for _ in range(3000):
     s = "".join(rng.choice("0123456789,.-$ a") for _ in range(rng.randint(0, 16)))
-    assert tasks.find_numbers(s) == re.findall(r"-?[\d,]*\.?\d+", s, re.ASCII), s
+    assert verifiers.find_numbers(s) == re.findall(r"-?[\d,]*\.?\d+", s, re.ASCII), s
 
 
 PATHOLOGICAL = ["7" + "," * 40_000, "," * 40_000, "1" * 100_000, "\\boxed{" * 50_000,
@@ -192,21 +192,21 @@ def test_pathological_completions_return_promptly():
   uncapped = [Decimal(7), None, Decimal("1" * 100_000), None, Decimal(12), None, None]
   for completion, want in zip(PATHOLOGICAL, uncapped):
     start = time.perf_counter()
-    assert tasks.extract_gsm8k_answer(completion, max_chars=10**6) == want
+    assert verifiers.extract_gsm8k_answer(completion, max_chars=10**6) == want
     assert time.perf_counter() - start < 2.0, completion[:20]
   for completion in PATHOLOGICAL:
-    for reward in (tasks.gsm8k_reward, tasks.math_reward):
+    for reward in (verifiers.gsm8k_reward, verifiers.math_reward):
       start = time.perf_counter()
       assert reward(completion, "7") == 0.0  # the 7 of the first lies before the last MAX_ANSWER_CHARS
       assert time.perf_counter() - start < 2.0, (reward.__name__, completion[:20])
 
 
 def test_extractors_read_only_the_last_max_answer_chars():
-  pad = " " * (tasks.MAX_ANSWER_CHARS - 3)
-  assert tasks.gsm8k_reward("so 7.." + pad, "7") == 1.0  # the last MAX_ANSWER_CHARS begin at '7'
-  assert tasks.gsm8k_reward("so 7..." + pad, "7") == 0.0
-  assert tasks.math_reward("so $7$" + pad, "7") == 1.0  # they begin at '$'
-  assert tasks.math_reward("so $7$   " + pad, "7") == 0.0  # they hold only spaces
+  pad = " " * (verifiers.MAX_ANSWER_CHARS - 3)
+  assert verifiers.gsm8k_reward("so 7.." + pad, "7") == 1.0  # the last MAX_ANSWER_CHARS begin at '7'
+  assert verifiers.gsm8k_reward("so 7..." + pad, "7") == 0.0
+  assert verifiers.math_reward("so $7$" + pad, "7") == 1.0  # they begin at '$'
+  assert verifiers.math_reward("so $7$   " + pad, "7") == 0.0  # they hold only spaces
 
 
 def test_math_reward_passes_timeouts_on_the_main_thread_only(monkeypatch):
@@ -222,11 +222,11 @@ def test_math_reward_passes_timeouts_on_the_main_thread_only(monkeypatch):
 
   monkeypatch.setattr(math_verify, "parse", recording(math_verify.parse, "parsing_timeout"))
   monkeypatch.setattr(math_verify, "verify", recording(math_verify.verify, "timeout_seconds"))
-  assert tasks.math_reward("so $\\frac{14}{3}$", "\\frac{28}{6}") == 1.0
-  assert seen and set(seen) == {tasks.MATH_VERIFY_TIMEOUT_S}
+  assert verifiers.math_reward("so $\\frac{14}{3}$", "\\frac{28}{6}") == 1.0
+  assert seen and set(seen) == {verifiers.MATH_VERIFY_TIMEOUT_S}
   seen.clear()
   with concurrent.futures.ThreadPoolExecutor(1) as pool:  # SIGALRM is main-thread only: no timeout, no raise
-    assert pool.submit(tasks.math_reward, "so $\\frac{14}{3}$", "\\frac{42}{9}").result() == 1.0
+    assert pool.submit(verifiers.math_reward, "so $\\frac{14}{3}$", "\\frac{42}{9}").result() == 1.0
   assert seen and set(seen) == {None}
 
 
@@ -239,10 +239,10 @@ def test_rewards_never_raise_on_random_completions():
   def score(rewards, chunk):
     return {reward(t, ref) for reward, ref in rewards for t in chunk}
 
-  every = [(tasks.gsm8k_reward, "12"), (tasks.arithmetic_reward, 12)]
-  assert score(every + [(tasks.math_reward, "12")], texts[:1000]) <= scored
+  every = [(verifiers.gsm8k_reward, "12"), (verifiers.arithmetic_reward, 12)]
+  assert score(every + [(verifiers.math_reward, "12")], texts[:1000]) <= scored
   with concurrent.futures.ThreadPoolExecutor(1) as pool:  # rollouts may score off the main thread
-    assert pool.submit(score, every + [(tasks.math_reward, "12")], texts[1000:]).result() <= scored
+    assert pool.submit(score, every + [(verifiers.math_reward, "12")], texts[1000:]).result() <= scored
   assert score(every, texts[1000:]) <= scored
 
 
@@ -251,12 +251,12 @@ def test_json_number_answers_load(tmp_path):
                                                 {"prompt": "q", "answer": 2.5, "solution": "s"}])
   a, b = tasks.iter_jsonl_examples(path, "math")
   assert (a.reference, a.target, b.reference, b.target) == ("42", None, "2.5", "s")
-  assert tasks.math_reward("\\boxed{42}", a.reference) == 1.0 and tasks.math_reward("$5/2$", b.reference) == 1.0
+  assert verifiers.math_reward("\\boxed{42}", a.reference) == 1.0 and verifiers.math_reward("$5/2$", b.reference) == 1.0
   path = _write_jsonl(tmp_path / "gsm.jsonl", [{"question": "q", "answer": 18},
                                                {"question": "r", "answer": "a\n#### 3"}])
   examples, report = tasks.load_gsm8k(path)
   assert report.loaded == 2 and [(e.reference, e.target) for e in examples] == [("18", None), ("3", "a\n#### 3")]
-  assert tasks.gsm8k_reward("so #### 18", examples[0].reference) == 1.0
+  assert verifiers.gsm8k_reward("so #### 18", examples[0].reference) == 1.0
 
 
 @pytest.mark.parametrize("bad", [[1], {"x": 1}, True, None])
@@ -277,11 +277,11 @@ def test_bad_references_raise_not_score_zero(tmp_path):
   with pytest.raises(ValueError, match=r"bad.jsonl:3: malformed math line: math reference"):
     list(tasks.iter_jsonl_examples(path, "math"))
   with pytest.raises(ValueError, match="does not parse"):
-    tasks.math_reward("\\boxed{1}", "")
+    verifiers.math_reward("\\boxed{1}", "")
   with pytest.raises(ValueError, match="is not a number"):
-    tasks.gsm8k_reward("#### 1", "one")
+    verifiers.gsm8k_reward("#### 1", "one")
 
 
 def test_arithmetic_reward_never_raises_on_huge_numbers():
-  assert tasks.arithmetic_reward("1" * 5000, 11) == 0.0  # int() would raise past 4300 digits
-  assert tasks.arithmetic_reward("-0047\nmore", -47) == 1.0
+  assert verifiers.arithmetic_reward("1" * 5000, 11) == 0.0  # int() would raise past 4300 digits
+  assert verifiers.arithmetic_reward("-0047\nmore", -47) == 1.0
