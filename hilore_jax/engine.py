@@ -212,9 +212,9 @@ def memory_hooks(stepper: Stepper, spec: StepSpec) -> StepHooks:
   def unit_tensors(params, batch):
     ids, mask = train_step.sequence_inputs(batch)
     P, N = batch["prompt_ids"].shape[1], batch["tokens"].shape[1]
-    taps: list[dict] = []
+    taps: dict = {}
     model.hidden_states(cfg, params, ids, mask, taps=taps)
-    return [{k: v[:, P - 1:P + N - 1] for k, v in layer.items()} for layer in taps]
+    return [{k: v[layer, :, P - 1:P + N - 1] for k, v in taps.items()} for layer in range(cfg.num_hidden_layers)]
 
   return StepHooks(
       model_cfg=cfg,

@@ -1,8 +1,10 @@
 """LoGRA: Adam(W) on low-rank gradient sketches (GaLore-style) as an optax GradientTransformation.
 
 Which leaves are sketched:
-- A leaf with >= 2 dims is viewed as a matrix [prod(shape[:k]), prod(shape[k:])], k the split that makes it most
-  nearly square (ties: smallest k). For the model this gives wq_DNH -> [D, N*H], wk_DKH -> [D, K*H],
+- `batch_axes(path)` (default: none) names leading axes that are a batch of matrices, e.g. a stacked layer axis:
+  each matrix of the batch then gets its own projection.
+- A leaf with >= 2 (non-batch) dims is viewed as a matrix [prod(shape[:k]), prod(shape[k:])], k the split that
+  makes it most nearly square (ties: smallest k). For the model this gives wq_DNH -> [D, N*H], wk_DKH -> [D, K*H],
   wo_NHD -> [N*H, D], wgate_DF -> [D, F], wdown_FD -> [F, D]; any other pytree works by shape alone.
 - The matrix is oriented so its smaller side M comes first ([M, N], M <= N); P [M, r] projects that side.
 - Dense Adam(W) instead for: leaves with < 2 dims (norms, biases); leaves named in `dense_names` (embeddings,
@@ -51,20 +53,27 @@ class LograState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class LeafPlan:
-  """How one leaf is treated: its matrix split, whether it is transposed to [M, N], and its rank (0: dense)."""
+  """How one leaf is treated: its leading batch axes, its matrix split, whether it is transposed to [M, N], and its
+  rank (0: dense). Sketched state carries one leading batch dimension Lb (1 when the leaf has no batch axes)."""
 
   shape: tuple[int, ...]
   split: int = 0
   transpose: bool = False
   rank: int = 0
+  batch: int = 0  # leading batch axes (a stacked layer axis)
 
   @property
   def sketched(self) -> bool:
     return self.rank > 0
 
   @property
+  def lb(self) -> int:
+    return math.prod(self.shape[:self.batch])
+
+  @property
   def mn(self) -> tuple[int, int]:
-    rows, cols = math.prod(self.shape[:self.split]), math.prod(self.shape[self.split:])
+    inner = self.shape[self.batch:]
+    rows, cols = math.prod(inner[:self.split]), math.prod(inner[self.split:])
     return (cols, rows) if self.transpose else (rows, cols)
 
 
@@ -82,28 +91,36 @@ def leaf_name(path) -> str:
   return str(getattr(last, "key", getattr(last, "name", "")))
 
 
-def leaf_plan(path, shape, rank: int, min_dim: int = 0, dense_names=DENSE_NAMES) -> LeafPlan:
+def no_batch(path) -> int:
+  """No leading batch axes (params["layers"] is a list of per-layer dicts)."""
+  del path
+  return 0
+
+
+def leaf_plan(path, shape, rank: int, min_dim: int = 0, dense_names=DENSE_NAMES, batch_axes=no_batch) -> LeafPlan:
   """The module docstring's rule for one leaf."""
   shape = tuple(shape)
-  if len(shape) < 2 or leaf_name(path) in dense_names:
+  batch = batch_axes(path)
+  inner = shape[batch:]
+  if len(inner) < 2 or leaf_name(path) in dense_names:
     return LeafPlan(shape)
-  split = matrix_split(shape)
-  rows, cols = math.prod(shape[:split]), math.prod(shape[split:])
+  split = matrix_split(inner)
+  rows, cols = math.prod(inner[:split]), math.prod(inner[split:])
   m = min(rows, cols)
   if m < rank or m < min_dim:
     return LeafPlan(shape)
-  return LeafPlan(shape, split, rows > cols, rank)
+  return LeafPlan(shape, split, rows > cols, rank, batch)
 
 
 def to_matrix(x, plan: LeafPlan) -> jax.Array:
-  """Leaf -> [M, N] float32 with M <= N."""
-  rows = math.prod(plan.shape[:plan.split])
-  x = x.astype(jnp.float32).reshape(rows, -1)
-  return x.T if plan.transpose else x
+  """Leaf -> [Lb, M, N] float32 with M <= N."""
+  rows = math.prod(plan.shape[plan.batch:][:plan.split])
+  x = x.astype(jnp.float32).reshape(plan.lb, rows, -1)
+  return x.swapaxes(1, 2) if plan.transpose else x
 
 
-def from_matrix(x_MN, plan: LeafPlan) -> jax.Array:
-  return (x_MN.T if plan.transpose else x_MN).reshape(plan.shape)
+def from_matrix(x_LMN, plan: LeafPlan) -> jax.Array:
+  return (x_LMN.swapaxes(1, 2) if plan.transpose else x_LMN).reshape(plan.shape)
 
 
 def range_finder(g_MN, rank: int, key, oversample: int = 8, power_iters: int = 2) -> jax.Array:
@@ -119,20 +136,20 @@ def range_finder(g_MN, rank: int, key, oversample: int = 8, power_iters: int = 2
 
 def logra(learning_rate: float | optax.Schedule, rank: int, refresh_every: int, b1: float = 0.9, b2: float = 0.999,
           eps: float = 1e-8, weight_decay: float = 0.0, scale: float = 1.0, seed: int = 0, oversample: int = 8,
-          power_iters: int = 2, min_dim: int = 0, dense_names: tuple[str, ...] = DENSE_NAMES
-          ) -> optax.GradientTransformation:
+          power_iters: int = 2, min_dim: int = 0, dense_names: tuple[str, ...] = DENSE_NAMES,
+          batch_axes=no_batch) -> optax.GradientTransformation:
   """AdamW whose matrix moments live in a rank-`rank` subspace refit every `refresh_every` updates."""
   if rank < 1 or refresh_every < 1:
     raise ValueError(f"logra needs rank >= 1 and refresh_every >= 1, got rank={rank}, refresh_every={refresh_every}")
 
   def plans(tree):
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    return [leaf_plan(path, x.shape, rank, min_dim, dense_names) for path, x in leaves], treedef
+    return [leaf_plan(path, x.shape, rank, min_dim, dense_names, batch_axes) for path, x in leaves], treedef
 
   def init(params):
     ps, treedef = plans(params)
-    mom = [jnp.zeros((p.rank, p.mn[1]) if p.sketched else p.shape, jnp.float32) for p in ps]
-    proj = [jnp.zeros((p.mn[0], p.rank), jnp.float32) if p.sketched else None for p in ps]
+    mom = [jnp.zeros((p.lb, p.rank, p.mn[1]) if p.sketched else p.shape, jnp.float32) for p in ps]
+    proj = [jnp.zeros((p.lb, p.mn[0], p.rank), jnp.float32) if p.sketched else None for p in ps]
     unflat = lambda xs: jax.tree_util.tree_unflatten(treedef, xs)
     return LograState(jnp.zeros([], jnp.int32), jax.random.PRNGKey(seed), unflat(mom), unflat(list(mom)),
                       unflat(proj))
@@ -148,11 +165,14 @@ def logra(learning_rate: float | optax.Schedule, rank: int, refresh_every: int, 
 
     def refresh(old):
       out = tuple(list(t) for t in old)
-      for i, (p, g_MN) in enumerate(zip(ps, mats)):
+      for i, (p, g_LMN) in enumerate(zip(ps, mats)):
         if p.sketched:
-          new_P = range_finder(g_MN, p.rank, jax.random.fold_in(step_key, i), oversample, power_iters)
-          c_RR = new_P.T @ old[0][i]
-          out[0][i], out[1][i], out[2][i] = new_P, c_RR @ old[1][i], (c_RR * c_RR) @ old[2][i]
+          keys = jax.random.split(jax.random.fold_in(step_key, i), p.lb)
+          new_P = jax.vmap(lambda g, k, p=p: range_finder(g, p.rank, k, oversample, power_iters))(g_LMN, keys)
+          c_LRR = jnp.einsum("lmr,lms->lrs", new_P, old[0][i])
+          out[0][i] = new_P
+          out[1][i] = jnp.einsum("lrs,lsn->lrn", c_LRR, old[1][i])
+          out[2][i] = jnp.einsum("lrs,lsn->lrn", c_LRR * c_LRR, old[2][i])
       return out
 
     proj, mu, nu = jax.lax.cond(state.count % refresh_every == 0, refresh, lambda old: old, old)
@@ -161,12 +181,12 @@ def logra(learning_rate: float | optax.Schedule, rank: int, refresh_every: int, 
     ws = treedef.flatten_up_to(params) if params is not None else [None] * len(gs)
     outs = []
     for i, (p, g, w) in enumerate(zip(ps, gs, ws)):
-      r = proj[i].T @ mats[i] if p.sketched else g.astype(jnp.float32)
+      r = jnp.einsum("lmr,lmn->lrn", proj[i], mats[i]) if p.sketched else g.astype(jnp.float32)
       mu[i] = (1 - b1) * r + b1 * mu[i]
       nu[i] = (1 - b2) * (r * r) + b2 * nu[i]
       u = (mu[i] / (1 - b1 ** t)) / (jnp.sqrt(nu[i] / (1 - b2 ** t)) + eps)
       if p.sketched:
-        u = scale * from_matrix(proj[i] @ u, p)
+        u = scale * from_matrix(jnp.einsum("lmr,lrn->lmn", proj[i], u), p)
       if weight_decay:
         u = u + weight_decay * w.astype(jnp.float32)
       outs.append((-lr * u).astype(g.dtype))
@@ -205,7 +225,7 @@ def state_bytes(state) -> dict[str, int]:
       out["logra/dense_bytes"] += _nbytes(m) + _nbytes(v)
     else:
       out["logra/sketched_bytes"] += _nbytes(m) + _nbytes(v) + _nbytes(p)
-      out["logra/sketched_adam_bytes"] += 2 * p.shape[0] * m.shape[1] * jnp.dtype(m.dtype).itemsize
+      out["logra/sketched_adam_bytes"] += 2 * p.shape[0] * p.shape[1] * m.shape[2] * jnp.dtype(m.dtype).itemsize
   return out
 
 
@@ -218,7 +238,7 @@ def sketch_bytes(state, itemsize: int = 4) -> dict[str, int]:
   state = find_state(state)
   factor = refresh = dense = 0
   for m, _, p in _sketched_leaves(state):
-    full = math.prod(m.shape) if p is None else p.shape[0] * m.shape[1]
+    full = math.prod(m.shape) if p is None else p.shape[0] * p.shape[1] * m.shape[2]
     factor += itemsize * (full if p is None else math.prod(m.shape))
     refresh += itemsize * (full if p is None else math.prod(m.shape) + math.prod(p.shape))
     dense += itemsize * full

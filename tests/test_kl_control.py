@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hilore_jax import kl_control, model
-from hilore_jax.model_config import ModelConfig
+from hilore_jax.model import ModelConfig
 
 
 def test_hand_computed_two_token_vocabulary():

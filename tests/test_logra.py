@@ -11,7 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from hilore_jax import logra, model
-from hilore_jax.model_config import ModelConfig
+from hilore_jax.model import ModelConfig
 
 # Odd shapes; matrix views: wq [7, 15], wo (transposed) [7, 15], wdown (transposed) [7, 11], bq [3, 5].
 SHAPES = {"wq_DNH": (7, 3, 5), "wo_NHD": (3, 5, 7), "wdown_FD": (11, 7), "bq_NH": (3, 5), "norm_D": (7,),
@@ -51,7 +51,7 @@ def test_leaf_rule_and_matrix_view():
   assert not _plan("norm_D", 1).sketched and not _plan("embed_VD", 1).sketched
   assert not logra.leaf_plan((jax.tree_util.DictKey("w"),), (7, 15), 2, min_dim=8).sketched
   x = jnp.arange(105.0).reshape(3, 5, 7)
-  chex.assert_trees_all_equal(logra.to_matrix(x, p), x.reshape(15, 7).T)
+  chex.assert_trees_all_equal(logra.to_matrix(x, p), x.reshape(1, 15, 7).swapaxes(1, 2))  # one batch slot
   chex.assert_trees_all_equal(logra.from_matrix(logra.to_matrix(x, p), p), x)
 
 
@@ -69,13 +69,13 @@ def test_projection_shapes_orthonormal_and_captures_low_rank_gradient():
   _, state = jax.device_get(jax.jit(tx.update)(grads, state, params))
   for name in ("wq_DNH", "wo_NHD", "wdown_FD", "bq_NH"):  # bq's smaller side 3 >= rank: sketched
     m, n = _plan(name, rank).mn
-    chex.assert_shape(state.proj[name], (m, rank))
-    chex.assert_shape((state.mu[name], state.nu[name]), (rank, n))
-    np.testing.assert_allclose(state.proj[name].T @ state.proj[name], np.eye(rank), atol=1e-5)
+    chex.assert_shape(state.proj[name], (1, m, rank))
+    chex.assert_shape((state.mu[name], state.nu[name]), (1, rank, n))
+    np.testing.assert_allclose(state.proj[name][0].T @ state.proj[name][0], np.eye(rank), atol=1e-5)
   for name in ("norm_D", "embed_VD"):
     assert state.proj[name] is None
     chex.assert_shape((state.mu[name], state.nu[name]), SHAPES[name])
-  proj = state.proj["wq_DNH"]
+  proj = state.proj["wq_DNH"][0]
   np.testing.assert_allclose(proj @ (proj.T @ g), g, atol=1e-4)
 
 
@@ -123,7 +123,7 @@ def test_low_rank_update_lies_in_span_of_projection():
   for step in range(4):  # refresh at 0 and 3; check every step
     updates, state = jax.device_get(update(_random_grads(step), state, params))
     for name in ("wq_DNH", "wo_NHD", "wdown_FD"):
-      plan, proj = _plan(name, rank), state.proj[name]
+      plan, proj = _plan(name, rank), state.proj[name][0]
       u_MN = updates[name].reshape(-1, int(np.prod(plan.shape[plan.split:])))
       u_MN = u_MN.T if plan.transpose else u_MN
       assert np.linalg.norm(u_MN) > 1e-3
@@ -201,3 +201,25 @@ def test_state_and_sketch_bytes_far_below_adam():
   assert sk["logra/sketch_bytes"] == 2 * (sum((m + n) * rank for m, n in mats) + dense_elems)
   assert sk["logra/factor_bytes"] == 2 * (sum(n * rank for _, n in mats) + dense_elems)
   assert sk["logra/update_bytes"] == 2 * total_elems
+
+
+def test_stacked_layers_get_one_projection_each():
+  """A stacked layer axis named as a batch axis: each layer's matrix is sketched on its own."""
+  rng = np.random.default_rng(3)
+  L, D, F, rank = 3, 7, 13, 2
+  params = {"layers": {"mlp": {"wup_DF": jnp.zeros((L, D, F))}}, "embed_VD": jnp.zeros((5, D))}
+  stacked = lambda path: int(getattr(path[0], "key", None) == "layers")
+  tx = logra.logra(1e-2, rank, refresh_every=5, batch_axes=stacked)
+  state = tx.init(params)
+  chex.assert_shape(logra.find_state(state).proj["layers"]["mlp"]["wup_DF"], (L, D, rank))
+  # each layer's gradient has its own rank-2 column space
+  g = np.stack([rng.standard_normal((D, 2)) @ rng.standard_normal((2, F)) for _ in range(L)]).astype(np.float32)
+  grads = {"layers": {"mlp": {"wup_DF": g}}, "embed_VD": np.ones((5, D), np.float32)}
+  updates, state = jax.device_get(jax.jit(tx.update)(grads, state, params))
+  proj = state.proj["layers"]["mlp"]["wup_DF"]
+  for layer in range(L):
+    p = proj[layer]
+    np.testing.assert_allclose(p @ (p.T @ g[layer]), g[layer], atol=1e-4)  # its own span, not a shared one
+    u = updates["layers"]["mlp"]["wup_DF"][layer]
+    np.testing.assert_allclose(p @ (p.T @ u), u, atol=1e-6)
+  assert np.abs(proj[0].T @ proj[1]).max() < 0.99  # different layers, different subspaces

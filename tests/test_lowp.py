@@ -49,7 +49,7 @@ HLR = LayerPolicy(remat=True, save=(model.MLP_GATE, model.MLP_UP, model.Q, model
 def test_saved_residuals_prove_h_l_r(tiny_cfg, dtype, short):
   cfg = tiny_cfg.replace(dtype=dtype)
   p = _params(cfg)
-  res = model.saved_residuals(lambda q: _loss(cfg, q, IDS, (HLR,) * 3), p)
+  res = [r for rs in model.layer_residuals(cfg, p, IDS, (HLR,) * 3) for r in rs]
   names = [r.name for r in res]
   for name in HLR.save:  # H: saved, in compute dtype
     hits = [r for r in res if r.name == name]
@@ -112,7 +112,7 @@ def test_int4_packs_two_codes_per_byte():
 def test_other_formats_saved_as_their_codes(tiny_cfg, fmt, short):
   p = _params(tiny_cfg)
   pol = LayerPolicy(remat=True, lowp=(model.MLP_DOWN_IN, model.ATTN_CTX), formats=(fmt, "int8"), group_size=8)
-  res = model.saved_residuals(lambda q: _loss(tiny_cfg, q, IDS, (pol,) * 3), p)
+  res = [r for rs in model.layer_residuals(tiny_cfg, p, IDS, (pol,) * 3) for r in rs]
   assert [r.dtype for r in res if r.name == "mlp_down_in:code"] == [short] * 3
   assert [r.dtype for r in res if r.name == "attn_ctx:code"] == ["i8"] * 3
   g = lambda pols: jax.grad(_loss, argnums=1)(tiny_cfg, p, IDS, pols)

@@ -25,7 +25,7 @@ def _units(cfg):
 
 def _saved(cfg, pols):
   p = model.init_params(cfg, jax.random.PRNGKey(0))
-  res = model.saved_residuals(lambda q: jnp.sum(model.forward(cfg, q, IDS, layer_policies=pols) ** 2), p)
+  res = [r for rs in model.layer_residuals(cfg, p, IDS, pols) for r in rs]
   return collections.Counter((r.name, r.dtype) for r in res if r.name)
 
 
@@ -66,7 +66,7 @@ def test_none_keeps_everything_and_gc_keeps_only_layer_inputs(tiny_cfg):
   for method in ("none", "gc"):
     plan = methods.plan(method, us, ops, 0)
     pols = methods.policies(plan, us, tiny_cfg.num_hidden_layers, 8, method)
-    res = model.saved_residuals(lambda q: jnp.sum(model.forward(tiny_cfg, q, IDS, layer_policies=pols) ** 2), p)
+    res = [r for rs in model.layer_residuals(tiny_cfg, p, IDS, pols) for r in rs]
     shapes[method] = [r.shape for r in res]
     assert set(plan.choice) == {H if method == "none" else R}
     if method == "gc":

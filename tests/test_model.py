@@ -66,10 +66,13 @@ def test_per_layer_policies_give_same_gradients_and_save_what_they_say(tiny_cfg)
   policies = (model.NO_REMAT, model.FULL_REMAT, LayerPolicy(remat=True, save=(model.MLP_GATE, model.ATTN_NORM)))
   g_ref = jax.grad(_loss, argnums=1)(tiny_cfg, p, ids, model.uniform(tiny_cfg.num_hidden_layers, model.NO_REMAT))
   g = jax.grad(_loss, argnums=1)(tiny_cfg, p, ids, policies)
-  chex.assert_trees_all_close(g, g_ref, rtol=1e-5, atol=1e-6)
+  # recomputation reorders float32 sums: compare each leaf's relative error norm (a wrong or missing term is O(1))
+  for path, a, b in zip(*zip(*jax.tree_util.tree_flatten_with_path(g)[0]), jax.tree_util.tree_leaves(g_ref)):
+    err = float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+    assert err < 1e-5, (jax.tree_util.keystr(path), err)
 
   def saved(pols):
-    return model.saved_residuals(lambda q: _loss(tiny_cfg, q, ids, pols), p)
+    return [r for rs in model.layer_residuals(tiny_cfg, p, ids, pols) for r in rs]
 
   def count(pols, name):
     return sum(r.name == name for r in saved(pols))
@@ -99,3 +102,20 @@ def test_config_validation():
     ModelConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0})
   with pytest.raises(ValueError, match="dtype"):
     ModelConfig(dtype="float64x")
+
+
+@pytest.mark.parametrize("policy", [model.FULL_REMAT, LayerPolicy(remat=True, save=(model.MLP_GATE, model.Q)),
+                                    LayerPolicy(remat=True, save=(model.V,), lowp=(model.MLP_NORM,), group_size=8)])
+def test_layer_scan_keeps_exactly_each_layers_residuals_stacked(tiny_cfg, policy):
+  import collections
+
+  p = _params(tiny_cfg)
+  ids = jnp.array([[3, 5, 7, 11, 13, 17, 19]])
+  L = tiny_cfg.num_hidden_layers
+  per_layer = model.layer_residuals(tiny_cfg, p, ids, (policy,) * L)[0]
+  # what one layer keeps: its named tensors (H units, L codes) and its input (the remat boundary)
+  kept = collections.Counter((r.dtype, (L, *r.shape)) for r in per_layer if r.name or r.source == "from the argument x")
+  scanned = model.saved_residuals(lambda q: _loss(tiny_cfg, q, ids, (policy,) * L), p)
+  stacked = collections.Counter((r.dtype, r.shape) for r in scanned
+                                if "output of scan" in r.source and r.shape[:1] == (L,))
+  assert stacked == kept and kept

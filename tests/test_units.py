@@ -15,8 +15,7 @@ def test_unit_bytes_match_what_backward_saves(tiny_cfg):
   p = model.init_params(tiny_cfg, jax.random.PRNGKey(0))
   ids = jnp.ones((B, T), jnp.int32)
   save_all = model.LayerPolicy(remat=True, save=U.UNITS)
-  res = model.saved_residuals(
-      lambda q: jnp.sum(model.forward(tiny_cfg, q, ids, layer_policies=(save_all,) * 3)), p)
+  res = [r for rs in model.layer_residuals(tiny_cfg, p, ids, (save_all,) * 3) for r in rs]
   for u in us[:len(U.UNITS)]:
     hit = [r for r in res if r.name == u.kind]
     assert len(hit) == 3 and hit[0].shape == u.shape, u.kind
@@ -60,7 +59,7 @@ def _names(jaxpr) -> list[str]:
 
 
 def _layer_names(cfg, policy):
-  p = model.init_params(cfg.replace(num_hidden_layers=1), jax.random.PRNGKey(0))["layers"][0]
+  p = model.layer_params(model.init_params(cfg.replace(num_hidden_layers=1), jax.random.PRNGKey(0)), 0)
   B, T = 2, 5
   x = jnp.ones((B, T, cfg.hidden_size))
   ctx = model.LayerCtx(*model.rope_cos_sin(cfg, jnp.broadcast_to(jnp.arange(T), (B, T))),
@@ -92,7 +91,7 @@ class _Recorder(dict):
 def test_each_producer_reads_what_the_table_says(tiny_cfg):
   assert set(model.OPS) == set(U.PRODUCERS)
   sizes = U.dims(tiny_cfg, 2, 5)
-  p = model.init_params(tiny_cfg.replace(num_hidden_layers=1), jax.random.PRNGKey(0))["layers"][0]
+  p = model.layer_params(model.init_params(tiny_cfg.replace(num_hidden_layers=1), jax.random.PRNGKey(0)), 0)
   ctx = model.LayerCtx(*model.rope_cos_sin(tiny_cfg, jnp.broadcast_to(jnp.arange(5), (2, 5))),
                        jnp.ones((2, 5, 5), bool))
   for t in U.TABLE:

@@ -47,7 +47,7 @@ def _op_calls(cfg: model.ModelConfig, batch: int, seq: int) -> dict[str, tuple[C
   """Each producer op of the table as a jitted call of the decoder's own function on inputs of the real shapes."""
   sizes = U.dims(cfg, batch, seq)
   layer_cfg = cfg.replace(num_hidden_layers=1)
-  params = model.init_params(layer_cfg, jax.random.PRNGKey(0))["layers"][0]
+  params = model.layer_params(model.init_params(layer_cfg, jax.random.PRNGKey(0)), 0)
   keys = iter(jax.random.split(jax.random.PRNGKey(1), len(U.TABLE)))
   tensors = {t.name: jax.random.normal(next(keys), U.shape(t.name, sizes), cfg.compute_dtype) for t in U.TABLE}
   tensors[U.ATTN_PROBS] = jax.nn.softmax(tensors[U.ATTN_PROBS].astype(jnp.float32), -1).astype(cfg.compute_dtype)

@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 from hilore_jax.model import lowp
 from hilore_jax.model import units as U
 from hilore_jax.model.config import ModelConfig
-from hilore_jax.model.policy import NO_REMAT, LayerPolicy, remat, uniform
+from hilore_jax.model.policy import NO_REMAT, LayerPolicy, Residual, remat, saved_residuals, uniform
 
 # ----------------------------------------------------------------------------- params
 
@@ -48,6 +48,20 @@ def init_params(cfg: ModelConfig, rng: jax.Array, init_std: float = 0.02) -> dic
   if not cfg.tie_word_embeddings:
     params["lm_head_DV"] = normal((D, cfg.vocab_size))
   return params
+
+
+def stack_layers(layers: Sequence[dict]) -> dict:
+  """Per-layer param dicts -> one dict whose leaves carry a leading layer axis (what a layer scan runs over)."""
+  return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
+
+
+def layer_params(params: dict, layer: int) -> dict:
+  """One layer's params (or gradients: any pytree shaped like params)."""
+  return params["layers"][layer]
+
+
+def num_layers(params: dict) -> int:
+  return len(params["layers"])
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -207,22 +221,32 @@ def embed(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array) -> jax.Array:
   return jnp.take(params["embed_VD"], input_ids_BT, axis=0).astype(cfg.compute_dtype)
 
 
-def layer_params(params: dict, layer: int) -> dict:
-  """One layer's params (or gradients: any pytree shaped like params)."""
-  return params["layers"][layer]
-
-
 def lm_head_weight(cfg: ModelConfig, params: dict) -> jax.Array:
   """Output projection [D, V] (the transposed embedding when tied)."""
   return params["embed_VD"].T if cfg.tie_word_embeddings else params["lm_head_DV"]
 
 
+def policy_runs(policies: Sequence[LayerPolicy]) -> list[tuple[int, int, LayerPolicy]]:
+  """Maximal runs of consecutive layers with the same policy, as (start, end, policy)."""
+  runs: list[tuple[int, int, LayerPolicy]] = []
+  for i, pol in enumerate(policies):
+    if runs and runs[-1][2] == pol:
+      runs[-1] = (runs[-1][0], i + 1, pol)
+    else:
+      runs.append((i, i + 1, pol))
+  return runs
+
+
 def hidden_states(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array, attention_mask_BT=None, *,
                   positions_BT=None, layer_policies: Sequence[LayerPolicy] | None = None,
-                  taps: list | None = None) -> jax.Array:
+                  taps: dict | None = None) -> jax.Array:
   """Final-norm hidden states [B, T, D]; each layer runs under its own remat policy.
 
-  taps, if a list, gets one dict per layer of its L-capable units' tensors (layers then run without remat).
+  Consecutive layers with the same policy run as one `lax.scan` over a stacked copy of their params, so compile
+  time grows with the number of distinct policy runs, not with depth; a one-layer run is a plain call. Params stay
+  stored per layer, so each layer's gradient is its own buffer: assembling them into one stacked buffer made
+  XLA:CPU defer weight gradients to the end of backward (measured: up to 2x the peak on mixed plans). taps, if a
+  dict, receives each L-capable unit's tensor for every layer, stacked [L, B, T, ...] (no remat then).
   """
   B, T = input_ids_BT.shape
   if attention_mask_BT is None:
@@ -236,14 +260,43 @@ def hidden_states(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array, atten
   mask_BTS = causal_TT[None] & attention_mask_BT.astype(bool)[:, None, :]
   ctx = LayerCtx(*rope_cos_sin(cfg, positions_BT), mask_BTS)
   x = embed(cfg, params, input_ids_BT)
-  for p, policy in zip(params["layers"], policies):
-    if taps is not None:
-      taps.append({})
-      x = decoder_layer(cfg, p, x, ctx, taps=taps[-1])[0]
-    else:
-      layer = lambda p, x, ctx, policy=policy: decoder_layer(cfg, p, x, ctx, policy=policy)[0]
-      x = remat(layer, policy)(p, x, ctx)
+  if taps is not None:
+    def tapped(x, p):
+      t: dict = {}
+      return decoder_layer(cfg, p, x, ctx, taps=t)[0], t
+
+    x, stacked = jax.lax.scan(tapped, x, stack_layers(params["layers"]))
+    taps.update(stacked)
+  else:
+    for start, end, policy in policy_runs(policies):
+      layer = remat(lambda p, x, ctx, policy=policy: decoder_layer(cfg, p, x, ctx, policy=policy)[0], policy)
+      if end - start == 1:
+        x = layer(params["layers"][start], x, ctx)
+      else:
+        x, _ = jax.lax.scan(lambda x, p, layer=layer: (layer(p, x, ctx), None), x,
+                            stack_layers(params["layers"][start:end]))
   return rms_norm(x, params["final_norm_D"], cfg.rms_norm_eps)
+
+
+def layer_residuals(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array,
+                    layer_policies: Sequence[LayerPolicy]) -> list[list[Residual]]:
+  """What backward keeps in each layer under its policy, with checkpoint names.
+
+  Under the layer scan the same tensors are the scan's stacked outputs, whose names XLA's residual listing cannot
+  see; each layer is therefore traced here on its own, on its real input (tests/test_model.py checks the scan keeps
+  exactly these, stacked).
+  """
+  B, T = input_ids_BT.shape
+  mask_BT = jnp.ones((B, T), jnp.int32)
+  ctx = LayerCtx(*rope_cos_sin(cfg, default_positions(mask_BT)), jnp.tril(jnp.ones((T, T), bool))[None])
+  x = embed(cfg, params, input_ids_BT)
+  out = []
+  for i, policy in enumerate(layer_policies):
+    p = layer_params(params, i)
+    layer = remat(lambda p, x, policy=policy: decoder_layer(cfg, p, x, ctx, policy=policy)[0], policy)
+    out.append(saved_residuals(lambda p, x, layer=layer: jnp.sum(layer(p, x)), p, x))
+    x = layer(p, x)
+  return out
 
 
 def forward(cfg: ModelConfig, params: dict, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
@@ -257,10 +310,10 @@ def forward(cfg: ModelConfig, params: dict, input_ids: jax.Array, attention_mask
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> tuple:
-  """Per-layer (k, v) buffers [B, S, K, H]."""
-  shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_size)
+  """(k, v) buffers for every layer, [L, B, S, K, H] each."""
+  shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_size)
   dt = dtype or cfg.compute_dtype
-  return tuple((jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(cfg.num_hidden_layers))
+  return jnp.zeros(shape, dt), jnp.zeros(shape, dt)
 
 
 def forward_cached(cfg: ModelConfig, params: dict, input_ids_BT, positions_BT, key_mask_BS, cache: tuple,
@@ -272,10 +325,15 @@ def forward_cached(cfg: ModelConfig, params: dict, input_ids_BT, positions_BT, k
   mask_BTS = (jnp.arange(S)[None, :] <= slot_T[:, None])[None] & key_mask_BS.astype(bool)[:, None, :]
   ctx = LayerCtx(*rope_cos_sin(cfg, positions_BT), mask_BTS)
   x = embed(cfg, params, input_ids_BT)
-  new_cache = []
-  for p, kv in zip(params["layers"], cache):
+
+  def body(x, layer):
+    p, kv = layer
     x, kv = decoder_layer(cfg, p, x, ctx, kv, cache_index)
-    new_cache.append(kv)
+    return x, kv
+
+  layers = params["layers"]
+  stacked = stack_layers(layers) if isinstance(layers, (list, tuple)) else layers  # generate stacks once per call
+  x, new_cache = jax.lax.scan(body, x, (stacked, cache))
   h = rms_norm(x, params["final_norm_D"], cfg.rms_norm_eps)
   logits = jnp.einsum("btd,dv->btv", h, lm_head_weight(cfg, params).astype(h.dtype)).astype(jnp.float32)
-  return logits, tuple(new_cache)
+  return logits, new_cache
