@@ -201,11 +201,13 @@ def memory_hooks(stepper: Stepper, spec: StepSpec) -> StepHooks:
   with_policies = lambda pols: dataclasses.replace(spec, policies=tuple(pols))
 
   def token_weights(params, batch, switches):
-    if params is None:  # before the update the policy is the one that produced old_logp (ratio 1 on-policy)
+    # params None: before the update the policy is the one that produced old_logp (ratio 1 on-policy); on rows
+    # flagged on_policy old_logp, and so this logp, is a placeholder (it enters only the KL term)
+    if params is None:
       logp = batch.get("old_logp", jnp.zeros(batch["mask"].shape, jnp.float32))
     else:
       logp, _ = train_step.completion_logprobs(cfg, params, batch, None, spec.logprob_chunk, spec.temperature)
-    old = batch["old_logp"] if spec.use_old_logp else logp
+    old = train_step.old_logprobs(logp, batch, spec)
     ref = batch["ref_logp"] if spec.use_ref_logp and "ref_logp" in batch else logp
     return exposure.token_weights(logp, old, ref, batch["adv"], batch["mask"], spec.loss_cfg, switches)
 

@@ -119,10 +119,20 @@ def normalisers(mask_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
   return (mask_BT.sum(axis=1) > 0).sum().astype(jnp.float32), mask_BT.sum().astype(jnp.float32)
 
 
+def _selected(mask_BT: jax.Array, *xs: jax.Array) -> tuple[jax.Array, ...]:
+  """xs with 0 at masked positions, selected rather than multiplied: inf * 0 (a pad token's -inf log-prob, an
+  overflowing ratio) is NaN."""
+  keep = mask_BT.astype(bool)
+  return tuple(jnp.where(keep, x, jnp.zeros_like(x)) for x in xs)
+
+
 def grpo_loss(logp, old_logp, ref_logp, adv_B, mask_BT, lc, num_seqs=None, num_tokens=None):
   """Aggregated GRPO loss and per-token stats; logp etc. are [B, T], adv_B one per sequence."""
   if num_seqs is None:
     num_seqs, num_tokens = normalisers(mask_BT)
+  # inputs too, not only the result: the backward of a where still multiplies its zero cotangent into the
+  # derivative of the unselected branch (exp(inf) there makes 0 * inf = NaN)
+  logp, old_logp, ref_logp = _selected(mask_BT, logp, old_logp, ref_logp)
   adv = adv_B[:, None]
   pg, clipped = policy_loss(logp, old_logp, adv, lc)
   per_token = pg
@@ -131,9 +141,11 @@ def grpo_loss(logp, old_logp, ref_logp, adv_B, mask_BT, lc, num_seqs=None, num_t
     kl = kl_estimate(logp, ref_logp, lc.kl_estimator)
     per_token = per_token + lc.beta * kl
   weights = token_weights(mask_BT, lc, num_seqs, num_tokens)
+  per_token, kl, log_ratio = _selected(mask_BT, per_token, kl, jnp.abs(logp - old_logp))
   loss = jnp.sum(per_token * weights)
   m = mask_BT.astype(jnp.float32)
-  stats = {"clipped_tokens": jnp.sum(clipped * m), "kl_sum": jnp.sum(kl * m), "tokens": m.sum()}
+  stats = {"clipped_tokens": jnp.sum(clipped & mask_BT.astype(bool), dtype=jnp.float32), "kl_sum": jnp.sum(kl),
+           "tokens": m.sum(), "abs_log_ratio_sum": jnp.sum(log_ratio)}
   return loss, stats
 
 
@@ -142,10 +154,11 @@ def loss_coefficients(logp, old_logp, ref_logp, adv_B, mask_BT, lc, num_seqs=Non
   """w_t = d loss / d logp_t from forward quantities alone (ratio, advantage, clip mask, KL, weights)."""
   if num_seqs is None:
     num_seqs, num_tokens = normalisers(mask_BT)
+  logp, old_logp, ref_logp = _selected(mask_BT, logp, old_logp, ref_logp)
   adv = adv_B[:, None]
   ratio = jnp.exp(logp - old_logp)
   _, clipped = policy_loss(logp, old_logp, adv, lc)
   w = jnp.where(clipped, 0.0, -adv * ratio)
   if lc.beta > 0:
     w = w + lc.beta * kl_grad(logp, ref_logp, lc.kl_estimator)
-  return w * token_weights(mask_BT, lc, num_seqs, num_tokens)
+  return _selected(mask_BT, w)[0] * token_weights(mask_BT, lc, num_seqs, num_tokens)

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-UPDATE_KEYS = ("loss", "grad_norm", "clipfrac", "kl", "entropy")
+UPDATE_KEYS = ("loss", "grad_norm", "clipfrac", "kl", "entropy", "abs_log_ratio")
 
 
 def reduce_updates(rows: list[dict]) -> dict:

@@ -23,9 +23,14 @@ class StepSpec:
   policies: tuple[LayerPolicy, ...]
   microbatches: int = 1
   logprob_chunk: int = 128
-  use_old_logp: bool = False  # False: on-policy single update, old = stop_gradient(logp) (ratio == 1)
+  # False: one update per rollout, old = stop_gradient(logp) (ratio == 1). True: the batch carries old_logp [B, N]
+  # and, optionally, on_policy [B] int32: rows flagged 1 use stop_gradient(logp) instead (a runtime flag, so the
+  # first update of a rollout, provably on-policy, needs no old-policy forward and no second compilation)
+  use_old_logp: bool = False
   use_ref_logp: bool = False
-  temperature: float = 1.0  # log-probs of softmax(logits / T), the distribution rollouts were sampled from
+  # log-probs of softmax(logits / T), the distribution rollouts were sampled from; the sampler's top-k/top-p
+  # truncation is not applied here (as in TRL and verl)
+  temperature: float = 1.0
 
 
 def sequence_inputs(batch: dict) -> tuple[jax.Array, jax.Array]:
@@ -46,13 +51,37 @@ def completion_logprobs(cfg: ModelConfig, params, batch: dict, policies=None, ch
                                  temperature)
 
 
+LOGPROB_KEYS = ("prompt_ids", "prompt_mask", "tokens", "mask")
+
+
+def sequence_logprobs(spec: StepSpec, params, batch: dict) -> jax.Array:
+  """log pi(completion token) [B, N] at spec's temperature, forward only, spec.microbatches row slices at a time
+  (as the gradient program holds them): the old and reference log-probs."""
+  A = spec.microbatches
+  B, N = batch["tokens"].shape
+  split = {k: batch[k].reshape(A, B // A, *batch[k].shape[1:]) for k in LOGPROB_KEYS}
+  logp = jax.lax.map(lambda b: completion_logprobs(spec.model_cfg, params, b, None, spec.logprob_chunk,
+                                                   spec.temperature)[0], split)
+  return logp.reshape(B, N)
+
+
+def old_logprobs(logp: jax.Array, batch: dict, spec: StepSpec) -> jax.Array:
+  """The ratio's denominator: batch's old_logp, or stop_gradient(logp) on rows flagged on_policy (or always)."""
+  current = jax.lax.stop_gradient(logp)
+  if not spec.use_old_logp:
+    return current
+  if "on_policy" not in batch:
+    return batch["old_logp"]
+  return jnp.where(batch["on_policy"][:, None] > 0, current, batch["old_logp"])
+
+
 def loss_and_stats(params, batch: dict, spec: StepSpec, num_seqs, num_tokens):
   logp, entropy = completion_logprobs(spec.model_cfg, params, batch, spec.policies, spec.logprob_chunk,
                                       spec.temperature)
-  old = batch["old_logp"] if spec.use_old_logp else jax.lax.stop_gradient(logp)
+  old = old_logprobs(logp, batch, spec)
   ref = batch["ref_logp"] if spec.use_ref_logp else jax.lax.stop_gradient(logp)
   loss, stats = grpo.grpo_loss(logp, old, ref, batch["adv"], batch["mask"], spec.loss_cfg, num_seqs, num_tokens)
-  stats["entropy_sum"] = jnp.sum(entropy * batch["mask"])
+  stats["entropy_sum"] = jnp.sum(jnp.where(batch["mask"] > 0, entropy, 0.0))
   stats["loss"] = loss
   return loss, stats
 
@@ -81,7 +110,8 @@ def step_metrics(stats: dict) -> dict:
   """Per-token means of the minibatch's loss statistics (computed in the gradient program)."""
   tokens = jnp.maximum(stats["tokens"], 1.0)
   return {"loss": stats["loss"], "clipfrac": stats["clipped_tokens"] / tokens, "kl": stats["kl_sum"] / tokens,
-          "entropy": stats["entropy_sum"] / tokens, "tokens": stats["tokens"]}
+          "entropy": stats["entropy_sum"] / tokens, "tokens": stats["tokens"],
+          "abs_log_ratio": stats["abs_log_ratio_sum"] / tokens}
 
 
 def gradient_step(params, batch: dict, spec: StepSpec):

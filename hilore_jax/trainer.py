@@ -49,9 +49,10 @@ class Trainer:
     self.updates_per_step = c.grpo.num_iterations * (self.batch_size // mb)
     total_updates = c.train.steps * self.updates_per_step
     self.lr_schedule = optim.schedule(c.optimizer, total_updates)
+    # every update after a rollout's first runs on a policy that has moved since sampling: it needs old_logp
     self.spec = train_step.StepSpec(
         self.model_cfg, c.grpo, layer_policies(c.memory, self.model_cfg), mb // micro, c.train.logprob_chunk,
-        use_old_logp=c.grpo.num_iterations > 1, use_ref_logp=c.grpo.beta > 0)
+        use_old_logp=self.updates_per_step > 1, use_ref_logp=c.grpo.beta > 0, temperature=c.rollout.temperature)
     self.rng, init_key = jax.random.split(jax.random.PRNGKey(c.seed))
     host_params = hf.load_hf(c.model.path, c.model.param_dtype, c.model.dtype)[1] if c.model.path else None
     self.engine = engine.build(c, self.model_cfg, total_updates, host_params, init_key)
@@ -64,8 +65,7 @@ class Trainer:
     self.memory = (MemoryManager(c.memory, engine.memory_hooks(self.stepper, self.spec))
                    if c.memory.policy not in ("none", "gc") else None)
     self.checkpointer = checkpointing.Checkpointer(os.path.join(self.out_dir, "checkpoints"), c.checkpoint.keep)
-    self._logprobs = jax.jit(lambda p, b: train_step.completion_logprobs(self.model_cfg, p, b, None,
-                                                                          c.train.logprob_chunk)[0])
+    self._logprobs = jax.jit(lambda p, b: train_step.sequence_logprobs(self.spec, p, b))
     self.ref_params = None
     self.start_step = 0
     self.data_position = 0
@@ -160,6 +160,30 @@ class Trainer:
     minibatches = [{k: v[i:i + mb] for k, v in full.items()} for i in range(0, len(rows), mb)]
     return [self.place_batch(b) for b in minibatches], stats
 
+  def _forward(self, params, b: dict) -> jax.Array:
+    return self._logprobs(params, {k: b[k] for k in train_step.LOGPROB_KEYS})  # same keys: one compilation
+
+  def add_logprobs(self, minibatches: list[dict]) -> list[dict]:
+    """ref_logp on every minibatch; old_logp, from the policy that sampled, on every one an update will see after
+    the rollout's first update, which is on-policy: its rows are flagged on_policy and skip that forward."""
+    if self.spec.use_ref_logp:
+      minibatches = [{**b, "ref_logp": self._forward(self.ref_params, b)} for b in minibatches]
+    if not self.spec.use_old_logp:
+      return minibatches
+    out = []
+    for j, b in enumerate(minibatches):
+      rows, n = b["tokens"].shape
+      first = j == 0
+      if first and self.config.grpo.num_iterations == 1:
+        old = self.place_batch({"old_logp": np.zeros((rows, n), np.float32)})["old_logp"]  # never read
+      else:
+        old = self._forward(self.state["params"], b)
+      out.append({**b, "old_logp": old, "on_policy": self._on_policy(rows, first)})
+    return out
+
+  def _on_policy(self, rows: int, value: bool) -> jax.Array:
+    return self.place_batch({"on_policy": np.full(rows, int(value), np.int32)})["on_policy"]
+
   # --------------------------------------------------------------------------- loop
 
   def train(self) -> dict:
@@ -221,10 +245,7 @@ class Trainer:
     t1 = time.perf_counter()
     shuffle = np.random.default_rng([c.seed, step])
     minibatches, stats = self.build_update_batch(roll, shuffle)
-    if self.spec.use_ref_logp:
-      minibatches = [{**b, "ref_logp": self._logprobs(self.ref_params, b)} for b in minibatches]
-    if self.spec.use_old_logp:  # several updates per batch: the ratio needs the pre-update policy
-      minibatches = [{**b, "old_logp": self._logprobs(self.state["params"], b)} for b in minibatches]
+    minibatches = self.add_logprobs(minibatches)
     specs = [self.spec] * len(minibatches)
     alloc_rows = []
     if self.memory is not None and minibatches:
@@ -232,8 +253,10 @@ class Trainer:
       specs = [dataclasses.replace(self.spec, policies=a.policies) for a in allocations]
       alloc_rows = [a.metrics for a in allocations] * c.grpo.num_iterations
     step_metrics, peaks = [], []
-    for _ in range(c.grpo.num_iterations):
-      for spec, b in zip(specs, minibatches):
+    for it in range(c.grpo.num_iterations):
+      for j, (spec, b) in enumerate(zip(specs, minibatches)):
+        if self.spec.use_old_logp and it > 0 and j == 0:  # the first minibatch's second pass is off-policy
+          b = {**b, "on_policy": self._on_policy(len(b["adv"]), False)}
         compiled = self.stepper.get(spec, b, reason=f"memory.policy={c.memory.policy}")
         self.state, m = compiled(self.state, b)
         step_metrics.append(m)

@@ -122,3 +122,45 @@ def test_bad_names():
     LossConfig(std_scale="row")
   with pytest.raises(ValueError, match="std_scale must be one of"):  # the numerics refuse it too
     grpo.advantages("grpo", jnp.zeros((1, 2)), "row")
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("eps_low", 0.0, r"grpo.eps_low must be in \(0.0, 1.0\), got 0.0"),
+    ("eps_low", 1.0, r"grpo.eps_low must be in \(0.0, 1.0\), got 1.0"),
+    ("eps_high", 0.0, r"grpo.eps_high must be > 0, got 0.0"),
+])
+def test_zero_or_full_clip_range_names_the_key(key, value, message):
+  with pytest.raises(ValueError, match=message):
+    LossConfig(**{key: value})
+
+
+@pytest.mark.parametrize("beta,est", [(0.0, "k3"), (0.1, "k3"), (0.1, "k2")])
+def test_masked_inf_and_huge_values_never_reach_loss_or_gradient(beta, est):
+  rng = np.random.RandomState(2)
+  B, T = 3, 5
+  old = jnp.asarray(rng.randn(B, T) * 0.2 - 2)
+  logp = old + jnp.asarray(rng.randn(B, T) * 0.1)
+  ref = old + jnp.asarray(rng.randn(B, T) * 0.1)
+  adv = jnp.array([1.0, -2.0, 0.5])
+  mask = jnp.asarray(np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]))
+  pad = mask == 0
+  # what padding can hold: a pad token's -inf log-prob, a ratio exp(1e4) that overflows, a nan reference
+  bad_logp = jnp.where(pad, -jnp.inf, logp).at[0, 4].set(1e4)
+  bad_old = jnp.where(pad, -1e4, old).at[2, 1].set(-jnp.inf)
+  bad_ref = jnp.where(pad, jnp.nan, ref)
+  lc = LossConfig(beta=beta, kl_estimator=est, eps_low=0.2, eps_high=0.28)
+
+  def loss(lp, o, r):
+    return grpo.grpo_loss(lp, o, r, adv, mask, lc)[0]
+
+  clean, clean_grad = jax.value_and_grad(loss)(logp, old, ref)
+  got, got_grad = jax.jit(jax.value_and_grad(loss))(bad_logp, bad_old, bad_ref)
+  np.testing.assert_allclose(got, clean, rtol=1e-6)
+  np.testing.assert_allclose(got_grad, clean_grad, rtol=1e-6)
+  assert np.all(np.asarray(got_grad)[np.asarray(pad)] == 0.0)
+  _, stats = grpo.grpo_loss(bad_logp, bad_old, bad_ref, adv, mask, lc)
+  _, clean_stats = grpo.grpo_loss(logp, old, ref, adv, mask, lc)
+  for k in clean_stats:
+    np.testing.assert_allclose(stats[k], clean_stats[k], rtol=1e-6)
+  w = grpo.loss_coefficients(bad_logp, bad_old, bad_ref, adv, mask, lc)
+  np.testing.assert_allclose(w, grpo.loss_coefficients(logp, old, ref, adv, mask, lc), rtol=1e-6)
