@@ -130,7 +130,7 @@ def build_prompter(tokenizer, tc: TaskConfig, tokenizer_path: str, checkpoint_di
 
 
 def write_generation_config(out_dir: str, prompter: Prompter, source_dir: str | None = None):
-  """generation_config.json for an HF export, so transformers' and vLLM's generate stop where the sampler did; the
+  """generation_config.json for an HF export, so transformers' generate stops where the sampler did; the
   source checkpoint's other settings (its recommended sampling) carry over."""
   src = os.path.join(source_dir, "generation_config.json") if source_dir else None
   gen = {}
