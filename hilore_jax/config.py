@@ -89,7 +89,9 @@ class TaskConfig:
   train_path: str | None = None  # gsm8k / math JSONL
   test_path: str | None = None
   skip_malformed: bool = False
-  prompt_template: str = "{question}\n"
+  prompt_template: str = "{question}\n"  # gsm8k: {question} is replaced (other braces are text); the user turn in chat
+  prompt_format: str = "template"  # template: the text as is | chat: inside the tokenizer's chat template
+  system_prompt: str | None = None  # chat only: a system message before the user's
 
   def __post_init__(self):
     check_choice("task.kind", self.kind, ("arithmetic", "gsm8k", "math"))
@@ -97,6 +99,10 @@ class TaskConfig:
       raise ConfigError(f"task.kind={self.kind} needs task.train_path and task.test_path (JSONL files)")
     if "{question}" not in self.prompt_template:
       raise ConfigError(f"task.prompt_template must contain {{question}}, got {self.prompt_template!r}")
+    check_choice("task.prompt_format", self.prompt_format, ("template", "chat"))
+    if self.system_prompt is not None and self.prompt_format != "chat":
+      raise ConfigError("task.system_prompt needs task.prompt_format=chat (with a template, write it into "
+                        "task.prompt_template)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +268,10 @@ class LoggingConfig:
   progress: bool = True
   tensorboard: bool = False
   plot: bool = True
+  samples_every: int = 10  # append one prompt's group of decoded completions to samples.jsonl every N steps; 0: off
+
+  def __post_init__(self):
+    check_positive("logging.samples_every", self.samples_every, allow_zero=True)
 
 
 @dataclasses.dataclass(frozen=True)

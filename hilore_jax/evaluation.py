@@ -10,16 +10,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import checkpointing, engine, model, optim, rollout, tasks
+from hilore_jax import checkpointing, engine, model, optim, prompts, rollout, tasks
 from hilore_jax import config as config_lib
 from hilore_jax import tokenizer as tokenizers
 from hilore_jax.config import Config, SamplingConfig
 from hilore_jax.errors import CheckpointError
 from hilore_jax.model import hf
+from hilore_jax.prompts import Prompter
 from hilore_jax.tasks import Example
 
 
-def evaluate(cfg, params, tokenizer, examples: Sequence[Example], reward_fn, *, max_prompt_len: int,
+def evaluate(cfg, params, prompter: Prompter, examples: Sequence[Example], reward_fn, *, max_prompt_len: int,
              max_new_tokens: int, pass_k: int = 4, temperature: float = 1.0, batch_size: int = 128,
              rng: jax.Array | None = None) -> dict:
   """{'eval/accuracy': greedy accuracy, 'eval/pass@k': any of k samples correct, 'eval/n': examples}."""
@@ -29,11 +30,11 @@ def evaluate(cfg, params, tokenizer, examples: Sequence[Example], reward_fn, *, 
   correct, passed = [], []
   for i in range(0, len(examples), batch_size):
     chunk = list(examples[i:i + batch_size])
-    r = rollout.sample_completions(cfg, params, tokenizer, chunk, 1, max_prompt_len, greedy, rng, reward_fn)
+    r = rollout.sample_completions(cfg, params, prompter, chunk, 1, max_prompt_len, greedy, rng, reward_fn)
     correct.extend(r.rewards >= 1.0)
     if pass_k > 0:
       rng, key = jax.random.split(rng)
-      r = rollout.sample_completions(cfg, params, tokenizer, chunk, pass_k, max_prompt_len, sampled, key, reward_fn)
+      r = rollout.sample_completions(cfg, params, prompter, chunk, pass_k, max_prompt_len, sampled, key, reward_fn)
       passed.extend((r.rewards.reshape(len(chunk), pass_k) >= 1.0).any(axis=1))
   out = {"eval/accuracy": float(np.mean(correct)), "eval/n": len(examples)}
   if pass_k > 0:
@@ -72,25 +73,27 @@ def restore_params(run_dir: str, config: Config) -> tuple[model.ModelConfig, dic
 
 
 def load_policy(config: Config, checkpoint: str):
-  """(model cfg, params, tokenizer) from an HF directory, a run directory, or its checkpoints/ folder."""
+  """(model cfg, params, prompter) from an HF directory, a run directory, or its checkpoints/ folder."""
   if os.path.exists(os.path.join(checkpoint, "config.json")):
     cfg, params = hf.load_hf(checkpoint, config.model.param_dtype, config.model.dtype)
     has_tok = any(os.path.exists(os.path.join(checkpoint, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
-    return cfg, params, tokenizers.load_tokenizer(checkpoint if has_tok else config.tokenizer_path)
+    tok_path = checkpoint if has_tok else config.tokenizer_path
+    return cfg, params, prompts.build_prompter(tokenizers.load_tokenizer(tok_path), config.task, tok_path, checkpoint)
   run_dir = os.path.dirname(checkpoint.rstrip("/")) if os.path.basename(checkpoint.rstrip("/")) == "checkpoints" \
       else checkpoint
   if not os.path.isdir(os.path.join(run_dir, "checkpoints")):
     raise CheckpointError(f"{checkpoint}: neither an HF directory (config.json) nor a run directory with checkpoints/")
   cfg, params = restore_params(run_dir, config)
-  return cfg, params, tokenizers.load_tokenizer(config.tokenizer_path)
+  tok = tokenizers.load_tokenizer(config.tokenizer_path)
+  return cfg, params, prompts.build_prompter(tok, config.task, config.tokenizer_path, config.model.path)
 
 
 def evaluate_checkpoint(config: Config, checkpoint: str) -> dict:
   """Greedy accuracy and pass@k of a saved policy on the config's task."""
-  cfg, params, tok = load_policy(config, checkpoint)
+  cfg, params, prompter = load_policy(config, checkpoint)
   task = tasks.build_task(config.task)
   c = config
-  out = evaluate(cfg, params, tok, task.test_examples[:c.eval.num_examples], task.reward,
+  out = evaluate(cfg, params, prompter, task.test_examples[:c.eval.num_examples], task.reward,
                  max_prompt_len=c.rollout.max_prompt_len, max_new_tokens=c.rollout.max_new_tokens,
                  pass_k=c.eval.pass_k, temperature=c.eval.temperature, batch_size=c.eval.batch_size,
                  rng=jax.random.PRNGKey(c.seed + 1))

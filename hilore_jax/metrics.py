@@ -31,20 +31,28 @@ def reduce_allocations(rows: list[dict]) -> dict:
   return {k: _reducer(k)([r[k] for r in rows]) for k in (rows[0] if rows else {})}
 
 
+def _restart_jsonl(path: str, resume_step: int | None):
+  """Empty the file for a new run; on resume keep only rows up to the resumed step."""
+  if resume_step is None:
+    open(path, "w").close()
+  elif os.path.exists(path):
+    rows = read_metrics(path)
+    with open(path, "w") as f:
+      for r in rows:
+        if r.get("step", -1) <= resume_step:  # row N is written after step N completes
+          f.write(json.dumps(r) + "\n")
+
+
 class MetricsWriter:
-  """Appends one JSON object per step to OUT/metrics.jsonl; on resume drops rows past the resumed step."""
+  """Appends one JSON object per step to OUT/metrics.jsonl (and sample completions to OUT/samples.jsonl); on resume
+  drops rows past the resumed step."""
 
   def __init__(self, out_dir: str, resume_step: int | None = None, tensorboard: bool = False):
     self.path = os.path.join(out_dir, "metrics.jsonl")
+    self.samples_path = os.path.join(out_dir, "samples.jsonl")
     os.makedirs(out_dir, exist_ok=True)
-    if resume_step is None:
-      open(self.path, "w").close()
-    elif os.path.exists(self.path):
-      rows = read_metrics(self.path)
-      with open(self.path, "w") as f:
-        for r in rows:
-          if r.get("step", -1) <= resume_step:  # row N is written after step N completes
-            f.write(json.dumps(r) + "\n")
+    _restart_jsonl(self.path, resume_step)
+    _restart_jsonl(self.samples_path, resume_step)
     self.tb = None
     if tensorboard:
       try:
@@ -61,6 +69,12 @@ class MetricsWriter:
       for k, v in row.items():
         if isinstance(v, (int, float)) and k != "step":
           self.tb.add_scalar(k, v, row["step"])
+
+  def write_samples(self, step: int, rows: list[dict]):
+    """Decoded prompt/completion pairs of one step, one JSON object each."""
+    with open(self.samples_path, "a") as f:
+      for r in rows:
+        f.write(json.dumps({"step": step, **r}, ensure_ascii=False) + "\n")
 
   def close(self):
     if self.tb is not None:

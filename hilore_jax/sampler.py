@@ -1,4 +1,4 @@
-"""Batched, jitted generation with a KV cache: temperature, top-k, top-p, greedy, EOS stop."""
+"""Batched, jitted generation with a KV cache: temperature, top-k, top-p, greedy, stop on any of several ids."""
 
 from __future__ import annotations
 
@@ -35,21 +35,25 @@ def left_align(ids_BP: jax.Array, mask_BP: jax.Array) -> tuple[jax.Array, jax.Ar
   return jnp.take_along_axis(ids_BP, order, -1), jnp.take_along_axis(mask_BP, order, -1)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sc", "eos_id", "pad_id"))
+@functools.partial(jax.jit, static_argnames=("cfg", "sc", "stop_ids", "pad_id"))
 def generate(cfg: ModelConfig, params: dict, prompt_ids_BP: jax.Array, prompt_mask_BP: jax.Array,
-             rng: jax.Array, sc: SamplingConfig, eos_id: int, pad_id: int) -> dict:
+             rng: jax.Array, sc: SamplingConfig, stop_ids: int | tuple[int, ...], pad_id: int) -> dict:
   """Sample completions. Returns left-aligned prompt ids/mask and completion tokens/logprobs/mask [B, N].
 
   logprobs are under the sampling distribution (after temperature/top-k/top-p; plain softmax if greedy).
-  The completion mask covers generated tokens up to and including EOS.
+  The completion mask covers generated tokens up to and including the first stop id (eos, a chat end-of-turn).
   """
+  stop_S = jnp.asarray(stop_ids if isinstance(stop_ids, tuple) else (stop_ids,), jnp.int32)
   B, P = prompt_ids_BP.shape
   N = sc.max_new_tokens
   ids, mask = left_align(prompt_ids_BP, prompt_mask_BP)
   mask = mask.astype(jnp.int32)
   key_mask = jnp.concatenate([mask, jnp.zeros((B, N), jnp.int32)], axis=1)
   cache = model.init_cache(cfg, B, P + N)
-  logits, cache = model.forward_cached(cfg, params, ids, model.default_positions(mask), key_mask, cache, 0)
+  positions = model.default_positions(mask)
+  if P > 1:  # prefill all but the last prompt token: its unused [B, P-1, V] logits are dead code, never allocated
+    cache = model.forward_cached(cfg, params, ids[:, :-1], positions[:, :-1], key_mask, cache, 0)[1]
+  logits, cache = model.forward_cached(cfg, params, ids[:, -1:], positions[:, -1:], key_mask, cache, P - 1)
   lengths_B = mask.sum(-1)
 
   def pick(logits_BV, key):
@@ -72,7 +76,7 @@ def generate(cfg: ModelConfig, params: dict, prompt_ids_BP: jax.Array, prompt_ma
     key_mask = key_mask.at[:, P + t].set(live.astype(jnp.int32))
     positions = (lengths_B + t)[:, None]
     logits, cache = model.forward_cached(cfg, params, tok[:, None], positions, key_mask, cache, P + t)
-    done_B = done_B | (tok == eos_id)
+    done_B = done_B | jnp.isin(tok, stop_S)
     return t + 1, logits[:, -1], cache, key_mask, done_B, toks, logps, rng
 
   def cond(carry):

@@ -1,4 +1,4 @@
-"""Supervised warm-start on gold completions (prompt -> target + EOS), for models trained from scratch."""
+"""Supervised warm-start on gold completions (prompt -> target + end token), for models trained from scratch."""
 
 from __future__ import annotations
 
@@ -10,27 +10,30 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hilore_jax import rollout, train_step
+from hilore_jax import train_step
 from hilore_jax.model import ModelConfig
+from hilore_jax.prompts import Prompter
 from hilore_jax.tasks import Example
 
 
-def encode_targets(tokenizer, examples: Sequence[Example], max_len: int) -> tuple[np.ndarray, np.ndarray]:
-  """Right-padded target ids + EOS and mask [n, max_len]."""
+def encode_targets(prompter: Prompter, examples: Sequence[Example], max_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """Right-padded target ids + the end token (eos, or the chat end-of-turn) and mask [n, max_len]."""
+  tokenizer = prompter.tokenizer
   ids = np.full((len(examples), max_len), tokenizer.pad_token_id, np.int32)
   mask = np.zeros((len(examples), max_len), np.int32)
   for i, e in enumerate(examples):
     if e.target is None:
       raise ValueError(f"example {e.prompt!r} has no target completion for the supervised warm-start")
-    toks = (tokenizer(e.target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])[:max_len]
+    toks = (tokenizer(e.target, add_special_tokens=False)["input_ids"] + [prompter.end_id])[:max_len]
     ids[i, :len(toks)] = toks
     mask[i, :len(toks)] = 1
   return ids, mask
 
 
-def sft_batch(tokenizer, examples, max_prompt_len: int, max_new_tokens: int) -> dict:
-  p_ids, p_mask, _ = rollout.encode_prompts(tokenizer, [e.prompt for e in examples], max_prompt_len)
-  t_ids, t_mask = encode_targets(tokenizer, examples, max_new_tokens)
+def sft_batch(prompter: Prompter, examples, max_prompt_len: int, max_new_tokens: int) -> dict:
+  """Prompts exactly as the rollouts encode them, gold completions after them."""
+  p_ids, p_mask, _ = prompter.encode(examples, max_prompt_len)
+  t_ids, t_mask = encode_targets(prompter, examples, max_new_tokens)
   return {"prompt_ids": p_ids, "prompt_mask": p_mask, "tokens": t_ids, "mask": t_mask}
 
 
@@ -46,7 +49,7 @@ def _sft_step(cfg: ModelConfig, params, opt_state, batch, optimizer):
   return optax.apply_updates(params, updates), opt_state, loss
 
 
-def warmstart(cfg: ModelConfig, params, tokenizer, example_at: Callable[[int], Example], *, steps: int,
+def warmstart(cfg: ModelConfig, params, prompter: Prompter, example_at: Callable[[int], Example], *, steps: int,
               batch_size: int, lr: float, max_prompt_len: int, max_new_tokens: int, place=lambda b: b,
               progress=None) -> tuple[dict, list[float]]:
   """Run `steps` supervised steps on the task's training stream (positions from 10**9, apart from GRPO's)."""
@@ -56,7 +59,7 @@ def warmstart(cfg: ModelConfig, params, tokenizer, example_at: Callable[[int], E
   losses = []
   for step in range(steps):
     examples = [example_at(10**9 + step * batch_size + i) for i in range(batch_size)]
-    batch = place(sft_batch(tokenizer, examples, max_prompt_len, max_new_tokens))
+    batch = place(sft_batch(prompter, examples, max_prompt_len, max_new_tokens))
     params, opt_state, loss = _sft_step(cfg, params, opt_state, batch, optimizer)
     losses.append(loss)
     if progress is not None:

@@ -133,7 +133,9 @@ def load_gsm8k(path: str, skip_malformed: bool = False,
           report.skipped += 1
           continue
         raise ValueError(f"{path}:{lineno}: malformed GSM8K line: {e}") from None
-      examples.append(Example(prompt_template.format(question=question), final.replace(",", ""), target=target))
+      # replace, not str.format: '\\boxed{}' in an instruction is text, not a format field
+      prompt = prompt_template.replace("{question}", question)
+      examples.append(Example(prompt, final.replace(",", ""), target=target))
       report.loaded += 1
   return examples, report
 

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import (checkpointing, engine, evaluation, grpo, metrics, model, optim, rollout, runtime, sft, sharding,
-                        tasks, train_step)
+from hilore_jax import (checkpointing, engine, evaluation, grpo, metrics, model, optim, prompts, rollout, runtime, sft,
+                        sharding, tasks, train_step)
 from hilore_jax import tokenizer as tokenizers
 from hilore_jax.config import Config, MemoryConfig
 from hilore_jax.errors import ConfigError, RunExists, TrainingDiverged
@@ -43,6 +43,8 @@ class Trainer:
       raise ConfigError(f"tokenizer has {len(self.tokenizer)} tokens but model.vocab_size is "
                         f"{self.model_cfg.vocab_size}")
     self.task = tasks.build_task(c.task)
+    self.prompter = prompts.build_prompter(self.tokenizer, c.task, c.tokenizer_path, c.model.path)
+    self.last_rollout: rollout.Rollout | None = None
     self.batch_size = c.rollout.num_prompts * c.rollout.num_generations
     mb = c.minibatch_size
     micro = c.train.microbatch_size or mb
@@ -121,7 +123,7 @@ class Trainer:
 
   def evaluate(self, params, rng) -> dict:
     c = self.config
-    return evaluation.evaluate(self.model_cfg, params, self.tokenizer, self.task.test_examples[:c.eval.num_examples],
+    return evaluation.evaluate(self.model_cfg, params, self.prompter, self.task.test_examples[:c.eval.num_examples],
                                self.task.reward, max_prompt_len=c.rollout.max_prompt_len,
                                max_new_tokens=c.rollout.max_new_tokens, pass_k=c.eval.pass_k,
                                temperature=c.eval.temperature, batch_size=c.eval.batch_size, rng=rng)
@@ -129,7 +131,7 @@ class Trainer:
   def warmstart(self, progress=None):
     c = self.config
     params, self.warmstart_losses = sft.warmstart(
-        self.model_cfg, self.state["params"], self.tokenizer, self.task.train_example, steps=c.train.warmstart_steps,
+        self.model_cfg, self.state["params"], self.prompter, self.task.train_example, steps=c.train.warmstart_steps,
         batch_size=c.train.warmstart_batch_size, lr=c.train.warmstart_lr, max_prompt_len=c.rollout.max_prompt_len,
         max_new_tokens=c.rollout.max_new_tokens, place=self.place_batch, progress=progress)
     params = jax.device_put(params, self.param_shardings)
@@ -217,6 +219,9 @@ class Trainer:
       for step in bar:
         row = self.run_step(step)
         writer.write(row)
+        if c.logging.samples_every and (step + 1) % c.logging.samples_every == 0:  # the first prompt's group
+          writer.write_samples(step + 1, rollout.sample_rows(self.prompter, self.last_rollout,
+                                                             range(c.rollout.num_generations)))
         bar.set_postfix({"reward": f"{row['reward/mean']:.3f}", "kl": f"{row['kl']:.4f}",
                          "tok/s": f"{row['throughput/update_tokens_per_s']:.0f}"})
         if (step + 1) % c.checkpoint.every == 0 or step + 1 == c.train.steps:
@@ -238,9 +243,10 @@ class Trainer:
     examples = self.task.train_batch(self.data_position, c.rollout.num_prompts)
     self.data_position += c.rollout.num_prompts
     self.rng, key = jax.random.split(self.rng)
-    roll = rollout.sample_completions(self.model_cfg, self.state["params"], self.tokenizer, examples,
+    roll = rollout.sample_completions(self.model_cfg, self.state["params"], self.prompter, examples,
                                       c.rollout.num_generations, c.rollout.max_prompt_len, c.rollout.sampling(), key,
                                       self.task.reward)
+    self.last_rollout = roll  # what the model saw and said this step (samples.jsonl, tests)
     t_rollout = time.perf_counter() - t0
     t1 = time.perf_counter()
     shuffle = np.random.default_rng([c.seed, step])
@@ -296,6 +302,7 @@ class Trainer:
                                    bos_token_id=self.tokenizer.bos_token_id)
       summary["hf_export"] = hf.save_hf(cfg, self.state["params"], os.path.join(self.out_dir, "hf"),
                                         tokenizer=self.tokenizer)
+      prompts.write_generation_config(summary["hf_export"], self.prompter, c.model.path)
     mpath = os.path.join(self.out_dir, "metrics.jsonl")
     if c.logging.plot and os.path.exists(mpath):
       extra = {}

@@ -35,7 +35,7 @@ def test_greedy_with_cache_equals_full_recompute(setup, side):
   ids = jnp.array([pad(p) for p in prompts])
   mask = jnp.array([pad([1] * len(p)) for p in prompts])
   sc = SamplingConfig(max_new_tokens=9, greedy=True)
-  out = sampler.generate(cfg, params, ids, mask, jax.random.PRNGKey(0), sc, eos_id=EOS, pad_id=PAD)
+  out = sampler.generate(cfg, params, ids, mask, jax.random.PRNGKey(0), sc, stop_ids=EOS, pad_id=PAD)
   for b, p in enumerate(prompts):
     want = _greedy_by_recompute(cfg, params, p, 9)
     n = int(out["mask"][b].sum())
@@ -60,6 +60,37 @@ def test_stops_on_eos_and_logprobs_are_policy_logprobs(setup):
   logp = jax.nn.log_softmax(model.forward(cfg, params, seq)[0], -1)
   want = logp[2:2 + n][jnp.arange(n), seq[0, 3:3 + n]]
   np.testing.assert_allclose(out["logprobs"][b, :n], want, atol=1e-5)
+
+
+def test_stops_on_any_of_several_stop_ids(setup):
+  cfg, params = setup
+  ids = jnp.array([[3, 4, 5, 6, 7], [0, 0, 10, 11, 12]])
+  mask = jnp.array([[1] * 5, [0, 0, 1, 1, 1]])
+  sc = SamplingConfig(7, greedy=True)
+  free = sampler.generate(cfg, params, ids, mask, jax.random.PRNGKey(0), sc, (EOS,), PAD)
+  assert int(free["mask"][0].sum()) > 3  # row 0 runs past its third token
+  stop = int(free["tokens"][0, 2])  # say row 0's third token ends a chat turn
+  first = [int(np.flatnonzero(np.asarray(free["tokens"][b]) == stop)[0]) if stop in free["tokens"][b] else 7
+           for b in range(2)]
+  out = sampler.generate(cfg, params, ids, mask, jax.random.PRNGKey(0), sc, (EOS, stop), PAD)
+  for b in range(2):
+    n = min(first[b] + 1, int(free["mask"][b].sum()))  # up to and including the first stop id
+    assert out["mask"][b].tolist() == [1] * n + [0] * (7 - n)
+    assert out["tokens"][b, :n].tolist() == free["tokens"][b, :n].tolist()
+    assert (out["tokens"][b, n:] == PAD).all()
+  assert first[0] <= 2 and int(out["mask"][0].sum()) <= 3
+
+
+def test_prefill_never_holds_the_prompt_logits():
+  # [B, P, V] float32 logits of a real rollout batch (512 x 256 x 151936) would be 80 GB; only the last row is needed
+  cfg = model.ModelConfig(vocab_size=4099, hidden_size=24, intermediate_size=37, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2)
+  params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.PRNGKey(0)))
+  B, P = 8, 33
+  ids = jax.ShapeDtypeStruct((B, P), jnp.int32)
+  compiled = sampler.generate.lower(cfg, params, ids, ids, jax.random.PRNGKey(0), SamplingConfig(3), (EOS,),
+                                    PAD).compile()
+  assert compiled.memory_analysis().temp_size_in_bytes < B * P * cfg.vocab_size * 4 / 4
 
 
 def test_top_k_and_top_p_restrict_support():
