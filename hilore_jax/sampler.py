@@ -44,6 +44,8 @@ def generate(cfg: ModelConfig, params: dict, prompt_ids_BP: jax.Array, prompt_ma
   The completion mask covers generated tokens up to and including the first stop id (eos, a chat end-of-turn).
   """
   stop_S = jnp.asarray(stop_ids if isinstance(stop_ids, tuple) else (stop_ids,), jnp.int32)
+  # the decode loop scans over layers: stack their params once per call, not once per token
+  params = {**params, "layers": model.stack_layers(params["layers"])}
   B, P = prompt_ids_BP.shape
   N = sc.max_new_tokens
   ids, mask = left_align(prompt_ids_BP, prompt_mask_BP)

@@ -134,7 +134,7 @@ def test_training_logprobs_are_the_samplers_at_temperature(tmp_path):
   assert t.spec.temperature == 0.7
   c = t.config
   params = t.state["params"]
-  roll = rollout.sample_completions(t.model_cfg, params, t.tokenizer, t.task.train_batch(0, c.rollout.num_prompts),
+  roll = rollout.sample_completions(t.model_cfg, params, t.prompter, t.task.train_batch(0, c.rollout.num_prompts),
                                     c.rollout.num_generations, c.rollout.max_prompt_len, c.rollout.sampling(),
                                     jax.random.PRNGKey(3), t.task.reward)
   mask = roll.mask > 0
