@@ -1,5 +1,6 @@
-"""Paired training quality: the same seeds trained under two memory methods (GC and HiLoRe by default); the
-per-seed difference in held-out accuracy, its spread, and the reward curves overlaid."""
+"""Paired training quality: the same seeds trained under several arms (each a set of config overrides); per arm
+greedy accuracy, pass@k, completion length and reward curves, and per-seed differences against the first arm with
+bootstrap confidence intervals."""
 
 from __future__ import annotations
 
@@ -9,66 +10,111 @@ import os
 
 import numpy as np
 
+from hilore_jax import config as config_lib
 from hilore_jax import metrics
+from hilore_jax.bench.stats import summary
 from hilore_jax.config import Config
+from hilore_jax.errors import ConfigError
 
 
-def run(cfg: Config, seeds: int, out_dir: str, methods=("gc", "hilore"), progress=print) -> dict:
-  """Train every (seed, method) pair (a finished pair in out_dir is reused) and write quality.json/.md/.png."""
+@dataclasses.dataclass(frozen=True)
+class Arm:
+  """A named variant of the run: dotted overrides on top of the config."""
+
+  name: str
+  overrides: tuple[str, ...]
+
+  @classmethod
+  def parse(cls, text: str) -> "Arm":
+    """'name:key=value,key=value' (no overrides: 'name:')."""
+    name, sep, rest = text.partition(":")
+    if not sep or not name:
+      raise ConfigError(f"--arm {text!r} must look like name:key.path=value,key.path=value")
+    return cls(name, tuple(o for o in rest.split(",") if o))
+
+
+DEFAULT_ARMS = (Arm("gc", ("memory.policy=gc",)), Arm("hilore", ("memory.policy=hilore",)))
+
+
+def arm_config(cfg: Config, arm: Arm, seed: int, run_dir: str) -> Config:
+  """The arm's config for one seed (evaluation before and after, no HF export)."""
+  overrides = [*arm.overrides, f"seed={seed}", f"out_dir={run_dir}", "eval.at_start=true", "eval.at_end=true",
+               "checkpoint.export_hf=false"]
+  return config_lib.from_dict(cfg.to_dict(), overrides)
+
+
+def _read(run_dir: str, pass_k: int, tail: int) -> dict:
+  with open(os.path.join(run_dir, "summary.json")) as f:
+    s = json.load(f)
+  rows = metrics.read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+  lens = [r["completion_len/mean"] for r in rows[-tail:]]
+  return {"accuracy": s["eval_after"]["eval/accuracy"], "accuracy_before": s["eval_before"]["eval/accuracy"],
+          "pass_k": s["eval_after"].get(f"eval/pass@{pass_k}"), "completion_len": float(np.mean(lens)),
+          "rewards": [r["reward/mean"] for r in rows]}
+
+
+def run(cfg: Config, seeds: int, out_dir: str, arms=DEFAULT_ARMS, progress=print) -> dict:
+  """Train every (seed, arm) pair (a finished pair in out_dir is reused) and write quality.json/.md/.png."""
   from hilore_jax.trainer import Trainer
 
   os.makedirs(out_dir, exist_ok=True)
-  runs: dict[str, dict[int, dict]] = {m: {} for m in methods}
+  runs: dict[str, list[dict]] = {a.name: [] for a in arms}
+  tail = max(1, cfg.train.steps // 10)
   for s in range(seeds):
-    for m in methods:
-      run_dir = os.path.join(out_dir, f"{m}_seed{s}")
-      done = os.path.join(run_dir, "summary.json")
-      if not os.path.exists(done):
-        progress(f"quality: training {m} with seed {cfg.seed + s}")
-        c = dataclasses.replace(cfg, seed=cfg.seed + s, out_dir=run_dir,
-                                memory=dataclasses.replace(cfg.memory, policy=m),
-                                eval=dataclasses.replace(cfg.eval, at_start=True, at_end=True),
-                                checkpoint=dataclasses.replace(cfg.checkpoint, export_hf=False))
-        Trainer(c).train()
-      with open(done) as f:
-        summary = json.load(f)
-      runs[m][s] = {"accuracy": summary["eval_after"]["eval/accuracy"],
-                    "accuracy_before": summary["eval_before"]["eval/accuracy"],
-                    "rewards": [r["reward/mean"] for r in metrics.read_metrics(os.path.join(run_dir, "metrics.jsonl"))]}
-  base, other = methods
-  diff = np.array([runs[other][s]["accuracy"] - runs[base][s]["accuracy"] for s in range(seeds)])
-  result = {"methods": list(methods), "seeds": seeds,
-            "per_seed": [{"seed": cfg.seed + s, **{m: runs[m][s]["accuracy"] for m in methods},
-                          "before": runs[base][s]["accuracy_before"]} for s in range(seeds)],
-            "paired_diff_pp": {"mean": 100 * float(diff.mean()), "std": 100 * float(diff.std(ddof=1)) if seeds > 1
-                               else 0.0, "min": 100 * float(diff.min()), "max": 100 * float(diff.max())}}
+    for arm in arms:
+      run_dir = os.path.join(out_dir, f"{arm.name}_seed{s}")
+      if not os.path.exists(os.path.join(run_dir, "summary.json")):
+        progress(f"quality: training {arm.name} with seed {cfg.seed + s}")
+        Trainer(arm_config(cfg, arm, cfg.seed + s, run_dir)).train()
+      runs[arm.name].append(_read(run_dir, cfg.eval.pass_k, tail))
+  base = arms[0].name
+  result = {"arms": [dataclasses.asdict(a) for a in arms], "seeds": seeds, "base": base, "per_arm": {}, "paired": {}}
+  for arm in arms:
+    r = runs[arm.name]
+    result["per_arm"][arm.name] = {k: summary([x[k] for x in r]) for k in ("accuracy", "pass_k", "completion_len")
+                                   if r[0][k] is not None}
+    result["per_arm"][arm.name]["per_seed_accuracy"] = [x["accuracy"] for x in r]
+    if arm.name != base:
+      diff = [100 * (a["accuracy"] - b["accuracy"]) for a, b in zip(r, runs[base])]
+      result["paired"][arm.name] = {"accuracy_pp": summary(diff)}
   with open(os.path.join(out_dir, "quality.json"), "w") as f:
     json.dump(result, f, indent=2)
-  d = result["paired_diff_pp"]
-  md = [f"# Paired training quality: {other} vs {base}, {seeds} seeds", "",
-        f"| seed | before GRPO | {base} | {other} | {other} - {base} (pp) |", "|---:|---:|---:|---:|---:|"]
-  md += [f"| {r['seed']} | {100 * r['before']:.1f}% | {100 * r[base]:.1f}% | {100 * r[other]:.1f}% | "
-         f"{100 * (r[other] - r[base]):+.1f} |" for r in result["per_seed"]]
-  md += ["", f"Paired difference: mean {d['mean']:+.2f} pp, std {d['std']:.2f} pp, range [{d['min']:+.1f}, "
-         f"{d['max']:+.1f}] pp (greedy accuracy on the held-out set)."]
   with open(os.path.join(out_dir, "quality.md"), "w") as f:
-    f.write("\n".join(md) + "\n")
-  _plot(runs, os.path.join(out_dir, "quality.png"))
+    f.write(report(result, cfg.eval.pass_k) + "\n")
+  plot(runs, os.path.join(out_dir, "quality.png"))
   return result
 
 
-def _plot(runs: dict, path: str):
+def report(result: dict, pass_k: int) -> str:
+  """The quality table: per arm means with 95% CIs, and paired differences against the base arm."""
+  base, n = result["base"], result["seeds"]
+  lines = [f"# Paired training quality, {n} seeds (base: {base})", "",
+           f"| arm | greedy accuracy | pass@{pass_k} | completion length | vs {base} (pp, paired) |",
+           "|---|---:|---:|---:|---:|"]
+  ci = lambda s, scale=100, unit="%": (f"{scale * s['mean']:.1f}{unit} [{scale * s['ci_low']:.1f}, "
+                                      f"{scale * s['ci_high']:.1f}]")
+  for name, s in result["per_arm"].items():
+    d = result["paired"].get(name)
+    diff = "—" if d is None else ci(d["accuracy_pp"], 1, "")
+    pk = ci(s["pass_k"]) if "pass_k" in s else "—"
+    lines.append(f"| {name} | {ci(s['accuracy'])} | {pk} | {s['completion_len']['mean']:.2f} | {diff} |")
+  lines += ["", "Brackets: 95% bootstrap confidence intervals over seeds (of the mean, or of the mean paired "
+            "difference)."]
+  return "\n".join(lines)
+
+
+def plot(runs: dict, path: str):
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   fig, ax = plt.subplots(figsize=(7, 4))
-  for i, (m, by_seed) in enumerate(runs.items()):
-    curves = np.array([r["rewards"] for r in by_seed.values()])
+  for i, (name, rs) in enumerate(runs.items()):
+    curves = np.array([r["rewards"] for r in rs])
     steps = np.arange(1, curves.shape[1] + 1)
-    ax.plot(steps, curves.mean(0), color=f"C{i}", label=f"{m} (mean of {len(curves)} seeds)")
-    ax.fill_between(steps, curves.min(0), curves.max(0), color=f"C{i}", alpha=0.2)
+    ax.plot(steps, curves.mean(0), color=f"C{i}", label=f"{name} (mean of {len(curves)} seeds)")
+    ax.fill_between(steps, curves.min(0), curves.max(0), color=f"C{i}", alpha=0.15)
   ax.set_xlabel("GRPO step")
   ax.set_ylabel("mean reward")
   ax.legend()

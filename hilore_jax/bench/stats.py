@@ -1,0 +1,30 @@
+"""Uncertainty for benchmark figures: bootstrap confidence intervals of means and of paired ratios."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def bootstrap_ci(x, level: float = 0.95, n: int = 10_000, seed: int = 0) -> tuple[float, float]:
+  """Percentile bootstrap CI of the mean of x (nan, nan for fewer than 2 values)."""
+  x = np.asarray(x, float)
+  if len(x) < 2:
+    return float("nan"), float("nan")
+  rng = np.random.default_rng(seed)
+  means = x[rng.integers(0, len(x), (n, len(x)))].mean(axis=1)
+  tail = (1 - level) / 2
+  return float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))
+
+
+def paired_gain_pct(times_s, base_times_s) -> np.ndarray:
+  """Per-rep throughput gain over the base, in percent: base_time / time - 1, paired within each rep."""
+  t, b = np.asarray(times_s, float), np.asarray(base_times_s, float)
+  return 100 * (b / t - 1)
+
+
+def summary(x, level: float = 0.95) -> dict[str, float]:
+  """mean, std, and the bootstrap CI of the mean."""
+  x = np.asarray(x, float)
+  lo, hi = bootstrap_ci(x, level)
+  return {"mean": float(x.mean()) if len(x) else float("nan"), "std": float(x.std(ddof=1)) if len(x) > 1 else 0.0,
+          "ci_low": lo, "ci_high": hi, "n": int(len(x))}
