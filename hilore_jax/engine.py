@@ -15,13 +15,27 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from hilore_jax import model, optim, sharding, train_step
-from hilore_jax.config import Config
+from hilore_jax import logra, model, optim, sharding, train_step
+from hilore_jax.config import Config, KLControlConfig
 from hilore_jax.memory import exposure
 from hilore_jax.memory.hooks import StepHooks
 from hilore_jax.train_step import StepSpec
 
 log = logging.getLogger(__name__)
+
+
+def opt_state_shardings(optimizer: optax.GradientTransformation, opt_shape, param_sh, rep):
+  """Param-shaped optimizer state takes the params' shardings (optax.tree_map_params), the rest is replicated.
+
+  LoGRA's init needs real leaf shapes and names, which tree_map_params' placeholders lack: its state is mapped by
+  logra.state_shardings (dense moments as their params, the small sketched state replicated), every other leaf
+  of such a chain (counts, clipping's empty state) replicated.
+  """
+  is_logra = lambda x: isinstance(x, logra.LograState)
+  if not any(is_logra(x) for x in jax.tree_util.tree_leaves(opt_shape, is_leaf=is_logra)):
+    return optax.tree_map_params(optimizer, lambda _, s: s, opt_shape, param_sh, transform_non_params=lambda _: rep)
+  return jax.tree_util.tree_map(lambda x: logra.state_shardings(x, param_sh, rep) if is_logra(x) else rep, opt_shape,
+                                is_leaf=is_logra)
 
 
 def init_state(mesh, optimizer: optax.GradientTransformation, params_shape, make_params) -> tuple[dict, dict]:
@@ -30,7 +44,7 @@ def init_state(mesh, optimizer: optax.GradientTransformation, params_shape, make
   params = make_params(param_sh)
   opt_shape = jax.eval_shape(optimizer.init, params_shape)
   rep = sharding.replicated(mesh)
-  opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, opt_shape, param_sh, transform_non_params=lambda _: rep)
+  opt_sh = opt_state_shardings(optimizer, opt_shape, param_sh, rep)
   state_sh = {"params": param_sh, "opt_state": opt_sh, "step": rep}
   opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
   return {"params": params, "opt_state": opt_state, "step": jax.device_put(jnp.int32(0), rep)}, state_sh
@@ -54,7 +68,9 @@ class Step:
   Two programs, because with global-norm clipping in the same program as the backward XLA:CPU (which drops the
   optimization barriers that order remat) hoists recomputation into the forward and keeps most of what remat
   frees. peak_bytes is the step's memory beyond the state (params and optimizer state, arguments of both programs
-  and the same for every remat policy): the larger program's temp plus the gradients that live between them.
+  and the same for every remat policy): the larger program's temp plus the gradients that live between them. With
+  KL control the update program also takes the minibatch's log-prob inputs (`kl_keys`) and its temp includes the
+  KL's forward and JVP on them, so the max stays honest.
   """
 
   grad: Any
@@ -62,6 +78,7 @@ class Step:
   grad_temp_bytes: int
   update_temp_bytes: int
   grad_bytes: int
+  kl_keys: tuple[str, ...] = ()
 
   @property
   def peak_bytes(self) -> int:
@@ -73,7 +90,10 @@ class Step:
 
   def __call__(self, state: dict, batch: dict):
     grads, metrics = self.grad(state["params"], batch)
-    state, m = self.update(state, grads)
+    if self.kl_keys:
+      state, m = self.update(state, grads, {k: batch[k] for k in self.kl_keys})
+    else:
+      state, m = self.update(state, grads)
     return state, {**metrics, **m}
 
 
@@ -84,27 +104,42 @@ def _abstract(tree, shardings):
 class Stepper:
   """Compiles the train step once per StepSpec and batch shapes, and counts and logs every compilation.
 
-  The update program does not depend on the spec: it is compiled once and shared by every Step.
+  The update program does not depend on the remat policies: it is compiled once (with KL control: once per
+  minibatch shape) and shared by every Step.
   """
 
-  def __init__(self, mesh, optimizer, state, state_shardings):
+  def __init__(self, mesh, optimizer, state, state_shardings, kl_control: KLControlConfig | None = None):
     self.mesh, self.optimizer, self.state_shardings = mesh, optimizer, state_shardings
+    self.kl = kl_control if kl_control is not None and kl_control.target > 0 else None
     self.state_abstract = _abstract(state, state_shardings)
     self._compiled: dict[tuple, Step] = {}
     self._probed: dict[tuple, Step] = {}  # compiled only to read their memory; promoted (not recompiled) if run
-    self._update = None
+    self._updates: dict[Any, Any] = {}
     self.compile_count = 0
     self.compile_log: list[dict] = []
     self.probe_compiles = 0  # compiled to measure memory (the GC reference, budget probes)
 
-  def _update_program(self):
-    if self._update is None:
-      param_sh, metrics_sh = self.state_shardings["params"], sharding.replicated(self.mesh)
-      fn = jax.jit(lambda s, g: train_step.update_step(s, g, self.optimizer),
-                   in_shardings=(self.state_shardings, param_sh), out_shardings=(self.state_shardings, metrics_sh),
-                   donate_argnums=0)
-      self._update = fn.lower(self.state_abstract, self.state_abstract["params"]).compile()
-    return self._update
+  def _update_program(self, spec: StepSpec, batch: dict):
+    """The update program; with KL control keyed by the spec without its policies and the log-prob inputs' shapes."""
+    param_sh, metrics_sh = self.state_shardings["params"], sharding.replicated(self.mesh)
+    if self.kl is None:
+      if None not in self._updates:
+        fn = jax.jit(lambda s, g: train_step.update_step(s, g, self.optimizer),
+                     in_shardings=(self.state_shardings, param_sh), out_shardings=(self.state_shardings, metrics_sh),
+                     donate_argnums=0)
+        self._updates[None] = fn.lower(self.state_abstract, self.state_abstract["params"]).compile()
+      return self._updates[None]
+    spec = dataclasses.replace(spec, policies=())  # the KL's forward has no backward: no remat to choose
+    kl_batch = {k: batch[k] for k in train_step.LOGPROB_KEYS}
+    key = (spec, tuple((k, v.shape, str(v.dtype)) for k, v in kl_batch.items()))
+    if key not in self._updates:
+      batch_sh = {k: sharding.batch_sharding(self.mesh) for k in kl_batch}
+      fn = jax.jit(lambda s, g, b: train_step.update_step(s, g, self.optimizer, b, spec, self.kl),
+                   in_shardings=(self.state_shardings, param_sh, batch_sh),
+                   out_shardings=(self.state_shardings, metrics_sh), donate_argnums=0)
+      self._updates[key] = fn.lower(self.state_abstract, self.state_abstract["params"],
+                                    _abstract(kl_batch, batch_sh)).compile()
+    return self._updates[key]
 
   def _compile(self, spec: StepSpec, batch: dict) -> Step:
     batch_sh = {k: sharding.batch_sharding(self.mesh) for k in batch}
@@ -112,10 +147,10 @@ class Stepper:
     fn = jax.jit(lambda p, b: train_step.gradient_step(p, b, spec), in_shardings=(param_sh, batch_sh),
                  out_shardings=(param_sh, metrics_sh))
     grad = fn.lower(self.state_abstract["params"], _abstract(batch, batch_sh)).compile()
-    update = self._update_program()
+    update = self._update_program(spec, batch)
     grad_temp, grad_out = _memory(grad)
     update_temp, _ = _memory(update)
-    return Step(grad, update, grad_temp, update_temp, grad_out)
+    return Step(grad, update, grad_temp, update_temp, grad_out, train_step.LOGPROB_KEYS if self.kl else ())
 
   def get(self, spec: StepSpec, batch: dict, reason: str = "", count: bool = True) -> Step:
     """The compiled step; count=False compiles only to measure (a probe), counted as a compile if it later runs."""
@@ -188,7 +223,7 @@ def build(cfg: Config, model_cfg: model.ModelConfig, total_updates: int, host_pa
   else:
     make = lambda sh: jax.jit(init, out_shardings=sh)(rng)
   state, state_sh = init_state(mesh, optimizer, params_shape, make)
-  return Engine(mesh, optimizer, state, state_sh, Stepper(mesh, optimizer, state, state_sh))
+  return Engine(mesh, optimizer, state, state_sh, Stepper(mesh, optimizer, state, state_sh, cfg.optimizer.kl_control))
 
 
 # one jitted gradient for the module: specs are static, so repeated specs compile once

@@ -25,7 +25,7 @@ coordinate axes; for other gradients it is Adam in rotated coordinates, as GaLor
 State: float32 moments and P, a step count and the range finder's raw uint32 PRNG key (plain arrays: orbax
 StandardSave and a host numpy round trip resume exactly). Per-refresh keys are fold_in(key, count) then leaf index.
 init reads leaf shapes and names, so it works under jax.eval_shape but not with optax.tree_map_params' placeholder:
-derive the state's shardings from its own shapes.
+`state_shardings` derives the state's shardings from its own structure instead.
 """
 
 from __future__ import annotations
@@ -243,3 +243,14 @@ def sketch_bytes(state, itemsize: int = 4) -> dict[str, int]:
     refresh += itemsize * (full if p is None else math.prod(m.shape) + math.prod(p.shape))
     dense += itemsize * full
   return {"logra/factor_bytes": factor, "logra/sketch_bytes": refresh, "logra/update_bytes": dense}
+
+
+def state_shardings(state: LograState, param_shardings, replicated) -> LograState:
+  """Shardings of a LograState (or its eval_shape): a dense leaf's moments take its param's sharding; the sketched
+  state ([Lb, r, N] moments and P [M, r], about r/M of Adam's) and the scalars are replicated on every device."""
+  treedef = jax.tree_util.tree_structure(state.mu)
+  proj = treedef.flatten_up_to(state.proj)
+  moments = treedef.unflatten([s if p is None else replicated
+                               for s, p in zip(treedef.flatten_up_to(param_shardings), proj)])
+  return LograState(replicated, replicated, moments, moments,
+                    treedef.unflatten([None if p is None else replicated for p in proj]))

@@ -9,11 +9,19 @@ import os
 import numpy as np
 
 UPDATE_KEYS = ("loss", "grad_norm", "clipfrac", "kl", "entropy", "abs_log_ratio")
+# reported only by updates that run the predicted-KL step control (optimizer.kl_control.target > 0)
+KL_CONTROL_KEYS = ("kl_control/predicted", "kl_control/scale", "kl_control/realized")
 
 
 def reduce_updates(rows: list[dict]) -> dict:
-  """One step's optimizer updates -> the step's row: means of the per-update metrics (zeros if none ran)."""
-  return {k: float(np.mean([r[k] for r in rows])) if rows else 0.0 for k in UPDATE_KEYS}
+  """One step's optimizer updates -> the step's row: means of the per-update metrics (zeros if none ran); the
+  KL control's, when the updates report them, also per update in order (`<key>_per_update`, for kl_report)."""
+  out = {k: float(np.mean([r[k] for r in rows])) if rows else 0.0 for k in UPDATE_KEYS}
+  for k in KL_CONTROL_KEYS:
+    if rows and k in rows[0]:
+      out[k] = float(np.mean([r[k] for r in rows]))
+      out[f"{k}_per_update"] = [float(r[k]) for r in rows]
+  return out
 
 
 def _reducer(key: str):

@@ -1,10 +1,17 @@
-"""optax AdamW with linear warmup then constant or cosine decay, after global-norm clipping."""
+"""The optimizer: global-norm clipping, then AdamW or LoGRA (AdamW on low-rank gradient sketches), with linear
+warmup then constant or cosine decay."""
 
 from __future__ import annotations
 
 import optax
 
+from hilore_jax import logra
 from hilore_jax.config import OptimizerConfig
+
+# LoGRA leaves that stay dense AdamW besides every leaf with < 2 dims (norms, 1-D biases): embeddings and the lm
+# head (rows are tokens: one shared subspace does not fit them) and the attention biases, [N, H] by shape but one
+# vector per head, not a matrix
+DENSE_NAMES = logra.DENSE_NAMES + ("bq_NH", "bk_KH", "bv_KH")
 
 
 def schedule(oc: OptimizerConfig, total_updates: int) -> optax.Schedule:
@@ -18,6 +25,13 @@ def schedule(oc: OptimizerConfig, total_updates: int) -> optax.Schedule:
 
 
 def make_optimizer(oc: OptimizerConfig, total_updates: int) -> optax.GradientTransformation:
+  """chain(clip_by_global_norm, adamw | logra): one schedule, betas, eps and weight decay (on every leaf) for both."""
   parts = [optax.clip_by_global_norm(oc.max_grad_norm)] if oc.max_grad_norm > 0 else []
-  parts.append(optax.adamw(schedule(oc, total_updates), oc.b1, oc.b2, oc.eps, weight_decay=oc.weight_decay))
+  lr = schedule(oc, total_updates)
+  if oc.kind == "logra":
+    lc = oc.logra
+    parts.append(logra.logra(lr, lc.rank, lc.refresh_every, oc.b1, oc.b2, oc.eps, oc.weight_decay, lc.scale, lc.seed,
+                             lc.oversample, lc.power_iters, lc.min_dim, DENSE_NAMES))
+  else:
+    parts.append(optax.adamw(lr, oc.b1, oc.b2, oc.eps, weight_decay=oc.weight_decay))
   return optax.chain(*parts)

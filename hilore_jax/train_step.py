@@ -1,5 +1,6 @@
 """The GRPO actor update as pure functions: chunked log-probs, the loss, microbatched gradients (the gradient
-program) and clipping + optimizer (the update program). `engine.py` compiles them."""
+program) and clipping + optimizer, optionally with predicted-KL step control (the update program). `engine.py`
+compiles them."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from hilore_jax import grpo, logprobs, model
-from hilore_jax.config import GRPOConfig
+from hilore_jax import grpo, kl_control, logprobs, model
+from hilore_jax.config import GRPOConfig, KLControlConfig
 from hilore_jax.model import LayerPolicy, ModelConfig
 
 
@@ -120,14 +121,53 @@ def gradient_step(params, batch: dict, spec: StepSpec):
   return grads, step_metrics(stats)
 
 
-def update_step(state: dict, grads, optimizer: optax.GradientTransformation):
-  """The update program: clipping and the optimizer on finished gradients -> (new state, metrics)."""
+def kl_functions(spec: StepSpec, batch: dict):
+  """(hidden_fn, head_fn) for kl_control: final hidden states at the positions predicting the completion tokens,
+  and the lm head divided by spec's temperature, so the KL is that of the distribution rollouts sample from (the
+  one GRPO's ratio is taken under). No remat: the KL's forward and JVP have no backward."""
+  ids, mask = sequence_inputs(batch)
+  P, N = batch["prompt_ids"].shape[1], batch["tokens"].shape[1]
+  hidden_fn = lambda p: model.hidden_states(spec.model_cfg, p, ids, mask)[:, P - 1:P + N - 1]
+  if spec.temperature == 1.0:
+    return hidden_fn, lambda p: model.lm_head_weight(spec.model_cfg, p)
+  return hidden_fn, lambda p: model.lm_head_weight(spec.model_cfg, p) / spec.temperature
+
+
+def minibatch_kl(kl_fn, spec: StepSpec, params, updates, batch: dict, chunk: int) -> jax.Array:
+  """kl_fn's mean over the minibatch's completion tokens, spec.microbatches row slices at a time (as the gradient
+  program holds them): each slice's mean weighted by its token count."""
+  A = spec.microbatches
+  split = {k: batch[k].reshape(A, batch[k].shape[0] // A, *batch[k].shape[1:]) for k in LOGPROB_KEYS}
+
+  def one(b):
+    hidden_fn, head_fn = kl_functions(spec, b)
+    return kl_fn(hidden_fn, head_fn, params, updates, b["mask"], chunk) * jnp.sum(b["mask"]).astype(jnp.float32)
+
+  return jnp.sum(jax.lax.map(one, split)) / jnp.maximum(jnp.sum(batch["mask"]).astype(jnp.float32), 1.0)
+
+
+def update_step(state: dict, grads, optimizer: optax.GradientTransformation, batch: dict | None = None,
+                spec: StepSpec | None = None, kl: KLControlConfig | None = None):
+  """The update program: clipping and the optimizer on finished gradients -> (new state, metrics).
+
+  With kl (target > 0; then batch and spec too) the optimizer's update is scaled by s = min(1, sqrt(target /
+  predicted)) before it is applied, predicted the second-order mean per-token KL on the batch's completion tokens;
+  the optimizer's state advances as without the control. Without kl the program is the plain one.
+  """
   updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+  metrics = {"grad_norm": optax.tree.norm(grads)}
+  if kl is not None:
+    predicted = minibatch_kl(kl_control.predicted_kl, spec, state["params"], updates, batch, kl.chunk)
+    s = kl_control.control_scale(predicted, kl.target)
+    updates = jax.tree.map(lambda u: (u * s).astype(u.dtype), updates)
+    realized = minibatch_kl(kl_control.realized_kl, spec, state["params"], updates, batch, kl.chunk)
+    metrics.update({"kl_control/predicted": predicted, "kl_control/scale": s, "kl_control/realized": realized})
   params = optax.apply_updates(state["params"], updates)
-  return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, {"grad_norm": optax.tree.norm(grads)}
+  return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
 
-def train_step(state: dict, batch: dict, spec: StepSpec, optimizer: optax.GradientTransformation):
+def train_step(state: dict, batch: dict, spec: StepSpec, optimizer: optax.GradientTransformation,
+               kl: KLControlConfig | None = None):
   """One optimizer update on a minibatch -> (new state, metrics), as one function (what the two programs compute).
 
   The trainer runs it as two compiled programs (`Step`): with global-norm clipping in the same program as the
@@ -135,5 +175,5 @@ def train_step(state: dict, batch: dict, spec: StepSpec, optimizer: optax.Gradie
   and keeps most of what remat was meant to free.
   """
   grads, metrics = gradient_step(state["params"], batch, spec)
-  state, m = update_step(state, grads, optimizer)
+  state, m = update_step(state, grads, optimizer, batch, spec, kl)
   return state, {**metrics, **m}

@@ -1,0 +1,124 @@
+"""optimizer.kind / optimizer.logra / optimizer.kl_control: config checks, the optax chain, sharded state, and a
+LoGRA run with KL control that resumes exactly across a refresh."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+from trainer_util import tiny_config
+
+from hilore_jax import cli, engine, logra, metrics, model, optim, sharding
+from hilore_jax.config import LograConfig, OptimizerConfig
+from hilore_jax.model import ModelConfig
+from hilore_jax.trainer import Trainer
+
+CFG = ModelConfig(vocab_size=31, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=False)
+
+
+def test_config_keys():
+  c = cli.load_config(None, ["optimizer.kind=logra", "optimizer.logra.rank=4", "optimizer.logra.refresh_every=3",
+                             "optimizer.logra.scale=0.25", "optimizer.kl_control.target=0.002"])
+  oc = c.optimizer
+  assert (oc.kind, oc.logra.rank, oc.logra.refresh_every, oc.logra.scale) == ("logra", 4, 3, 0.25)
+  assert (oc.kl_control.target, oc.kl_control.chunk) == (0.002, 128)
+  assert cli.load_config(None, []).optimizer.kind == "adamw" and c.to_dict()["optimizer"]["logra"]["rank"] == 4
+
+
+@pytest.mark.parametrize("override,message", [
+    ("optimizer.kind=sgd", r"optimizer.kind must be one of \['adamw', 'logra'\]"),
+    ("optimizer.logra.rank=0", r"optimizer.logra.rank must be > 0"),
+    ("optimizer.logra.refresh_every=0", r"optimizer.logra.refresh_every must be > 0"),
+    ("optimizer.logra.oversample=-1", r"optimizer.logra.oversample must be >= 0"),
+    ("optimizer.logra.scale=0", r"optimizer.logra.scale must be > 0"),
+    ("optimizer.logra.rnk=4", r"unknown config key 'optimizer.logra.rnk'; valid keys here: \[.*'rank'"),
+    ("optimizer.kl_control.target=-0.1", r"optimizer.kl_control.target must be >= 0"),
+    ("optimizer.kl_control.chunk=0", r"optimizer.kl_control.chunk must be > 0"),
+])
+def test_bad_values_name_the_key(override, message):
+  with pytest.raises(ValueError, match=message):
+    cli.load_config(None, [override])
+
+
+def _grads_and_params():
+  rng = np.random.default_rng(0)
+  shapes = jax.eval_shape(lambda: model.init_params(CFG, jax.random.PRNGKey(0)))
+  draw = lambda s: (rng.standard_normal(s.shape)).astype(np.float32)
+  return jax.tree.map(draw, shapes), jax.tree.map(draw, shapes)
+
+
+def test_logra_chain_is_adamw_on_dense_leaves_and_low_rank_on_matrices():
+  """Same schedule, betas, clipping and weight decay: LoGRA's dense leaves (norms, biases, embed, lm head) update
+  exactly as AdamW's; its matrices' updates lie in rank-r column spaces."""
+  kw = dict(lr=3e-3, warmup_steps=1, weight_decay=0.1, b1=0.8, max_grad_norm=0.5)  # lr: 0, then 3e-3
+  adamw = optim.make_optimizer(OptimizerConfig(**kw), 10)
+  ours = optim.make_optimizer(OptimizerConfig(kind="logra", logra=LograConfig(rank=3), **kw), 10)
+  params, grads = _grads_and_params()
+
+  def second_update(tx):
+    update, state = jax.jit(tx.update), tx.init(params)
+    state = update(jax.tree.map(lambda g: -g, grads), state, params)[1]
+    return jax.device_get(update(grads, state, params)[0])
+
+  ua, ub = second_update(adamw), second_update(ours)
+  decay = 3e-3 * 0.1  # lr * weight_decay at the second update: full rank, on every leaf
+  for (path, a), b, w in zip(jax.tree_util.tree_flatten_with_path(ua)[0], jax.tree.leaves(ub), jax.tree.leaves(params)):
+    name = logra.leaf_name(path)
+    if a.ndim < 2 or name in optim.DENSE_NAMES:
+      np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-9, err_msg=name)
+    else:  # without the decay a matrix view [M, N] of rank 3 (the sketch), where AdamW's is full rank
+      a, b = a + decay * w, b + decay * w
+      m = b.reshape(b.shape[0], -1) if name != "wo_NHD" else b.reshape(-1, b.shape[-1])
+      s = np.linalg.svd(m, compute_uv=False)
+      assert s[3] < 1e-5 * s[0] and np.linalg.svd(a.reshape(m.shape), compute_uv=False)[3] > 0.1 * s[0], name
+  bq = ua["layers"][0]["attn"]["bq_NH"]
+  assert bq.shape == (4, 6) and "bq_NH" in optim.DENSE_NAMES  # 2-D by shape, a bias by name: dense
+
+
+def test_state_shardings_follow_the_state():
+  """Dense moments take their param's spec; sketched moments and P are replicated (tree_map_params cannot map a
+  LoGRA state: its init needs real shapes)."""
+  mesh = sharding.make_mesh()
+  params, _ = _grads_and_params()
+  tx = optim.make_optimizer(OptimizerConfig(kind="logra"), 10)
+  state, sh = engine.init_state(mesh, tx, jax.eval_shape(lambda: params), lambda s: jax.device_put(params, s))
+  st, st_sh = logra.find_state(state["opt_state"]), logra.find_state(sh["opt_state"])
+  assert st_sh.mu["embed_VD"].spec == P(sharding.FSDP, None) == sh["params"]["embed_VD"].spec
+  assert st_sh.mu["layers"][0]["mlp"]["wup_DF"].spec == P() and st_sh.proj["layers"][0]["mlp"]["wup_DF"].spec == P()
+  assert st_sh.proj["embed_VD"] is None and st.proj["embed_VD"] is None
+  for x, s in zip(jax.tree.leaves(state["opt_state"]), jax.tree.leaves(sh["opt_state"])):
+    assert x.sharding == s
+  with pytest.raises(Exception):  # why engine maps LoGRA's state itself
+    optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, params), sh["params"])
+
+
+VOLATILE = ("time/", "throughput/", "compile/")
+
+
+def _stable(rows):
+  return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
+
+
+def test_logra_with_kl_control_resumes_exactly_across_a_refresh(tmp_path):
+  # 3 rows of 12 survive filtering at most: 1-2 minibatches of 6 x 2 iterations per step; refreshes every 2 updates
+  common = ["train.steps=4", "checkpoint.every=2", "grpo.num_iterations=2", "train.minibatch_size=6",
+            "optimizer.kind=logra", "optimizer.logra.rank=3", "optimizer.logra.refresh_every=2",
+            "optimizer.kl_control.target=0.001", "optimizer.kl_control.chunk=2", "eval.at_end=false"]
+  Trainer(tiny_config(tmp_path / "a", *common)).train()
+  full = metrics.read_metrics(tmp_path / "a" / "metrics.jsonl")
+  updates = [sum(r["updates"] for r in full[:2]), sum(r["updates"] for r in full[2:])]
+  assert updates[0] % 2 == 1 or updates[1] >= 2, updates  # the resumed half runs a refresh from restored moments
+  assert all(len(r["kl_control/predicted_per_update"]) == r["updates"] for r in full if r["updates"])
+  scales = [s for r in full for s in r.get("kl_control/scale_per_update", [])]
+  assert min(scales) < 1.0  # the cap was active in the compared updates
+  Trainer(tiny_config(tmp_path / "b", *common, "train.steps=2")).train()
+  t = Trainer(tiny_config(tmp_path / "b", *common, "train.resume=true"))
+  assert t.restore_latest()
+  restored = logra.find_state(t.state["opt_state"])
+  assert int(restored.count) == updates[0] and float(np.abs(jax.device_get(restored.proj["layers"][1]["mlp"]
+                                                                            ["wgate_DF"])).max()) > 0
+  t.train()
+  resumed = metrics.read_metrics(tmp_path / "b" / "metrics.jsonl")
+  assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+  assert _stable(resumed) == _stable(full)
