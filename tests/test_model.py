@@ -119,3 +119,35 @@ def test_layer_scan_keeps_exactly_each_layers_residuals_stacked(tiny_cfg, policy
   stacked = collections.Counter((r.dtype, r.shape) for r in scanned
                                 if "output of scan" in r.source and r.shape[:1] == (L,))
   assert stacked == kept and kept
+
+
+def test_bf16_forward_accumulates_scores_and_logits_in_float32(tiny_cfg):
+  p = _params(tiny_cfg)
+  ids = jnp.array([[3, 5, 7, 11, 13, 17, 19], [2, 4, 6, 8, 10, 12, 14]])
+  ref = model.forward(tiny_cfg, p, ids)
+  bf16 = tiny_cfg.replace(dtype="bfloat16")
+  got = model.forward(bf16, p, ids)
+  assert got.dtype == jnp.float32
+  # bf16 keeps ~3 significant digits per op: the logits agree to a few percent of their spread, not bitwise
+  err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+  assert 0 < err < 0.03, err
+  # the attention scores and the logits come out of the matmul in float32 (no bf16 accumulation)
+  jaxpr = jax.make_jaxpr(lambda q: model.forward(bf16, q, ids))(p).jaxpr
+  dots = []
+
+  def walk(jp):
+    for e in jp.eqns:
+      if e.primitive.name == "dot_general":
+        dots.append((tuple(sorted(e.outvars[0].aval.shape)), e.outvars[0].aval.dtype))  # dims in any order
+      for v in e.params.values():
+        for sub in (v if isinstance(v, (list, tuple)) else (v,)):
+          if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
+            walk(getattr(sub, "jaxpr", sub))
+
+  walk(jaxpr)
+  f32_outputs = {d[0] for d in dots if d[1] == jnp.float32}
+  B, T, K = 2, 7, tiny_cfg.num_key_value_heads
+  G = tiny_cfg.num_attention_heads // K
+  # the logits and the attention scores
+  assert f32_outputs == {tuple(sorted((B, T, tiny_cfg.vocab_size))), tuple(sorted((B, K, G, T, T)))}
+  assert any(d[1] == jnp.bfloat16 for d in dots)  # the projections stay in the compute dtype
