@@ -83,9 +83,13 @@ class Checkpointer:
 
   def save(self, step: int, state, meta: dict):
     meta = {**meta, "checksums": checksums(state)}
-    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-                      force=True)
-    self.manager.wait_until_finished()
+    try:  # a failed save leaves only its temporary directory: the previous checkpoint stays the newest
+      self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                      meta=ocp.args.JsonSave(meta)), force=True)
+      self.manager.wait_until_finished()
+    except OSError as e:
+      raise CheckpointError(f"saving step {step} to {self.directory} failed ({_first_line(e)}); the newest "
+                            f"checkpoint is still step {self.latest_step()}") from None
 
   def restore(self, step: int, abstract_state) -> tuple[dict, dict]:
     """State restored straight into the shardings that abstract_state carries; CheckpointError if damaged."""
@@ -132,7 +136,7 @@ class Checkpointer:
       return step, state, meta
     if failures:
       raise CheckpointError(f"no usable checkpoint in {self.directory}: {'; '.join(m for _, m in failures)}; "
-                            f"move the directory away to start over")
+                            f"resume with the config that wrote them, or move the directory away to start over")
     return None
 
   def _set_aside(self, steps: list[int]) -> str | None:
