@@ -54,8 +54,9 @@ def fit_allowance(budget: int, gc_bytes: int, plan_for: Callable[[int], PlanT], 
   """Search the byte allowance (activation bytes on top of GC) whose plan compiles within `budget`.
 
   Starts at budget - gc_bytes; while nothing is over budget it grows by the slack (at least 5% of the budget),
-  after an excess it shrinks by it (doubling the step on each further excess before anything fits), then bisects; stops early when the plan stops growing with the
-  allowance or the bracket is under 0.5% of the budget. The fastest fitting plan wins.
+  after an excess it shrinks by it (doubling the step on each further excess before anything fits), then bisects;
+  stops early when the plan stops growing with the allowance or the bracket is under 0.5% of the budget.
+  The fastest fitting plan wins.
   """
   allowance, lo, hi = budget - gc_bytes, None, None  # lo fits, hi does not
   best: tuple[int, PlanT] | None = None
