@@ -1,38 +1,161 @@
-"""Orbax checkpoints of the train state plus JSON metadata (step, RNG, data position, config)."""
+"""Orbax checkpoints of the train state plus JSON metadata (step, RNG, data position, config).
+
+Saves are atomic (orbax writes `<step>.orbax-checkpoint-tmp` and renames it); what a killed save leaves is removed
+when the next run opens the directory. Every array's checksum is saved with it, so a damaged checkpoint is found
+on restore, and resuming falls back to the newest good one instead of training on corrupt weights.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import sys
+from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+
+from hilore_jax.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+  """Wrapping uint32 sum of the array's bit patterns: any changed element changes it, on any sharding."""
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.uint8)
+  bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize])
+  return jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
+
+
+_checksums = jax.jit(lambda tree: jax.tree_util.tree_map(_leaf_checksum, tree))
+
+
+def checksums(tree) -> dict[str, int]:
+  """{leaf path: checksum} of a tree of arrays (one small device program, one transfer)."""
+  sums = jax.device_get(_checksums(tree))
+  return {jax.tree_util.keystr(path): int(v) for path, v in jax.tree_util.tree_leaves_with_path(sums)}
+
+
+_quiet = False
+
+
+def _quiet_failed_reads():
+  """After one read of a damaged checkpoint fails, orbax's other reads of it still finish on tensorstore threads,
+  after their event loop closed: each would print a traceback for what is already one CheckpointError. Drop those
+  two kinds of report (unraisable 'Event loop is closed', asyncio's 'Task exception was never retrieved')."""
+  global _quiet
+  if _quiet:
+    return
+  _quiet = True
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
+  logging.getLogger("asyncio").addFilter(lambda r: not r.getMessage().startswith("Task exception was never retrieved"))
+
+
+def _first_line(e: BaseException) -> str:
+  text = str(e).strip()
+  return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
 class Checkpointer:
-  """CheckpointManager wrapper: atomic saves (orbax writes to a temp dir, then renames), keeps the last K."""
+  """CheckpointManager wrapper: atomic, checksummed saves; keeps the last K; restores the newest good one."""
 
   def __init__(self, directory: str, keep: int, create: bool = True):
     self.directory = os.path.abspath(directory)
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create, enable_async_checkpointing=False)
+    self.writable = create
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create, enable_async_checkpointing=False,
+                                           cleanup_tmp_directories=create)
     self.manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
+  def steps(self) -> list[int]:
+    return sorted(self.manager.all_steps())
+
   def save(self, step: int, state, meta: dict):
-    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-                      force=True)
-    self.manager.wait_until_finished()
+    meta = {**meta, "checksums": checksums(state)}
+    try:  # a failed save leaves only its temporary directory: the previous checkpoint stays the newest
+      self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                      meta=ocp.args.JsonSave(meta)), force=True)
+      self.manager.wait_until_finished()
+    except OSError as e:
+      raise CheckpointError(f"saving step {step} to {self.directory} failed ({_first_line(e)}); the newest "
+                            f"checkpoint is still step {self.latest_step()}") from None
 
   def restore(self, step: int, abstract_state) -> tuple[dict, dict]:
-    """State restored straight into the shardings that abstract_state carries."""
-    out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                                             meta=ocp.args.JsonRestore()))
-    return out["state"], out["meta"]
+    """State restored straight into the shardings that abstract_state carries; CheckpointError if damaged."""
+    try:  # orbax and tensorstore raise many types (KeyError, ValueError, JSONDecodeError, bare Exception)
+      out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+                                                               meta=ocp.args.JsonRestore()))
+    except Exception as e:  # noqa: BLE001
+      _quiet_failed_reads()
+      raise CheckpointError(f"step {step} does not restore ({_first_line(e)})") from None
+    state, meta = out["state"], out["meta"]
+    saved = (meta or {}).get("checksums") or {}  # absent in checkpoints written before checksums
+    for key, value in checksums(state).items():
+      if key in saved and saved[key] != value:
+        raise CheckpointError(f"step {step}: {key} does not match the checksum saved with it (damaged data)")
+    return state, meta
 
   def restore_meta(self, step: int) -> dict:
     """Only the JSON metadata of a checkpoint."""
-    return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    try:
+      return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as e:  # noqa: BLE001
+      _quiet_failed_reads()
+      raise CheckpointError(f"step {step}: metadata does not restore ({_first_line(e)})") from None
+
+  def restore_newest(self, abstract_for: Callable[[dict], object]) -> tuple[int, dict, dict] | None:
+    """(step, state, meta) of the newest checkpoint that restores intact; None if there is none at all.
+
+    abstract_for(meta) gives the abstract state to restore into. A damaged newer checkpoint is reported with the
+    step resumed instead and, when writable, moved to `<directory>.broken/` so later saves can reuse its step.
+    CheckpointError if checkpoints exist but none restores: a run never silently starts over.
+    """
+    failures: list[tuple[int, str]] = []
+    for step in reversed(self.steps()):
+      try:
+        state, meta = self.restore(step, abstract_for(self.restore_meta(step)))
+      except CheckpointError as e:
+        failures.append((step, str(e)))
+        continue
+      if failures:
+        moved = self._set_aside([s for s, _ in failures])
+        log.warning("checkpoint %s in %s is unusable (%s); resuming from step %d, the newest good checkpoint%s",
+                    ", ".join(str(s) for s, _ in failures), self.directory, "; ".join(m for _, m in failures), step,
+                    f" (moved the broken ones to {moved})" if moved else "")
+      return step, state, meta
+    if failures:
+      raise CheckpointError(f"no usable checkpoint in {self.directory}: {'; '.join(m for _, m in failures)}; "
+                            f"resume with the config that wrote them, or move the directory away to start over")
+    return None
+
+  def _set_aside(self, steps: list[int]) -> str | None:
+    """Move broken step directories out of orbax's sight (kept for inspection, never deleted)."""
+    if not self.writable:
+      return None
+    if jax.process_index() != 0:  # one process moves them on a shared filesystem
+      self.manager.reload()
+      return None
+    dest = self.directory + ".broken"
+    os.makedirs(dest, exist_ok=True)
+    for step in steps:
+      src, target, n = os.path.join(self.directory, str(step)), os.path.join(dest, str(step)), 1
+      while os.path.exists(target):
+        target, n = os.path.join(dest, f"{step}-{n}"), n + 1
+      if os.path.exists(src):
+        shutil.move(src, target)
+    self.manager.reload()
+    return dest
 
   def close(self):
     self.manager.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from typing import Any
@@ -38,6 +39,13 @@ class ModelSection:
 
   def __post_init__(self):
     check_positive("model.init_std", self.init_std)
+    arch = dict(self.arch)
+    for key in ("head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings"):
+      if arch.get(key) is not None:
+        check_positive(f"model.{key}", arch[key])
+    if not isinstance(arch.get("rope_scaling") or {}, dict):
+      raise ConfigError(f"model.rope_scaling must be a mapping (HF's rope_scaling) or null, got "
+                        f"{arch['rope_scaling']!r}")
     if self.path and self.arch:
       keys = [k for k, _ in self.arch if k not in ("bos_token_id", "eos_token_id", "pad_token_id")]
       if keys:
@@ -291,6 +299,10 @@ class MeshConfig:
     if self.data == 0 or self.data < -1:
       raise ConfigError(f"mesh.data must be > 0 or -1, got {self.data}")
     check_positive("mesh.fsdp", self.fsdp)
+    if self.num_processes is not None:
+      check_positive("mesh.num_processes", self.num_processes)
+    if self.process_id is not None:
+      check_range("mesh.process_id", self.process_id, 0, (self.num_processes or 1 << 30) - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,6 +421,9 @@ class Config:
   bench: BenchConfig = BenchConfig()
 
   def __post_init__(self):
+    check_positive("seed", self.seed, allow_zero=True)  # numpy's per-step shuffle seeds take no negatives
+    if not self.out_dir:
+      raise ConfigError("out_dir must not be empty")
     batch = self.rollout.num_prompts * self.rollout.num_generations
     mb = self.train.minibatch_size or batch
     if batch % mb:
@@ -467,6 +482,8 @@ def _coerce(key: str, value, tp):
   if tp is float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
       raise ConfigError(f"{key} must be a number, got {value!r}")
+    if not math.isfinite(value):  # YAML's .nan/.inf would pass every range check written as a comparison
+      raise ConfigError(f"{key} must be a finite number, got {value!r}")
     return float(value)
   if tp is str:
     if not isinstance(value, str):

@@ -189,9 +189,9 @@ class Stepper:
 def model_config(cfg: Config) -> model.ModelConfig:
   """The model's shape: from model.path's config.json, or the config's shape fields."""
   if cfg.model.path:
-    from hilore_jax.model import hf
+    from hilore_jax import preflight
 
-    return hf.load_config(cfg.model.path, cfg.model.param_dtype, cfg.model.dtype)
+    return preflight.load_model_config("model.path", cfg.model.path, cfg.model)
   return cfg.model.shape_config()
 
 

@@ -64,14 +64,15 @@ def check_choice(key: str, value, choices: Iterable):
 
 def check_positive(key: str, value, allow_zero: bool = False):
   """ConfigError unless value > 0 (or >= 0)."""
-  if value < 0 or (value == 0 and not allow_zero):
+  if not (value > 0 or (allow_zero and value == 0)):  # written so that NaN fails too
     raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
 def check_range(key: str, value, low=None, high=None, low_open=False, high_open=False):
   """ConfigError unless low <= value <= high (strict on an open end)."""
-  bad_low = low is not None and (value <= low if low_open else value < low)
-  bad_high = high is not None and (value >= high if high_open else value > high)
+  # negated comparisons, so that NaN is out of every range
+  bad_low = low is not None and not (value > low if low_open else value >= low)
+  bad_high = high is not None and not (value < high if high_open else value <= high)
   if bad_low or bad_high:
     lo = "" if low is None else f"{'(' if low_open else '['}{low}"
     hi = "" if high is None else f"{high}{')' if high_open else ']'}"

@@ -10,12 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import checkpointing, engine, model, optim, prompts, rollout, tasks
+from hilore_jax import checkpointing, engine, model, optim, preflight, prompts, rollout, tasks
 from hilore_jax import config as config_lib
-from hilore_jax import tokenizer as tokenizers
 from hilore_jax.config import Config, SamplingConfig
 from hilore_jax.errors import CheckpointError
-from hilore_jax.model import hf
 from hilore_jax.prompts import Prompter
 from hilore_jax.tasks import Example
 
@@ -46,28 +44,31 @@ def evaluate(cfg, params, prompter: Prompter, examples: Sequence[Example], rewar
 
 
 def restore_params(run_dir: str, config: Config) -> tuple[model.ModelConfig, dict]:
-  """(model cfg, params) of a run directory's latest orbax checkpoint, restored onto the default device."""
+  """(model cfg, params) of a run directory's newest intact orbax checkpoint, restored onto the default device."""
   directory = os.path.join(run_dir, "checkpoints")
   ckpt = checkpointing.Checkpointer(directory, keep=1 << 30, create=False)
-  try:
-    step = ckpt.latest_step()
-    if step is None:
-      raise CheckpointError(f"{directory} holds no checkpoint")
-    meta = ckpt.restore_meta(step)
+  chosen = {}
+
+  def abstract_for(meta: dict):
+    run_config = config
     saved = meta.get("config") or {}
     if saved.get("model"):  # the run's own model and optimizer, not whatever the eval config says
       saved = dict(saved, out_dir=run_dir, train=dict(saved.get("train", {}), resume=False))
-      config = config_lib.from_dict(saved)
-    model_cfg = engine.model_config(config)
+      run_config = config_lib.from_dict(saved)
+    chosen["model_cfg"] = model_cfg = engine.model_config(run_config)
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     params = jax.eval_shape(lambda: model.init_params(model_cfg, jax.random.PRNGKey(0)))
-    opt = optim.make_optimizer(config.optimizer, 1)
+    opt = optim.make_optimizer(run_config.optimizer, 1)
     train = {"params": params, "opt_state": jax.eval_shape(opt.init, params),
              "step": jax.ShapeDtypeStruct((), jnp.int32)}
-    tree = {"train": train, **({"ref": params} if config.grpo.beta > 0 else {})}
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), tree)
-    restored, _ = ckpt.restore(step, abstract)
-    return model_cfg, restored["train"]["params"]
+    tree = {"train": train, **({"ref": params} if run_config.grpo.beta > 0 else {})}
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), tree)
+
+  try:
+    found = ckpt.restore_newest(abstract_for)
+    if found is None:
+      raise CheckpointError(f"{directory} holds no checkpoint")
+    return chosen["model_cfg"], found[1]["train"]["params"]
   finally:
     ckpt.close()
 
@@ -75,21 +76,23 @@ def restore_params(run_dir: str, config: Config) -> tuple[model.ModelConfig, dic
 def load_policy(config: Config, checkpoint: str):
   """(model cfg, params, prompter) from an HF directory, a run directory, or its checkpoints/ folder."""
   if os.path.exists(os.path.join(checkpoint, "config.json")):
-    cfg, params = hf.load_hf(checkpoint, config.model.param_dtype, config.model.dtype)
+    cfg, params = preflight.load_hf("checkpoint", checkpoint, config.model)
     has_tok = any(os.path.exists(os.path.join(checkpoint, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
-    tok_path = checkpoint if has_tok else config.tokenizer_path
-    return cfg, params, prompts.build_prompter(tokenizers.load_tokenizer(tok_path), config.task, tok_path, checkpoint)
+    key, tok_path = ("checkpoint", checkpoint) if has_tok else (preflight.tokenizer_key(config), config.tokenizer_path)
+    tok = preflight.load_tokenizer(key, tok_path)
+    return cfg, params, prompts.build_prompter(tok, config.task, tok_path, checkpoint)
   run_dir = os.path.dirname(checkpoint.rstrip("/")) if os.path.basename(checkpoint.rstrip("/")) == "checkpoints" \
       else checkpoint
   if not os.path.isdir(os.path.join(run_dir, "checkpoints")):
     raise CheckpointError(f"{checkpoint}: neither an HF directory (config.json) nor a run directory with checkpoints/")
   cfg, params = restore_params(run_dir, config)
-  tok = tokenizers.load_tokenizer(config.tokenizer_path)
+  tok = preflight.load_tokenizer(preflight.tokenizer_key(config), config.tokenizer_path)
   return cfg, params, prompts.build_prompter(tok, config.task, config.tokenizer_path, config.model.path)
 
 
 def evaluate_checkpoint(config: Config, checkpoint: str) -> dict:
   """Greedy accuracy and pass@k of a saved policy on the config's task."""
+  preflight.check_task_files(config)
   cfg, params, prompter = load_policy(config, checkpoint)
   task = tasks.build_task(config.task)
   c = config

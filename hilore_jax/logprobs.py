@@ -7,7 +7,8 @@ import jax.numpy as jnp
 
 
 def _chunk_stats(h_BCD, w_DV, targets_BC, temperature: float = 1.0):
-  logits = jnp.einsum("bcd,dv->bcv", h_BCD, w_DV.astype(h_BCD.dtype)).astype(jnp.float32)
+  # float32 accumulation and result whatever the compute dtype (model.head_logits; logprobs imports no model)
+  logits = jnp.einsum("bcd,dv->bcv", h_BCD, w_DV.astype(h_BCD.dtype), preferred_element_type=jnp.float32)
   if temperature != 1.0:  # the sampling distribution's log-probs (rollouts sample from logits / T)
     logits = logits / temperature
   logz = jax.nn.logsumexp(logits, axis=-1)

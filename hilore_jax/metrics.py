@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 
 import numpy as np
+
+from hilore_jax.errors import DataError
+
+log = logging.getLogger(__name__)
 
 UPDATE_KEYS = ("loss", "grad_norm", "clipfrac", "kl", "entropy", "abs_log_ratio")
 # reported only by updates that run the predicted-KL step control (optimizer.kl_control.target > 0)
@@ -39,16 +44,26 @@ def reduce_allocations(rows: list[dict]) -> dict:
   return {k: _reducer(k)([r[k] for r in rows]) for k in (rows[0] if rows else {})}
 
 
+def _write_atomic(path: str, text: str):
+  """Replace path's content in one rename, so a kill leaves the old file or the new one, never half of it."""
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    f.write(text)
+  os.replace(tmp, path)
+
+
+def write_json(path: str, obj):
+  _write_atomic(path, json.dumps(obj, indent=2))
+
+
 def _restart_jsonl(path: str, resume_step: int | None):
-  """Empty the file for a new run; on resume keep only rows up to the resumed step."""
+  """Empty the file for a new run; on resume keep only rows up to the resumed step (row N is written after step N
+  completes and before its checkpoint: later rows are from steps that will run again)."""
   if resume_step is None:
     open(path, "w").close()
   elif os.path.exists(path):
-    rows = read_metrics(path)
-    with open(path, "w") as f:
-      for r in rows:
-        if r.get("step", -1) <= resume_step:  # row N is written after step N completes
-          f.write(json.dumps(r) + "\n")
+    rows = [r for r in read_metrics(path) if r.get("step", -1) <= resume_step]
+    _write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 class MetricsWriter:
@@ -71,8 +86,11 @@ class MetricsWriter:
 
   def write(self, row: dict):
     clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in row.items()}
-    with open(self.path, "a") as f:
-      f.write(json.dumps(clean) + "\n")
+    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:  # one write call per row: a kill leaves whole rows (read_metrics still tolerates a torn last one)
+      os.write(fd, (json.dumps(clean) + "\n").encode())
+    finally:
+      os.close(fd)
     if self.tb is not None:
       for k, v in row.items():
         if isinstance(v, (int, float)) and k != "step":
@@ -90,8 +108,20 @@ class MetricsWriter:
 
 
 def read_metrics(path: str) -> list[dict]:
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  """The rows of a metrics.jsonl; a torn last line (a run killed mid-write) is dropped with a warning."""
+  with open(path, "rb") as f:
+    lines = f.read().split(b"\n")
+  rows = []
+  for lineno, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      rows.append(json.loads(line))
+    except ValueError as e:
+      if lineno < len(lines):  # a complete line (newline-terminated) that does not parse: not a torn write
+        raise DataError(f"{path}:{lineno}: not a JSON row ({e})") from None
+      log.warning("%s:%d: dropped a torn last row (the run was killed while writing it)", path, lineno)
+  return rows
 
 
 def plot_rewards(metrics_path: str, out_png: str, title: str = "GRPO reward", smooth: int = 10,

@@ -9,6 +9,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hilore_jax.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 DATA, FSDP = "data", "fsdp"
@@ -33,10 +35,10 @@ def make_mesh(data: int = -1, fsdp: int = 1) -> Mesh:
   """A ('data', 'fsdp') mesh over all devices; data=-1 takes what fsdp leaves."""
   n = jax.device_count()
   if n % fsdp:
-    raise ValueError(f"mesh.fsdp={fsdp} does not divide the {n} devices")
+    raise ConfigError(f"mesh.fsdp={fsdp} does not divide the {n} devices")
   data = n // fsdp if data == -1 else data
   if data * fsdp != n:
-    raise ValueError(f"mesh data*fsdp = {data}*{fsdp} must equal the device count {n}")
+    raise ConfigError(f"mesh data*fsdp = {data}*{fsdp} must equal the device count {n}")
   # Auto axes: GSPMD propagates shardings through the model (jax >= 0.10 defaults to Explicit)
   return jax.make_mesh((data, fsdp), (DATA, FSDP), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 

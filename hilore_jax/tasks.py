@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from hilore_jax import verifiers
 from hilore_jax.config import ArithmeticSpec, TaskConfig
+from hilore_jax.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ def load_gsm8k(path: str, skip_malformed: bool = False,
         if skip_malformed:
           report.skipped += 1
           continue
-        raise ValueError(f"{path}:{lineno}: malformed GSM8K line: {e}") from None
+        raise DataError(f"{path}:{lineno}: malformed GSM8K line: {e}") from None
       # replace, not str.format: '\\boxed{}' in an instruction is text, not a format field
       prompt = prompt_template.replace("{question}", question)
       examples.append(Example(prompt, final.replace(",", ""), target=target))
@@ -165,7 +166,7 @@ def iter_jsonl_examples(path: str, reward_kind: str) -> Iterator[Example]:
           solution = _field(row, "solution", required=False)
           verifiers.REFERENCE_CHECKS[reward_kind](answer)
         except ValueError as e:  # json.JSONDecodeError is a ValueError
-          raise ValueError(f"{path}:{lineno}: malformed {reward_kind} line: {e}") from None
+          raise DataError(f"{path}:{lineno}: malformed {reward_kind} line: {e}") from None
         yield Example(prompt, answer, solution)
 
 

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-import json
+import glob
 import logging
 import os
+import shutil
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import (checkpointing, engine, evaluation, grpo, metrics, model, optim, prompts, rollout, runtime, sft,
-                        sharding, tasks, train_step)
-from hilore_jax import tokenizer as tokenizers
+from hilore_jax import (checkpointing, engine, evaluation, grpo, metrics, model, optim, preflight, prompts, rollout,
+                        runtime, sft, sharding, tasks, train_step)
 from hilore_jax.config import Config, MemoryConfig
 from hilore_jax.errors import ConfigError, RunExists, TrainingDiverged
 from hilore_jax.memory import MemoryManager
@@ -36,8 +36,8 @@ class Trainer:
     if c.mesh.distributed:
       runtime.init_distributed(c.mesh.coordinator_address, c.mesh.num_processes, c.mesh.process_id)
     self.out_dir = c.out_dir
-    os.makedirs(self.out_dir, exist_ok=True)
-    self.tokenizer = tokenizers.load_tokenizer(c.tokenizer_path)
+    preflight.check_paths(c)  # every path the config names, before any work
+    self.tokenizer = preflight.load_tokenizer(preflight.tokenizer_key(c), c.tokenizer_path)
     self.model_cfg = engine.model_config(c)
     if len(self.tokenizer) > self.model_cfg.vocab_size:
       raise ConfigError(f"tokenizer has {len(self.tokenizer)} tokens but model.vocab_size is "
@@ -56,7 +56,7 @@ class Trainer:
         self.model_cfg, c.grpo, layer_policies(c.memory, self.model_cfg), mb // micro, c.train.logprob_chunk,
         use_old_logp=self.updates_per_step > 1, use_ref_logp=c.grpo.beta > 0, temperature=c.rollout.temperature)
     self.rng, init_key = jax.random.split(jax.random.PRNGKey(c.seed))
-    host_params = hf.load_hf(c.model.path, c.model.param_dtype, c.model.dtype)[1] if c.model.path else None
+    host_params = preflight.load_hf("model.path", c.model.path, c.model)[1] if c.model.path else None
     self.engine = engine.build(c, self.model_cfg, total_updates, host_params, init_key)
     n_shards = sharding.num_batch_shards(self.engine.mesh)
     if micro % n_shards:
@@ -94,13 +94,15 @@ class Trainer:
     self.checkpointer.save(step, self._checkpoint_tree(), meta)
 
   def restore_latest(self) -> bool:
-    step = self.checkpointer.latest_step()
-    if step is None:
-      return False
+    """Restore the newest intact checkpoint (a damaged newer one is reported and skipped); False if none."""
     if self.config.grpo.beta > 0:
       self.ref_params = self.state["params"]  # shape donor; replaced by the restored reference
     abstract = checkpointing.abstract_with_shardings(self._checkpoint_tree(), self._checkpoint_shardings())
-    tree, meta = self.checkpointer.restore(step, abstract)
+    found = self.checkpointer.restore_newest(lambda meta: abstract)
+    if found is None:
+      self.ref_params = None
+      return False
+    _, tree, meta = found
     self.state = tree["train"]
     self.ref_params = tree.get("ref")
     self.start_step = int(meta["step"])
@@ -198,6 +200,8 @@ class Trainer:
                             f"{self.checkpointer.latest_step()}): pass train.resume=true to continue that run, "
                             f"or choose a new out_dir")
     resumed = c.train.resume and self.restore_latest()
+    if c.train.resume and not resumed:
+      log.warning("train.resume=true but %s holds no checkpoint: starting from scratch", self.checkpointer.directory)
     progress = c.logging.progress
     if not resumed:
       if c.train.warmstart_steps:
@@ -298,6 +302,8 @@ class Trainer:
         summary["accuracy_gain_pp"] = 100 * (summary["eval_after"]["eval/accuracy"] -
                                              self.eval_before["eval/accuracy"])
     if c.checkpoint.export_hf:
+      for stale in glob.glob(os.path.join(self.out_dir, ".tmp-hf*")):  # left by an export killed mid-write
+        shutil.rmtree(stale, ignore_errors=True)
       cfg = self.model_cfg.replace(eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
                                    bos_token_id=self.tokenizer.bos_token_id)
       summary["hf_export"] = hf.save_hf(cfg, self.state["params"], os.path.join(self.out_dir, "hf"),
@@ -312,7 +318,6 @@ class Trainer:
         extra["greedy eval after"] = (c.train.steps, summary["eval_after"]["eval/accuracy"])
       metrics.plot_rewards(mpath, os.path.join(self.out_dir, "reward.png"), extra=extra)
       summary["reward_png"] = os.path.join(self.out_dir, "reward.png")
-    with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=2)
+    metrics.write_json(os.path.join(self.out_dir, "summary.json"), summary)
     self.checkpointer.close()
     return summary

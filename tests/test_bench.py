@@ -28,8 +28,8 @@ def test_bench_writes_all_outputs_with_every_method_under_budget(tmp_path):
       assert r["peak_bytes"] <= r["budget_bytes"], r["method"]
     assert abs(r["frac_H"] + r["frac_L"] + r["frac_R"] - 1) < 1e-9
   by = {(r["method"], r["budget_ratio"]): r for r in rows}
-  assert by[("none", None)]["grad_rel_err_mean"] == 0.0
-  assert by[("gc", None)]["grad_rel_err_mean"] < 1e-5  # recomputation is exact up to float reassociation
+  # the reference is full checkpointing: keeping or recomputing is exact up to float reassociation
+  assert by[("none", None)]["grad_rel_err_mean"] < 1e-5 and by[("gc", None)]["grad_rel_err_mean"] < 1e-5
   assert by[("uniform_int8", 1.3)]["frac_L"] > 0 and by[("uniform_int8", 1.3)]["grad_rel_err_mean"] > 1e-5
   assert by[("optimal_hr", 1.3)]["frac_L"] == 0 and by[("optimal_hr", 1.3)]["grad_rel_err_mean"] < 1e-5
   with open(os.path.join(out, "results.md")) as f:

@@ -147,7 +147,9 @@ def test_scaled_update_caps_kl_at_target():
   target = predicted / 3
   scaled, metrics = su(params, update, mask, target)
   s = float(metrics["kl_control/scale"])
-  assert float(metrics["kl_control/predicted"]) == pytest.approx(predicted, rel=1e-6)
+  # the unscaled update's prediction (the scaled one's is 3x smaller), from a second program: a difference of two
+  # sums, so more than a few float32 steps may separate them on another CPU
+  assert float(metrics["kl_control/predicted"]) == pytest.approx(predicted, rel=1e-4)
   assert s == pytest.approx(np.sqrt(1 / 3), rel=1e-5)
   np.testing.assert_allclose(scaled["layers"][1]["mlp"]["wup_DF"], s * update["layers"][1]["mlp"]["wup_DF"],
                              rtol=1e-6)

@@ -2,6 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tolerance import assert_close
 
 from hilore_jax import logprobs
 
@@ -30,7 +31,9 @@ def test_chunked_equals_naive_values_and_grads(chunk):
   g = jax.grad(f(lambda h, w, t: logprobs.token_logprobs(h, w, t, chunk)), argnums=(0, 1))(h, w)
   g0 = jax.grad(f(_naive), argnums=(0, 1))(h, w)
   for a, b in zip(g, g0):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    # sums over positions and vocabulary: float32 steps of the largest gradient (~40 here), not of each entry; a
+    # chunk boundary off by one changes gradients by O(1)
+    assert_close(a, b, ulps=64)
 
 
 def test_no_full_vocab_logits_in_the_program():

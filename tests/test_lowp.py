@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tolerance import assert_close
 
 from hilore_jax import model
 from hilore_jax.model import LayerPolicy, codec
@@ -83,8 +84,8 @@ def test_r_and_h_exact_l_bounded(tiny_cfg):
   print(f"relative gradient error with every L unit int8: {rel:.2e}")
   assert 1e-6 < rel < 0.02  # really quantized, and bounded
   # L touches only weight gradients of the projections its units feed; embeddings see it only through backprop
-  np.testing.assert_allclose(_loss(tiny_cfg, p, IDS, (all_l,) * 3), _loss(tiny_cfg, p, IDS, (model.NO_REMAT,) * 3),
-                             rtol=1e-6)
+  # two programs, so float32 steps of reassociation (0 measured); an L code in the forward would move it ~1e-3
+  assert_close(_loss(tiny_cfg, p, IDS, (all_l,) * 3), _loss(tiny_cfg, p, IDS, (model.NO_REMAT,) * 3), ulps=64)
 
 
 @pytest.mark.parametrize("fmt,bound", [("int8", 1 / 254), ("fp8_e4m3", 1 / 16), ("int4", 1 / 14), ("bf16", 1 / 256)])

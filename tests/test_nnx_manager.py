@@ -60,7 +60,7 @@ def test_manager_plans_an_nnx_model_within_its_budget():
   shape = model.ModelConfig(vocab_size=8, hidden_size=D, intermediate_size=F, num_hidden_layers=LAYERS,
                             num_attention_heads=HEADS, num_key_value_heads=HEADS)
   hooks = StepHooks(model_cfg=shape, compile_peak=compile_peak, batch_shape=lambda b: b["x"].shape[:2])
-  mm = MemoryManager(MemoryConfig(policy="optimal_hr", budget_ratio=1.25, budget_probes=3), hooks)
+  mm = MemoryManager(MemoryConfig(policy="optimal_hr", budget_ratio=1.25, budget_probes=5), hooks)
   mm.setup(None, [batch], step=0)
   (alloc,) = mm.allocate([batch])
   peak = compile_peak(alloc.policies, batch)

@@ -2,6 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tolerance import assert_close, max_abs
 
 from hilore_jax import model, sampler
 from hilore_jax.config import SamplingConfig
@@ -59,7 +60,9 @@ def test_stops_on_eos_and_logprobs_are_policy_logprobs(setup):
   seq = jnp.concatenate([ids[b], out["tokens"][b, :n]])[None]
   logp = jax.nn.log_softmax(model.forward(cfg, params, seq)[0], -1)
   want = logp[2:2 + n][jnp.arange(n), seq[0, 3:3 + n]]
-  np.testing.assert_allclose(out["logprobs"][b, :n], want, atol=1e-5)
+  # log-softmax of logits up to ~190 (the boosted EOS column), where one float32 step is 1.5e-5: the cached
+  # decode may round differently from the full forward; a logprob of the wrong token or position is off by O(1)
+  assert_close(out["logprobs"][b, :n], want, ulps=64, scale=max_abs(model.forward(cfg, params, seq)))
 
 
 def test_stops_on_any_of_several_stop_ids(setup):

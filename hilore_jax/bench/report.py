@@ -90,7 +90,8 @@ def write_outputs(result: dict, out_dir: str):
         f"Model: {mdl.get('num_hidden_layers')} layers, hidden {mdl.get('hidden_size')}, "
         f"intermediate {mdl.get('intermediate_size')}, {mdl.get('dtype')}; minibatch {bc['batch_size']} x "
         f"{bc['seq_len']} tokens; medians of {bc['reps']} interleaved steps. Peak = XLA's compiled temp bytes of the "
-        "step; relative gradient error ||g - g*|| / ||g*|| against the exact fp32 No-GC gradient g* on the same batch, "
+        "step; relative gradient error ||g - g*|| / ||g*|| against the reference g* (full checkpointing, fp32 at "
+        "highest matmul precision) on the same batch, "
         f"mean and max over the timed batch and {bc['risk_batches']} others.", "",
         results_table(rows), "", "## Targets", ""] + [f"- {t}" for t in targets(rows)]
   with open(os.path.join(out_dir, "results.md"), "w") as f:

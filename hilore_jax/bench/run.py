@@ -75,7 +75,7 @@ def run(cfg: Config, out_dir: str, progress=print) -> dict:
   batches = [{k: jax.device_put(v, sh) for k, v in b.items()} for b in batches]
   batch, cal_batches, risk_batches = batches[0], batches[1:1 + K], batches[1 + K:]
   params = state["params"]
-  # the reference: every activation kept, computed in float32 whatever the model's compute dtype; errors are
+  # the reference: full checkpointing at full float32 precision, whatever the model's compute dtype; errors are
   # measured on the timed batch and the held-out ones
   ref_hooks = engine.memory_hooks(stepper, dataclasses.replace(spec, model_cfg=mcfg.replace(dtype="float32")))
   err_batches = [batch] + risk_batches

@@ -54,12 +54,13 @@ def fit_allowance(budget: int, gc_bytes: int, plan_for: Callable[[int], PlanT], 
   """Search the byte allowance (activation bytes on top of GC) whose plan compiles within `budget`.
 
   Starts at budget - gc_bytes; while nothing is over budget it grows by the slack (at least 5% of the budget),
-  after the first excess it shrinks by it, then bisects; stops early when the plan stops growing with the
-  allowance or the bracket is under 0.5% of the budget. The fastest fitting plan wins.
+  after an excess it shrinks by it (doubling the step on each further excess before anything fits), then bisects;
+  stops early when the plan stops growing with the allowance or the bracket is under 0.5% of the budget.
+  The fastest fitting plan wins.
   """
   allowance, lo, hi = budget - gc_bytes, None, None  # lo fits, hi does not
   best: tuple[int, PlanT] | None = None
-  probes = []
+  probes, overs = [], 0
   for _ in range(max_probes):
     plan = plan_for(allowance)
     compiled = peak_of(plan)
@@ -74,11 +75,12 @@ def fit_allowance(budget: int, gc_bytes: int, plan_for: Callable[[int], PlanT], 
       if allowance > 0 and bytes_of(plan) < allowance // 2:
         break  # the plan no longer grows with the allowance (everything useful is kept)
     else:
-      hi = allowance
+      hi, overs = allowance, overs + 1
     if hi is None:
       allowance = allowance + max(budget - compiled, budget // 20)
     elif lo is None:
-      allowance = max(allowance - (compiled - budget), 0)
+      # XLA's peak is not linear in the plan's bytes: a shrink by the excess alone can stay over for several probes
+      allowance = max(allowance - (compiled - budget) * 2 ** (overs - 1), 0)
     else:
       allowance = (lo + hi) // 2
     if hi is not None and lo is not None and hi - lo < budget // 200:

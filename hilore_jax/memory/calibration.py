@@ -63,12 +63,14 @@ def cosine(g, exact) -> float:
 
 
 def exact_gradient(hooks: StepHooks, params, batch: dict):
-  """The gradient with every activation kept (H)."""
-  return hooks.gradient(params, batch, model.uniform(hooks.model_cfg.num_hidden_layers, model.NO_REMAT))
+  """The reference gradient: full checkpointing (no low-precision code anywhere, and the configuration that fits
+  whenever training does) with float32 matmuls at full precision (on H100/H200 "default" means TF32)."""
+  with jax.default_matmul_precision("highest"):
+    return hooks.gradient(params, batch, model.uniform(hooks.model_cfg.num_hidden_layers, model.FULL_REMAT))
 
 
 def gradient_error(hooks: StepHooks, params, batch: dict, policies, exact=None) -> float:
-  """||g - g_exact|| / ||g_exact|| with g under `policies`, g_exact with every activation kept (H)."""
+  """||g - g_exact|| / ||g_exact|| with g under `policies` and g_exact the reference (exact_gradient)."""
   exact = exact_gradient(hooks, params, batch) if exact is None else exact
   return relative_error(hooks.gradient(params, batch, tuple(policies)), exact)
 

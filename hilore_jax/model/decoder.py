@@ -7,7 +7,7 @@ A layer is a sequence of producer ops (`OPS`, the functions the memory profile t
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -126,7 +126,8 @@ def attention_probs(q_BTNH, k_BSKH, mask_BTS) -> jax.Array:
   B, T, N, H = q_BTNH.shape
   KV = k_BSKH.shape[2]
   q = q_BTNH.reshape(B, T, KV, N // KV, H)
-  scores = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH).astype(jnp.float32) / math.sqrt(H)
+  # accumulate in float32 whatever the compute dtype: bf16 sums over H lose the scores' small differences
+  scores = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH, preferred_element_type=jnp.float32) / math.sqrt(H)
   scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
   return jax.nn.softmax(scores, axis=-1).astype(q_BTNH.dtype)
 
@@ -221,6 +222,16 @@ def embed(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array) -> jax.Array:
   return jnp.take(params["embed_VD"], input_ids_BT, axis=0).astype(cfg.compute_dtype)
 
 
+def head_logits(h_BTD: jax.Array, w_DV: jax.Array) -> jax.Array:
+  """h @ w in the compute dtype with float32 accumulation and result (a bf16 sum over D misranks close tokens)."""
+  return jnp.einsum("btd,dv->btv", h_BTD, w_DV.astype(h_BTD.dtype), preferred_element_type=jnp.float32)
+
+
+def logits(cfg: ModelConfig, params: dict, h_BTD: jax.Array) -> jax.Array:
+  """Logits [B, T, V] in float32 from final hidden states."""
+  return head_logits(h_BTD, lm_head_weight(cfg, params))
+
+
 def lm_head_weight(cfg: ModelConfig, params: dict) -> jax.Array:
   """Output projection [D, V] (the transposed embedding when tied)."""
   return params["embed_VD"].T if cfg.tie_word_embeddings else params["lm_head_DV"]
@@ -303,37 +314,4 @@ def forward(cfg: ModelConfig, params: dict, input_ids: jax.Array, attention_mask
             positions: jax.Array | None = None, layer_policies: Sequence[LayerPolicy] | None = None) -> jax.Array:
   """Logits [B, T, V] in float32."""
   h = hidden_states(cfg, params, input_ids, attention_mask, positions_BT=positions, layer_policies=layer_policies)
-  return jnp.einsum("btd,dv->btv", h, lm_head_weight(cfg, params).astype(h.dtype)).astype(jnp.float32)
-
-
-# ----------------------------------------------------------------------------- KV cache
-
-
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> tuple:
-  """(k, v) buffers for every layer, [L, B, S, K, H] each."""
-  shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_size)
-  dt = dtype or cfg.compute_dtype
-  return jnp.zeros(shape, dt), jnp.zeros(shape, dt)
-
-
-def forward_cached(cfg: ModelConfig, params: dict, input_ids_BT, positions_BT, key_mask_BS, cache: tuple,
-                   cache_index) -> tuple[jax.Array, tuple]:
-  """Logits [B, T, V] for tokens placed at cache slots cache_index..+T, attending to valid earlier slots."""
-  B, T = input_ids_BT.shape
-  S = key_mask_BS.shape[1]
-  slot_T = cache_index + jnp.arange(T)
-  mask_BTS = (jnp.arange(S)[None, :] <= slot_T[:, None])[None] & key_mask_BS.astype(bool)[:, None, :]
-  ctx = LayerCtx(*rope_cos_sin(cfg, positions_BT), mask_BTS)
-  x = embed(cfg, params, input_ids_BT)
-
-  def body(x, layer):
-    p, kv = layer
-    x, kv = decoder_layer(cfg, p, x, ctx, kv, cache_index)
-    return x, kv
-
-  layers = params["layers"]
-  stacked = stack_layers(layers) if isinstance(layers, (list, tuple)) else layers  # generate stacks once per call
-  x, new_cache = jax.lax.scan(body, x, (stacked, cache))
-  h = rms_norm(x, params["final_norm_D"], cfg.rms_norm_eps)
-  logits = jnp.einsum("btd,dv->btv", h, lm_head_weight(cfg, params).astype(h.dtype)).astype(jnp.float32)
-  return logits, new_cache
+  return logits(cfg, params, h)

@@ -1,0 +1,198 @@
+"""Crash-safe resume: runs SIGKILLed at random points (one inside a checkpoint save) resume to the uninterrupted
+run's metrics; a damaged checkpoint falls back to the newest good one, or the run refuses; torn metrics rows."""
+
+import logging
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from trainer_util import TINY, tiny_config
+
+from hilore_jax import checkpointing, metrics, runtime
+from hilore_jax.errors import CheckpointError, DataError
+from hilore_jax.trainer import Trainer
+from train import grpo as grpo_main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "crash_worker.py")
+VOLATILE = ("time/", "throughput/", "compile/")
+TMP = ".orbax-checkpoint-tmp"
+RUN = ["eval.at_start=false", "eval.at_end=false", "checkpoint.every=1", "checkpoint.keep=2"]
+
+
+def _stable(rows):
+  return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
+
+
+def _entries(ckpt_dir) -> tuple[list[int], list[str]]:
+  """(finished steps, leftover temporary directories) of a checkpoints folder."""
+  names = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
+  return sorted(int(n) for n in names if n.isdigit()), sorted(n for n in names if TMP in n)
+
+
+def _start(args, log_path, **env):
+  log = open(log_path, "w")
+  proc = subprocess.Popen([sys.executable, WORKER, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                          env={**os.environ, **env})
+  proc.log_path = log_path
+  return proc
+
+
+def _tail(proc) -> str:
+  with open(proc.log_path) as f:
+    return f.read()[-3000:]
+
+
+def _wait(cond, proc, what: str, timeout_s: float = 300):
+  deadline = time.monotonic() + timeout_s
+  while not cond():
+    if proc.poll() is not None:
+      raise AssertionError(f"the run exited ({proc.returncode}) before {what}:\n{_tail(proc)}")
+    if time.monotonic() > deadline:
+      proc.kill()
+      raise AssertionError(f"timed out waiting for {what}:\n{_tail(proc)}")
+    time.sleep(0.002)
+
+
+def _kill(proc):
+  os.kill(proc.pid, signal.SIGKILL)
+  assert proc.wait() == -signal.SIGKILL, _tail(proc)
+
+
+@pytest.fixture
+def compile_cache():
+  """The CLI's persistent compilation cache, on in this process too, so that every Trainer and subprocess of a
+  test loads the tiny programs the first one compiled instead of compiling them again."""
+  from jax.experimental.compilation_cache import compilation_cache
+
+  before = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
+  compilation_cache.reset_cache()
+  runtime.enable_compilation_cache()
+  yield
+  jax.config.update("jax_compilation_cache_dir", before[0])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+  compilation_cache.reset_cache()
+
+
+def test_killed_runs_resume_to_the_uninterrupted_metrics(tmp_path, compile_cache):
+  steps, rng = 6, random.Random(2024)
+  args = [*RUN, f"train.steps={steps}"]
+  Trainer(tiny_config(tmp_path / "ref", *args)).train()
+  want = _stable(metrics.read_metrics(tmp_path / "ref" / "metrics.jsonl"))
+  assert len(want) == steps and sum(r["updates"] for r in want) > 0  # the comparison covers real updates
+
+  out, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints"
+  cli = [*TINY, *args, "train.resume=true", f"out_dir={out}"]
+  # 1. killed inside the save of step k: its data written to the temporary directory, the rename not yet done
+  k = rng.randint(1, steps - 3)
+  proc = _start(cli, tmp_path / "1.log", HILORE_TEST_STALL_SAVE=str(k))
+  _wait(lambda: os.path.isdir(ckpt / f"{k}{TMP}"), proc, f"the save of step {k}")
+  time.sleep(rng.uniform(0.0, 0.2))
+  _kill(proc)
+  done, leftovers = _entries(ckpt)
+  assert done[-1] == k - 1 and leftovers == [f"{k}{TMP}"]
+  assert metrics.read_metrics(out / "metrics.jsonl")[-1]["step"] == k  # a row past the checkpoint, to drop
+
+  # 2. killed at a random time within a later step (rollout, update, metrics row or save)
+  proc = _start(cli, tmp_path / "2.log")
+  # once it has restored step k - 1 and dropped metrics row k (to be written again), the killed save's leftovers
+  # are gone: removed when the run opened its checkpoints, not only when it saves step k again
+  steps_so_far = lambda: [r["step"] for r in metrics.read_metrics(out / "metrics.jsonl")]
+  _wait(lambda: steps_so_far() == list(range(1, k)), proc, f"metrics trimmed to step {k - 1}")
+  done, leftovers = _entries(ckpt)
+  assert leftovers == [] and done[-1] == k - 1
+  _wait(lambda: os.path.isdir(ckpt / str(k)), proc, f"checkpoint {k}")
+  t0 = time.monotonic()
+  _wait(lambda: os.path.isdir(ckpt / str(k + 1)), proc, f"checkpoint {k + 1}")
+  time.sleep(rng.uniform(0.0, time.monotonic() - t0))
+  _kill(proc)
+
+  # 3. to the end
+  proc = _start(cli, tmp_path / "3.log")
+  assert proc.wait(timeout=300) == 0, _tail(proc)
+  rows = metrics.read_metrics(out / "metrics.jsonl")
+  assert [r["step"] for r in rows] == list(range(1, steps + 1))
+  assert _stable(rows) == want
+  assert _entries(ckpt) == ([steps - 1, steps], [])
+
+
+def _truncate(step_dir):
+  """Cut every array data file of a checkpoint in half (a disk that filled up, a partial copy)."""
+  for root, _, files in os.walk(os.path.join(step_dir, "state")):
+    if os.path.basename(root) == "d":
+      for f in files:
+        os.truncate(os.path.join(root, f), os.path.getsize(os.path.join(root, f)) // 2)
+
+
+def _scribble(step_dir):
+  """Overwrite 16 bytes in the middle of the largest file: same size, so only the data is wrong (bit rot)."""
+  paths = [os.path.join(r, f) for r, _, fs in os.walk(step_dir) for f in fs]
+  path = max(paths, key=os.path.getsize)
+  with open(path, "r+b") as f:
+    f.seek(os.path.getsize(path) // 2)
+    f.write(b"\x5a" * 16)
+
+
+def test_checksums_catch_what_orbax_restores_silently(tmp_path):
+  tree = {"w_AB": jnp.asarray(np.random.RandomState(0).randn(61, 67), jnp.float32), "step": jnp.int32(3)}
+  ckpt = checkpointing.Checkpointer(str(tmp_path), keep=2)
+  ckpt.save(3, tree, {"step": 3})
+  _scribble(tmp_path / "3")
+  abstract = checkpointing.abstract_with_shardings(tree, {k: v.sharding for k, v in tree.items()})
+  import orbax.checkpoint as ocp
+  raw = ckpt.manager.restore(3, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+  assert not np.array_equal(raw["w_AB"], tree["w_AB"])  # orbax alone hands back damaged weights
+  with pytest.raises(CheckpointError, match=r"step 3: \['w_AB'\] does not match the checksum saved with it"):
+    ckpt.restore(3, abstract)
+  ckpt.close()
+
+
+def test_damaged_latest_checkpoint_falls_back_to_the_newest_good_one(tmp_path, caplog, monkeypatch, compile_cache):
+  args = ["train.steps=3", "train.warmstart_steps=0", "grpo.filter_zero_std=false", *RUN, "checkpoint.keep=3"]
+  Trainer(tiny_config(tmp_path, *args)).train()
+  want = _stable(metrics.read_metrics(tmp_path / "metrics.jsonl"))
+  for n, damage in enumerate((_scribble, _truncate), 1):
+    damage(tmp_path / "checkpoints" / "3")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      Trainer(tiny_config(tmp_path, *args, "train.resume=true")).train()
+    assert re.search(r"checkpoint 3 in \S+ is unusable \(step 3\b.*\); resuming from step 2", caplog.text), caplog.text
+    assert _stable(metrics.read_metrics(tmp_path / "metrics.jsonl")) == want  # step 3 ran again, identically
+    assert _entries(tmp_path / "checkpoints") == ([1, 2, 3], [])
+    assert len(os.listdir(tmp_path / "checkpoints.broken")) == n  # kept for a look, out of orbax's way
+
+  # nothing intact left: a one-line refusal, never a silent fresh start
+  for step in (1, 2, 3):
+    _truncate(tmp_path / "checkpoints" / str(step))
+  monkeypatch.setattr(runtime, "enable_compilation_cache", lambda *a, **k: None)
+  with pytest.raises(SystemExit) as exc:
+    grpo_main.main([*TINY, *args, "train.resume=true", f"out_dir={tmp_path}"])
+  message = exc.value.code
+  assert "\n" not in message and re.match(r"checkpoint error: no usable checkpoint in \S+/checkpoints: step 3 .*"
+                                          r"step 1 .*move the directory away to start over", message), message
+
+
+def test_torn_metrics_row_is_dropped_and_resume_keeps_whole_rows(tmp_path, caplog):
+  path = tmp_path / "metrics.jsonl"
+  writer = metrics.MetricsWriter(str(tmp_path))
+  for step in (1, 2, 3):
+    writer.write({"step": step, "loss": 0.5 * step})
+  with open(path, "a") as f:
+    f.write('{"step": 4, "lo')  # killed mid-row
+  with caplog.at_level(logging.WARNING):
+    assert [r["step"] for r in metrics.read_metrics(path)] == [1, 2, 3]
+  assert "metrics.jsonl:4: dropped a torn last row" in caplog.text
+  metrics.MetricsWriter(str(tmp_path), resume_step=2).write({"step": 3, "loss": 9.0})
+  assert metrics.read_metrics(path) == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 1.0}, {"step": 3, "loss": 9.0}]
+  with open(path, "a") as f:
+    f.write('garbage\n{"step": 5}\n')  # damage inside the file is not a torn write: say where it is
+  with pytest.raises(DataError, match=r"metrics.jsonl:4: not a JSON row"):
+    metrics.read_metrics(path)
