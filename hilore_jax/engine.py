@@ -152,6 +152,13 @@ class Stepper:
     update_temp, _ = _memory(update)
     return Step(grad, update, grad_temp, update_temp, grad_out, train_step.LOGPROB_KEYS if self.kl else ())
 
+  def with_update_of(self, step: Step, spec: StepSpec, batch: dict) -> Step:
+    """step's gradient program with this stepper's update program (another optimizer's; the gradient program does
+    not depend on it): to measure optimizers without recompiling the gradient."""
+    update = self._update_program(spec, batch)
+    return dataclasses.replace(step, update=update, update_temp_bytes=_memory(update)[0],
+                               kl_keys=train_step.LOGPROB_KEYS if self.kl else ())
+
   def get(self, spec: StepSpec, batch: dict, reason: str = "", count: bool = True) -> Step:
     """The compiled step; count=False compiles only to measure (a probe), counted as a compile if it later runs."""
     key = (spec, tuple((k, v.shape, str(v.dtype)) for k, v in sorted(batch.items())))
