@@ -38,3 +38,19 @@ def test_bench_writes_all_outputs_with_every_method_under_budget(tmp_path):
   with open(os.path.join(out, "risk.md")) as f:
     assert "| full |" in f.read()
   assert not math.isnan(result["risk"]["full"]["spearman"])
+
+
+def test_bench_clip_command_writes_the_clipping_table(tmp_path, capsys):
+  from train import bench_clip
+
+  bench_clip.main(["--out", str(tmp_path), "model.vocab_size=37", "model.hidden_size=24",
+                   "model.intermediate_size=40", "model.num_hidden_layers=3", "model.num_attention_heads=4",
+                   "model.num_key_value_heads=2", "bench.batch_size=2", "bench.group_size=2", "bench.seq_len=13",
+                   "bench.prompt_len=5"])
+  with open(tmp_path / "clip.json") as f:
+    rows = {r["plan"]: r for r in json.load(f)}
+  assert set(rows) == {"gc", "none", "mixed"}
+  for r in rows.values():  # the shipped step: the larger program's temp plus the gradients between the programs
+    assert r["split_peak"] == max(r["grad_temp"], r["update_temp"]) + r["grad_bytes"] > 0
+  assert rows["gc"]["grad_temp"] < rows["none"]["grad_temp"]
+  assert "| mixed |" in capsys.readouterr().out
