@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from hilore_jax import model, optim, sharding, train_step
@@ -33,7 +34,8 @@ def init_state(mesh, optimizer: optax.GradientTransformation, params_shape, make
   opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, opt_shape, param_sh, transform_non_params=lambda _: rep)
   state_sh = {"params": param_sh, "opt_state": opt_sh, "step": rep}
   opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
-  return {"params": params, "opt_state": opt_state, "step": jax.device_put(jnp.int32(0), rep)}, state_sh
+  # from a host value: device_put of a committed device array onto a mesh spanning processes makes a broken array
+  return {"params": params, "opt_state": opt_state, "step": jax.device_put(np.int32(0), rep)}, state_sh
 
 
 def _memory(compiled) -> tuple[int, int]:
@@ -196,8 +198,13 @@ _grad = jax.jit(lambda p, b, s: train_step.grads_and_stats(p, b, s)[0], static_a
 
 
 def memory_hooks(stepper: Stepper, spec: StepSpec) -> StepHooks:
-  """This trainer's side of the memory manager: compile probes, gradients, loss coefficients, unit tensors."""
+  """This trainer's side of the memory manager: compile probes, gradients, loss coefficients, unit tensors.
+
+  Per device: compiled peaks are XLA's per-device figures, so batch_shape gives one device's rows of a microbatch
+  (the batch axis is split over every mesh axis), and unit bytes and the op profile follow from it.
+  """
   cfg = spec.model_cfg
+  shards = 1 if stepper is None else sharding.num_batch_shards(stepper.mesh)
   with_policies = lambda pols: dataclasses.replace(spec, policies=tuple(pols))
 
   def token_weights(params, batch, switches):
@@ -221,7 +228,7 @@ def memory_hooks(stepper: Stepper, spec: StepSpec) -> StepHooks:
   return StepHooks(
       model_cfg=cfg,
       compile_peak=lambda pols, batch: stepper.get(with_policies(pols), batch, count=False).peak_bytes,
-      batch_shape=lambda b: (b["tokens"].shape[0] // spec.microbatches,
+      batch_shape=lambda b: (-(-b["tokens"].shape[0] // (spec.microbatches * shards)),
                              b["prompt_ids"].shape[1] + b["tokens"].shape[1]),
       gradient=lambda p, b, pols: _grad(p, b, with_policies(pols)),
       token_weights=token_weights, unit_tensors=unit_tensors)
