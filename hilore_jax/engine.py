@@ -99,7 +99,7 @@ class Stepper:
     self.compile_log: list[dict] = []
     self.probe_compiles = 0  # compiled to measure memory (the GC reference, budget probes)
 
-  def _update_program(self):
+  def update_program(self):
     if self._update is None:
       param_sh, metrics_sh = self.state_shardings["params"], sharding.replicated(self.mesh)
       fn = jax.jit(lambda s, g: train_step.update_step(s, g, self.optimizer),
@@ -114,7 +114,7 @@ class Stepper:
     fn = jax.jit(lambda p, b: train_step.gradient_step(p, b, spec), in_shardings=(param_sh, batch_sh),
                  out_shardings=(param_sh, metrics_sh))
     grad = fn.lower(self.state_abstract["params"], _abstract(batch, batch_sh)).compile()
-    update = self._update_program()
+    update = self.update_program()
     grad_temp, grad_out = _memory(grad)
     update_temp, _ = _memory(update)
     return Step(grad, update, grad_temp, update_temp, grad_out)
