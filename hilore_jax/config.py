@@ -21,7 +21,8 @@ from hilore_jax.errors import ConfigError, check_choice, check_positive, check_r
 from hilore_jax.model.codec import FORMATS
 from hilore_jax.model.config import ModelConfig
 
-_ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("dtype", "param_dtype"))
+_ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig)
+                     if f.name not in ("dtype", "param_dtype", "attention"))
 # memory.policy: none keeps every activation, gc recomputes every layer, hilore plans H/L/R(/O) per unit by
 # exposure; the rest are the benchmark's baselines (memory/methods.py implements one planner per name)
 MEMORY_POLICIES = ("none", "gc", "sac", "optimal_hr", "uniform_int8", "greedy_bits", "adacc_style", "hilore")
@@ -35,6 +36,7 @@ class ModelSection:
   init_std: float = 0.02
   dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"
+  attention: str = "xla"  # xla | dot_product_attention (jax.nn's fused kernel: cuDNN flash attention on GPU)
   arch: tuple[tuple[str, Any], ...] = ()  # HF-named fields (hidden_size, ...), given flat under model.
 
   def __post_init__(self):
@@ -54,13 +56,13 @@ class ModelSection:
       if not self.path:
         self.shape_config()  # validate the shape at the boundary
       else:
-        ModelConfig(dtype=self.dtype, param_dtype=self.param_dtype)  # the dtypes alone
+        ModelConfig(dtype=self.dtype, param_dtype=self.param_dtype, attention=self.attention)  # numerics alone
     except ValueError as e:
       raise ConfigError(str(e) if str(e).startswith("model.") else f"model: {e}") from None
 
   def shape_config(self) -> ModelConfig:
     """The model config of a randomly initialised model (model.path unset)."""
-    return ModelConfig(**dict(self.arch), dtype=self.dtype, param_dtype=self.param_dtype)
+    return ModelConfig(**dict(self.arch), dtype=self.dtype, param_dtype=self.param_dtype, attention=self.attention)
 
 
 @dataclasses.dataclass(frozen=True)

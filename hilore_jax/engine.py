@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from hilore_jax import logra, model, optim, sharding, train_step
@@ -47,7 +48,8 @@ def init_state(mesh, optimizer: optax.GradientTransformation, params_shape, make
   opt_sh = opt_state_shardings(optimizer, opt_shape, param_sh, rep)
   state_sh = {"params": param_sh, "opt_state": opt_sh, "step": rep}
   opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
-  return {"params": params, "opt_state": opt_state, "step": jax.device_put(jnp.int32(0), rep)}, state_sh
+  # from a host value: device_put of a committed device array onto a mesh spanning processes makes a broken array
+  return {"params": params, "opt_state": opt_state, "step": jax.device_put(np.int32(0), rep)}, state_sh
 
 
 def _memory(compiled) -> tuple[int, int]:
@@ -119,7 +121,7 @@ class Stepper:
     self.compile_log: list[dict] = []
     self.probe_compiles = 0  # compiled to measure memory (the GC reference, budget probes)
 
-  def _update_program(self, spec: StepSpec, batch: dict):
+  def update_program(self, spec: StepSpec, batch: dict):
     """The update program; with KL control keyed by the spec without its policies and the log-prob inputs' shapes."""
     param_sh, metrics_sh = self.state_shardings["params"], sharding.replicated(self.mesh)
     if self.kl is None:
@@ -147,7 +149,7 @@ class Stepper:
     fn = jax.jit(lambda p, b: train_step.gradient_step(p, b, spec), in_shardings=(param_sh, batch_sh),
                  out_shardings=(param_sh, metrics_sh))
     grad = fn.lower(self.state_abstract["params"], _abstract(batch, batch_sh)).compile()
-    update = self._update_program(spec, batch)
+    update = self.update_program(spec, batch)
     grad_temp, grad_out = _memory(grad)
     update_temp, _ = _memory(update)
     return Step(grad, update, grad_temp, update_temp, grad_out, train_step.LOGPROB_KEYS if self.kl else ())
@@ -155,7 +157,7 @@ class Stepper:
   def with_update_of(self, step: Step, spec: StepSpec, batch: dict) -> Step:
     """step's gradient program with this stepper's update program (another optimizer's; the gradient program does
     not depend on it): to measure optimizers without recompiling the gradient."""
-    update = self._update_program(spec, batch)
+    update = self.update_program(spec, batch)
     return dataclasses.replace(step, update=update, update_temp_bytes=_memory(update)[0],
                                kl_keys=train_step.LOGPROB_KEYS if self.kl else ())
 
@@ -238,8 +240,13 @@ _grad = jax.jit(lambda p, b, s: train_step.grads_and_stats(p, b, s)[0], static_a
 
 
 def memory_hooks(stepper: Stepper, spec: StepSpec) -> StepHooks:
-  """This trainer's side of the memory manager: compile probes, gradients, loss coefficients, unit tensors."""
+  """This trainer's side of the memory manager: compile probes, gradients, loss coefficients, unit tensors.
+
+  Per device: compiled peaks are XLA's per-device figures, so batch_shape gives one device's rows of a microbatch
+  (the batch axis is split over every mesh axis), and unit bytes and the op profile follow from it.
+  """
   cfg = spec.model_cfg
+  shards = 1 if stepper is None else sharding.num_batch_shards(stepper.mesh)
   with_policies = lambda pols: dataclasses.replace(spec, policies=tuple(pols))
 
   def token_weights(params, batch, switches):
@@ -263,7 +270,7 @@ def memory_hooks(stepper: Stepper, spec: StepSpec) -> StepHooks:
   return StepHooks(
       model_cfg=cfg,
       compile_peak=lambda pols, batch: stepper.get(with_policies(pols), batch, count=False).peak_bytes,
-      batch_shape=lambda b: (b["tokens"].shape[0] // spec.microbatches,
+      batch_shape=lambda b: (-(-b["tokens"].shape[0] // (spec.microbatches * shards)),
                              b["prompt_ids"].shape[1] + b["tokens"].shape[1]),
       gradient=lambda p, b, pols: _grad(p, b, with_policies(pols)),
       token_weights=token_weights, unit_tensors=unit_tensors)

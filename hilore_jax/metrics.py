@@ -70,13 +70,15 @@ class MetricsWriter:
   """Appends one JSON object per step to OUT/metrics.jsonl (and sample completions to OUT/samples.jsonl); on resume
   drops rows past the resumed step."""
 
-  def __init__(self, out_dir: str, resume_step: int | None = None, tensorboard: bool = False):
+  def __init__(self, out_dir: str, resume_step: int | None = None, tensorboard: bool = False, enabled: bool = True):
     self.path = os.path.join(out_dir, "metrics.jsonl")
     self.samples_path = os.path.join(out_dir, "samples.jsonl")
+    self.enabled, self.tb = enabled, None
+    if not enabled:  # a secondary process of a multi-process run: the first one writes
+      return
     os.makedirs(out_dir, exist_ok=True)
     _restart_jsonl(self.path, resume_step)
     _restart_jsonl(self.samples_path, resume_step)
-    self.tb = None
     if tensorboard:
       try:
         from tensorboardX import SummaryWriter
@@ -85,6 +87,8 @@ class MetricsWriter:
       self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
 
   def write(self, row: dict):
+    if not self.enabled:
+      return
     clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in row.items()}
     fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:  # one write call per row: a kill leaves whole rows (read_metrics still tolerates a torn last one)
@@ -98,6 +102,8 @@ class MetricsWriter:
 
   def write_samples(self, step: int, rows: list[dict]):
     """Decoded prompt/completion pairs of one step, one JSON object each."""
+    if not self.enabled:
+      return
     with open(self.samples_path, "a") as f:
       for r in rows:
         f.write(json.dumps({"step": step, **r}, ensure_ascii=False) + "\n")
@@ -122,6 +128,20 @@ def read_metrics(path: str) -> list[dict]:
         raise DataError(f"{path}:{lineno}: not a JSON row ({e})") from None
       log.warning("%s:%d: dropped a torn last row (the run was killed while writing it)", path, lineno)
   return rows
+
+
+def plot_run(out_dir: str, steps: int, eval_before: dict, eval_after: dict | None) -> dict:
+  """OUT/reward.png from OUT/metrics.jsonl with the greedy eval before and after; {"reward_png": path} or {}."""
+  mpath, png = os.path.join(out_dir, "metrics.jsonl"), os.path.join(out_dir, "reward.png")
+  if not os.path.exists(mpath):
+    return {}
+  extra = {}
+  if eval_before:
+    extra["greedy eval before"] = (0, eval_before["eval/accuracy"])
+  if eval_after:
+    extra["greedy eval after"] = (steps, eval_after["eval/accuracy"])
+  plot_rewards(mpath, png, extra=extra)
+  return {"reward_png": png}
 
 
 def plot_rewards(metrics_path: str, out_png: str, title: str = "GRPO reward", smooth: int = 10,

@@ -108,7 +108,7 @@ def load_model_config(key: str, path: str, section: ModelSection) -> ModelConfig
   """The model config of an HF directory; CheckpointError naming the key and file if config.json is unusable."""
   check_hf_dir(key, path)
   try:
-    return hf.load_config(path, section.param_dtype, section.dtype)
+    return hf.load_config(path, section.param_dtype, section.dtype).replace(attention=section.attention)
   except _LOAD_ERRORS as e:
     raise CheckpointError(f"{key} {_message(path, e)}") from None
 
@@ -117,7 +117,8 @@ def load_hf(key: str, path: str, section: ModelSection) -> tuple[ModelConfig, di
   """(cfg, params) of an HF directory; CheckpointError naming the key, file and tensor on a broken checkpoint."""
   check_hf_dir(key, path)
   try:
-    return hf.load_hf(path, section.param_dtype, section.dtype)
+    cfg, params = hf.load_hf(path, section.param_dtype, section.dtype)
+    return cfg.replace(attention=section.attention), params
   except _LOAD_ERRORS as e:
     raise CheckpointError(f"{key} {_message(path, e)}") from None
 

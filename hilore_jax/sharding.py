@@ -69,3 +69,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def num_batch_shards(mesh: Mesh) -> int:
   return int(np.prod([mesh.shape[a] for a in (DATA, FSDP)]))
+
+
+def gather_to_host(tree):
+  """Numpy copies of a tree's global arrays; across processes a collective every process must join."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
+  return jax.device_get(tree)

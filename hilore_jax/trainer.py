@@ -35,6 +35,8 @@ class Trainer:
     self.config = c = config
     if c.mesh.distributed:
       runtime.init_distributed(c.mesh.coordinator_address, c.mesh.num_processes, c.mesh.process_id)
+    # every process runs the same program on the same data; only the first writes metrics, summaries and exports
+    self.primary = jax.process_index() == 0
     self.out_dir = c.out_dir
     preflight.check_paths(c)  # every path the config names, before any work
     self.tokenizer = preflight.load_tokenizer(preflight.tokenizer_key(c), c.tokenizer_path)
@@ -215,9 +217,10 @@ class Trainer:
         self.eval_before = self.evaluate(self.state["params"], jax.random.PRNGKey(c.seed + 1))
         log.info("eval before GRPO: %s", self.eval_before)
       self.save(0)
-    writer = metrics.MetricsWriter(self.out_dir, self.start_step if resumed else None, c.logging.tensorboard)
+    writer = metrics.MetricsWriter(self.out_dir, self.start_step if resumed else None, c.logging.tensorboard,
+                                   enabled=self.primary)
     bar = tqdm(range(self.start_step, c.train.steps), initial=self.start_step, total=c.train.steps, desc="GRPO",
-               disable=not progress)
+               disable=not progress or not self.primary)
     last_saved = self.start_step
     try:
       for step in bar:
@@ -301,23 +304,17 @@ class Trainer:
       if self.eval_before:
         summary["accuracy_gain_pp"] = 100 * (summary["eval_after"]["eval/accuracy"] -
                                              self.eval_before["eval/accuracy"])
-    if c.checkpoint.export_hf:
+    params = sharding.gather_to_host(self.state["params"]) if c.checkpoint.export_hf else None  # every process
+    if c.checkpoint.export_hf and self.primary:
       for stale in glob.glob(os.path.join(self.out_dir, ".tmp-hf*")):  # left by an export killed mid-write
         shutil.rmtree(stale, ignore_errors=True)
       cfg = self.model_cfg.replace(eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
                                    bos_token_id=self.tokenizer.bos_token_id)
-      summary["hf_export"] = hf.save_hf(cfg, self.state["params"], os.path.join(self.out_dir, "hf"),
-                                        tokenizer=self.tokenizer)
+      summary["hf_export"] = hf.save_hf(cfg, params, os.path.join(self.out_dir, "hf"), tokenizer=self.tokenizer)
       prompts.write_generation_config(summary["hf_export"], self.prompter, c.model.path)
-    mpath = os.path.join(self.out_dir, "metrics.jsonl")
-    if c.logging.plot and os.path.exists(mpath):
-      extra = {}
-      if self.eval_before:
-        extra["greedy eval before"] = (0, self.eval_before["eval/accuracy"])
-      if "eval_after" in summary:
-        extra["greedy eval after"] = (c.train.steps, summary["eval_after"]["eval/accuracy"])
-      metrics.plot_rewards(mpath, os.path.join(self.out_dir, "reward.png"), extra=extra)
-      summary["reward_png"] = os.path.join(self.out_dir, "reward.png")
-    metrics.write_json(os.path.join(self.out_dir, "summary.json"), summary)
+    if self.primary:
+      if c.logging.plot:
+        summary.update(metrics.plot_run(self.out_dir, c.train.steps, self.eval_before, summary.get("eval_after")))
+      metrics.write_json(os.path.join(self.out_dir, "summary.json"), summary)
     self.checkpointer.close()
     return summary

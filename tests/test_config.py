@@ -42,6 +42,7 @@ def dataclasses_frozen_error():
     ("grpo.dual_clip=0.5", r"dual_clip must be > 1"),
     ("task.arithmetic.ops=['/']", r"ops must be a non-empty subset"),
     ("task.arithmetic.max_valu=3", r"unknown config key 'task.arithmetic.max_valu'"),
+    ("model.attention=flash", r"model.attention must be one of \['xla', 'dot_product_attention'\]"),
 ])
 def test_bad_values_name_the_key(override, message):
   with pytest.raises(ValueError, match=message):

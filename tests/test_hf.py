@@ -44,11 +44,13 @@ def _ids(b=2, t=11, seed=0):
   return np.random.RandomState(seed).randint(0, 37, (b, t))
 
 
+@pytest.mark.parametrize("attention", ["xla", "dot_product_attention"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_logits_match_transformers(case, tmp_path):
+def test_logits_match_transformers(case, attention, tmp_path):
   m = _torch_model(*CASES[case])
   m.save_pretrained(tmp_path)
   cfg, params = hilore_jax.load_hf(str(tmp_path), dtype="float32")
+  cfg = cfg.replace(attention=attention)
   ids = _ids()
   ref = m(torch.tensor(ids)).logits.detach().numpy()
   out = np.asarray(hilore_jax.forward(cfg, params, jnp.asarray(ids)))

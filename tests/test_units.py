@@ -1,6 +1,7 @@
 import os
 
 import jax
+import pytest
 import jax.numpy as jnp
 
 from hilore_jax import model
@@ -69,12 +70,17 @@ def _layer_names(cfg, policy):
   return _names(jax.make_jaxpr(fn)(p, x).jaxpr)
 
 
-def test_the_table_names_exactly_what_the_decoder_tags(tiny_cfg):
-  names = _layer_names(tiny_cfg, None)
-  assert sorted(set(names)) == sorted(U.CHECKPOINT_NAMES)
-  assert len(names) == len(U.CHECKPOINT_NAMES)  # each tensor tagged once
+@pytest.mark.parametrize("attention", ["xla", "dot_product_attention"])
+def test_the_table_names_exactly_what_the_decoder_tags(tiny_cfg, attention):
+  cfg = tiny_cfg.replace(attention=attention)
+  rows = [t.name for t in U.table(attention)]
+  names = _layer_names(cfg, None)
+  assert sorted(set(names)) == sorted(rows)
+  assert len(names) == len(rows)  # each tensor tagged once
+  assert (U.ATTN_PROBS in rows) == (attention == "xla")  # the fused kernel has no probabilities tensor
+  assert [t.name for t in U.table(attention) if t.unit] == list(U.UNITS)  # the allocator's units are the same
   lowp = model.LayerPolicy(remat=True, lowp=U.LOWP_UNITS)
-  codes = set(_layer_names(tiny_cfg, lowp)) - set(U.CHECKPOINT_NAMES)
+  codes = set(_layer_names(cfg, lowp)) - set(U.CHECKPOINT_NAMES)
   assert codes == {n for u in U.LOWP_UNITS for n in U.code_names(u)}
 
 
@@ -88,17 +94,39 @@ class _Recorder(dict):
     return super().__getitem__(key)
 
 
-def test_each_producer_reads_what_the_table_says(tiny_cfg):
-  assert set(model.OPS) == set(U.PRODUCERS)
+@pytest.mark.parametrize("attention", ["xla", "dot_product_attention"])
+def test_each_producer_reads_what_the_table_says(tiny_cfg, attention):
+  assert set(model.OPS) == set(U.PRODUCERS) | {U.FUSED_ATTN}
+  tiny_cfg = tiny_cfg.replace(attention=attention)
   sizes = U.dims(tiny_cfg, 2, 5)
   p = model.layer_params(model.init_params(tiny_cfg.replace(num_hidden_layers=1), jax.random.PRNGKey(0)), 0)
   ctx = model.LayerCtx(*model.rope_cos_sin(tiny_cfg, jnp.broadcast_to(jnp.arange(5), (2, 5))),
                        jnp.ones((2, 5, 5), bool))
-  for t in U.TABLE:
+  producers = {t.producer: t.reads for t in U.table(attention) if t.producer}
+  for t in U.table(attention):
     if t.producer is None:
       continue
-    assert U.PRODUCERS[t.producer] == t.reads, t.name  # an op reads the same tensors for each output
+    assert producers[t.producer] == t.reads, t.name  # an op reads the same tensors for each output
     rec = _Recorder({n: jnp.ones(U.shape(n, sizes)) for n in U.CHECKPOINT_NAMES})
     out = model.OPS[t.producer](tiny_cfg, p, rec, ctx)
     assert rec.read == set(t.reads), (t.producer, rec.read)
     assert out.shape == U.shape(t.name, sizes), t.name
+
+
+def test_memory_policies_work_under_the_fused_kernel(tiny_cfg):
+  """H and R keep the gradient exact under jax.nn.dot_product_attention, L stays within rounding of it."""
+  cfg = tiny_cfg.replace(attention="dot_product_attention")
+  p = model.init_params(cfg, jax.random.PRNGKey(0), init_std=0.3)
+  ids = jnp.array([[3, 5, 7, 11, 13, 17, 19], [2, 4, 6, 8, 10, 12, 14]])
+  grad = lambda pol: jax.grad(lambda q: jnp.sum(jnp.tanh(model.forward(cfg, q, ids, layer_policies=(pol,) * 3))))(p)
+  flat = lambda g: jnp.concatenate([x.ravel() for x in jax.tree_util.tree_leaves(g)])
+  exact = flat(grad(model.NO_REMAT))
+  rel = lambda g: float(jnp.linalg.norm(flat(g) - exact) / jnp.linalg.norm(exact))
+  for pol in (model.FULL_REMAT, model.LayerPolicy(remat=True, save=(U.Q, U.K, U.V, U.MLP_GATE))):
+    assert rel(grad(pol)) < 1e-5  # float32 reassociation only
+  err = rel(grad(model.LayerPolicy(remat=True, save=(U.Q,), lowp=U.LOWP_UNITS, group_size=8)))
+  assert 1e-5 < err < 0.05, err
+  # what backward keeps follows the policy: q as H, the L units as codes, never a probabilities tensor
+  kept = {r.name for rs in model.layer_residuals(cfg, p, ids, (model.LayerPolicy(remat=True, save=(U.Q,)),) * 3)
+          for r in rs if r.name}
+  assert kept == {U.Q}

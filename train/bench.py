@@ -4,7 +4,7 @@ import argparse
 import logging
 import os
 
-from hilore_jax import cli
+from hilore_jax import cli, runtime
 
 
 def main(argv=None):
@@ -19,6 +19,7 @@ def main(argv=None):
     cfg = cli.load_config(args.config, args.overrides)
     from hilore_jax.bench import run
 
+    runtime.enable_compilation_cache()  # a rerun (or scripts/gpu_check.sh in a later window) reuses every compile
     result = run.run(cfg, args.out, progress=lambda s: print(s, flush=True))
     for name in ("results.md", "risk.md") if result["risk"] else ("results.md",):
       with open(os.path.join(args.out, name)) as f:

@@ -19,8 +19,10 @@ class StepHooks:
   """The trainer's side of the memory manager.
 
   compile_peak(policies, batch): compile the train step for these per-layer policies on this batch's shapes and
-    return its peak bytes (a probe: the trainer may keep the compiled step and reuse it if it runs).
-  batch_shape(batch): (rows, sequence length) of the activations one gradient pass holds (a microbatch).
+    return its peak bytes on one device (a probe: the trainer may keep the compiled step and reuse it if it runs).
+  batch_shape(batch): (rows, sequence length) of the activations one gradient pass holds on one device (a
+    microbatch's rows divided by the mesh axes the batch is split over), so unit bytes and the op profile are
+    per device, like compile_peak and the budget.
   gradient(params, batch, policies): the parameter gradient under these policies (calibrated methods).
   token_weights(params, batch, switches): |w_t| [B, N], the loss coefficient of every completion token; params
     None means from what the batch carries alone (no forward pass).

@@ -20,6 +20,9 @@ def dtype_name(dtype: Any) -> str:
   return name
 
 
+ATTENTION_KERNELS = ("xla", "dot_product_attention")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Shape and numerics of a Qwen2/Llama decoder; field names follow transformers' configs."""
@@ -45,6 +48,7 @@ class ModelConfig:
   pad_token_id: int | None = None
   dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"
+  attention: str = "xla"  # xla: softmax probabilities as a tensor; dot_product_attention: jax.nn's fused kernel
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -61,6 +65,8 @@ class ModelConfig:
       object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
     if self.head_size % 2:
       raise ValueError(f"head size must be even for RoPE, got {self.head_size}")
+    if self.attention not in ATTENTION_KERNELS:
+      raise ValueError(f"model.attention must be one of {list(ATTENTION_KERNELS)}, got {self.attention!r}")
     if self.model_type not in ("qwen2", "llama"):
       raise ValueError(f"model.model_type must be one of ['llama', 'qwen2'], got {self.model_type!r}")
     object.__setattr__(self, "dtype", dtype_name(self.dtype))

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from hilore_jax.model import lowp
+from hilore_jax.model.attention import attention_context, attention_probs, fused_attention
 from hilore_jax.model import units as U
 from hilore_jax.model.config import ModelConfig
 from hilore_jax.model.policy import NO_REMAT, LayerPolicy, Residual, remat, saved_residuals, uniform
@@ -121,24 +122,6 @@ def _projections(x, unit: str, ws: tuple, bs: tuple, specs: tuple, policy: Layer
   return tuple(y if b is None else y + b.astype(y.dtype) for y, b in zip(ys, bs))
 
 
-def attention_probs(q_BTNH, k_BSKH, mask_BTS) -> jax.Array:
-  """Grouped-query softmax probabilities [B, K, G, T, S], computed in float32."""
-  B, T, N, H = q_BTNH.shape
-  KV = k_BSKH.shape[2]
-  q = q_BTNH.reshape(B, T, KV, N // KV, H)
-  # accumulate in float32 whatever the compute dtype: bf16 sums over H lose the scores' small differences
-  scores = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH, preferred_element_type=jnp.float32) / math.sqrt(H)
-  scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  return jax.nn.softmax(scores, axis=-1).astype(q_BTNH.dtype)
-
-
-def attention_context(probs_BKGTS, v_BSKH) -> jax.Array:
-  """Probability-weighted values [B, T, N, H]."""
-  B, KV, G, T, _ = probs_BKGTS.shape
-  ctx = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH)
-  return ctx.reshape(B, T, KV * G, ctx.shape[-1])
-
-
 class LayerCtx(NamedTuple):
   """What every layer reads besides its own params and input: RoPE tables and the attention mask."""
 
@@ -158,6 +141,7 @@ OPS = {
     "v_proj": lambda c, p, t, x: _proj(t[U.ATTN_NORM], p["attn"]["wv_DKH"], p["attn"].get("bv_KH"), "btd,dkh->btkh"),
     "scores": lambda c, p, t, x: attention_probs(t[U.Q], t[U.K], x.mask_BTS),
     "pv": lambda c, p, t, x: attention_context(t[U.ATTN_PROBS], t[U.V]),
+    U.FUSED_ATTN: lambda c, p, t, x: fused_attention(t[U.Q], t[U.K], t[U.V], x.mask_BTS),
     "o_proj": lambda c, p, t, x: t[U.LAYER_INPUT] + _proj(t[U.ATTN_CTX], p["attn"]["wo_NHD"], p["attn"].get("bo_D"),
                                                           "btnh,nhd->btd"),
     "mlp_norm_op": lambda c, p, t, x: rms_norm(t[U.MLP_INPUT], p["mlp_norm_D"], c.rms_norm_eps),
@@ -193,8 +177,11 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, ctx: LayerCtx, kv_cache=None
     ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, cache_index, 0, 0))
     cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, cache_index, 0, 0))
     new_cache, k, v = (ck, cv), ck.astype(q.dtype), cv.astype(q.dtype)
-  probs = checkpoint_name(attention_probs(q, k, ctx.mask_BTS), U.ATTN_PROBS)
-  ctx_BTNH = checkpoint_name(attention_context(probs, v), U.ATTN_CTX)
+  if cfg.attention == "dot_product_attention":
+    ctx_BTNH = checkpoint_name(fused_attention(q, k, v, ctx.mask_BTS), U.ATTN_CTX)
+  else:
+    probs = checkpoint_name(attention_probs(q, k, ctx.mask_BTS), U.ATTN_PROBS)
+    ctx_BTNH = checkpoint_name(attention_context(probs, v), U.ATTN_CTX)
   tap(U.ATTN_CTX, ctx_BTNH)
   (attn_out,) = _projections(ctx_BTNH, U.ATTN_CTX, (a["wo_NHD"],), (a.get("bo_D"),), ("btnh,nhd->btd",), policy)
   attn_out = checkpoint_name(attn_out, U.ATTN_OUT)

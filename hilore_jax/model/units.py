@@ -95,3 +95,16 @@ def shape(name: str, sizes: dict[str, int]) -> tuple[int, ...]:
 
 def numel(name: str, sizes: dict[str, int]) -> int:
   return math.prod(shape(name, sizes))
+
+
+FUSED_ATTN = "attn"  # the fused kernel's op: q, k, v -> context in one call
+
+
+def table(attention: str = "xla") -> tuple[Tensor, ...]:
+  """The rows for an attention kernel. jax.nn.dot_product_attention never materialises the probabilities: the
+  context comes from q, k and v in one op, whose backward reruns it (its softmax statistics are not a named
+  tensor a policy could keep), so there is no attn_probs row. The allocator's units are the same for both."""
+  if attention == "xla":
+    return TABLE
+  fused = dataclasses.replace(BY_NAME[ATTN_CTX], producer=FUSED_ATTN, reads=(Q, K, V))
+  return tuple(fused if t.name == ATTN_CTX else t for t in TABLE if t.name != ATTN_PROBS)

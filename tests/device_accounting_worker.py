@@ -1,0 +1,62 @@
+"""Subprocess body for the per-device accounting test: argv = devices, mesh data, mesh fsdp, output .json.
+
+Sets up HiLoRe's memory manager on one minibatch and writes what it accounted (budget, unit bytes, plan) and the
+compiled per-device peak of the step it chose. The calibration is given (uniform unit errors), not measured: this
+test is about bytes, and measuring would compile a gradient per unit.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+
+n_dev, data, fsdp, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", n_dev)
+jax.config.update("jax_cpu_enable_async_dispatch", False)  # 4 fake devices on 2 cores can deadlock otherwise
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout, not an install
+from trainer_util import tiny_config  # noqa: E402
+
+from hilore_jax.memory import methods, profile  # noqa: E402
+from hilore_jax.memory.manager import Calibration  # noqa: E402
+from hilore_jax.trainer import Trainer  # noqa: E402
+
+assert jax.device_count() == n_dev
+t = Trainer(tiny_config(out + ".run", f"mesh.data={data}", f"mesh.fsdp={fsdp}", "train.warmstart_steps=0",
+                        "model.hidden_size=32", "model.intermediate_size=88", "memory.policy=hilore",
+                        "memory.group_size=8", "memory.buckets=1", "memory.budget_ratio=1.25",
+                        "memory.budget_probes=1"))
+rng = np.random.default_rng(0)
+B, P, N = 12, 7, 9
+batch = {"prompt_ids": rng.integers(3, 80, (B, P)).astype(np.int32), "prompt_mask": np.ones((B, P), np.int32),
+         "tokens": rng.integers(3, 80, (B, N)).astype(np.int32), "mask": (rng.random((B, N)) > 0.2).astype(np.int32),
+         "adv": rng.normal(size=B).astype(np.float32)}
+batch = t.place_batch(batch)
+U = len(t.memory.lowp_ids)
+cal = Calibration([1.0] * U, [1e-3] * U, [1e-3] * U, delta=1e-4, calibration_error=0.0, calibration_level=0.1,
+                  level_max=0.1, fit={}, calib_batches=1)
+t.memory.setup(t.state["params"], [batch], 0, calibration_state=cal)
+(alloc,) = t.memory.allocate([batch])
+st, units = t.memory.state, t.memory._units[t.memory._shape]
+step = t.stepper.get(dataclasses.replace(t.spec, policies=alloc.policies), batch)
+cfg = t.model_cfg
+
+
+def plan_for(rows):
+  """HiLoRe's plan at the fitted allowance with units sized for `rows` rows per gradient pass."""
+  us = profile.enumerate_units(cfg, rows, P + N, 8, st.profile)
+  return methods.plan("hilore", us, st.profile["ops"], st.allowance["0"], risk_of=t.memory._risks(0)[0],
+                      delta=st.calibration.delta, group_size=8)
+
+
+with open(out, "w") as f:
+  json.dump({"gc_bytes": st.gc_bytes, "budget_bytes": st.budget_bytes, "allowance": st.allowance["0"],
+             "rows": t.memory._shape[0], "unit_bytes": sum(u.bytes_h for u in units),
+             "global_unit_bytes": sum(u.bytes_h for u in profile.enumerate_units(cfg, B, P + N, 8)),
+             "choice": list(alloc.plan.choice), "plan_bytes": alloc.plan.bytes,
+             "global_choice": list(plan_for(B).choice), "compiled_bytes": step.peak_bytes,
+             "frac_H": alloc.metrics["alloc/frac_H"], "frac_L": alloc.metrics["alloc/frac_L"]}, f)

@@ -1,0 +1,49 @@
+"""The traced train step's size follows the number of distinct policy runs, not depth (the layer scan), and the
+compile-time bench measures what it says."""
+
+import jax
+import jax.numpy as jnp
+from trainer_util import tiny_config
+
+from hilore_jax import model
+from hilore_jax.bench import compile_time
+
+
+def _eqns(jaxpr) -> int:
+  """Equations in a jaxpr, counting those of every sub-jaxpr (scan, remat, custom_vjp bodies)."""
+  n = 0
+  for e in jaxpr.eqns:
+    n += 1
+    for v in e.params.values():
+      for sub in (v if isinstance(v, (list, tuple)) else (v,)):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          n += _eqns(inner)
+  return n
+
+
+def _grad_size(cfg, num_layers: int, policies) -> int:
+  cfg = cfg.replace(num_hidden_layers=num_layers)
+  p = model.init_params(cfg, jax.random.PRNGKey(0))
+  ids = jnp.array([[3, 5, 7, 11, 13]])
+  loss = lambda q: jnp.sum(model.forward(cfg, q, ids, layer_policies=policies))
+  return _eqns(jax.make_jaxpr(jax.grad(loss))(p).jaxpr)
+
+
+def test_step_size_does_not_grow_with_depth_for_equal_policy_layers(tiny_cfg):
+  for policy in (model.FULL_REMAT, compile_time.LOWP):
+    sizes = {n: _grad_size(tiny_cfg, n, (policy,) * n) for n in (2, 5, 9)}
+    assert len(set(sizes.values())) == 1, sizes
+  # the bench's mixed plan: a fixed number of runs, so a fixed size; the per-layer plan grows with depth
+  mixed = {n: _grad_size(tiny_cfg, n, compile_time.plans(n)["hilore_mixed"]) for n in (6, 12)}
+  assert mixed[6] == mixed[12], mixed
+  per_layer = {n: _grad_size(tiny_cfg, n, compile_time.plans(n)["per_layer"]) for n in (6, 12)}
+  assert per_layer[12] > per_layer[6] * 1.5, per_layer
+
+
+def test_bench_compile_rows(tmp_path):
+  cfg = tiny_config(tmp_path, "bench.batch_size=4", "bench.group_size=2", "bench.seq_len=11", "bench.prompt_len=4")
+  rows = compile_time.measure(cfg, depths=(3,), names=("gc", "hilore_mixed"), progress=lambda s: None)
+  assert [(r["layers"], r["plan"], r["policy_runs"]) for r in rows] == [(3, "gc", 1), (3, "hilore_mixed", 3)]
+  assert all(r["compile_s"] > 0 and r["peak_bytes"] > 0 for r in rows)
+  assert "| 3 |" in compile_time.table(rows)
