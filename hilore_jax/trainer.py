@@ -155,7 +155,8 @@ class Trainer:
 
   def add_logprobs(self, minibatches: list[dict]) -> list[dict]:
     """ref_logp on every minibatch; old_logp, from the policy that sampled, on every one an update will see after
-    the rollout's first update, which is on-policy: its rows are flagged on_policy and skip that forward."""
+    the rollout's first update, which is on-policy: its rows are flagged on_policy and skip that forward. Replayed
+    rows keep the behaviour log-probs stored with them and are never on_policy."""
     if self.spec.use_ref_logp:
       minibatches = [{**b, "ref_logp": self._forward(self.ref_params, b)} for b in minibatches]
     if not self.spec.use_old_logp:
