@@ -26,6 +26,7 @@ _ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig)
 # memory.policy: none keeps every activation, gc recomputes every layer, hilore plans H/L/R(/O) per unit by
 # exposure; the rest are the benchmark's baselines (memory/methods.py implements one planner per name)
 MEMORY_POLICIES = ("none", "gc", "sac", "optimal_hr", "uniform_int8", "greedy_bits", "adacc_style", "hilore")
+REPLAY_MODES = ("fresh_anchored", "naive")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,6 +373,34 @@ class MemoryConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ReplayConfig:
+  """replay.*: rollout-level replay (replay.py); off by default; mode `naive` is the uniform, whole-group,
+  unbounded-age baseline."""
+
+  enabled: bool = False
+  mode: str = "fresh_anchored"  # fresh_anchored | naive
+  tau_max: int = 4  # largest age (training steps) a replayed rollout may have; naive ignores it
+  capacity: int = 1024  # stored rollouts (rows, not groups)
+  share: float = 0.25  # replayed rows per fresh row, rounded half up, capped by what is replayable (0 fresh: none)
+  priority_exponent: float = 1.0  # alpha in P(row) ~ |A|^alpha; 0 is uniform; naive is always uniform
+  group_size: int = 0  # G rows per prompt; 0: rollout.num_generations (the only value a run accepts)
+
+  def __post_init__(self):
+    check_choice("replay.mode", self.mode, REPLAY_MODES)
+    if self.tau_max < 1:
+      raise ConfigError(f"replay.tau_max must be >= 1 (rows are replayable from the step after their birth), "
+                        f"got {self.tau_max}")
+    check_positive("replay.capacity", self.capacity)
+    check_positive("replay.share", self.share, allow_zero=True)
+    check_positive("replay.priority_exponent", self.priority_exponent, allow_zero=True)
+    if self.group_size == 1 or self.group_size < 0:
+      raise ConfigError(f"replay.group_size must be > 1 (or 0: rollout.num_generations), got {self.group_size}")
+    if self.mode == "naive" and self.group_size and self.capacity % self.group_size:
+      raise ConfigError(f"replay.capacity ({self.capacity}) must be a multiple of replay.group_size "
+                        f"({self.group_size}) in naive mode, which stores whole groups")
+
+
+@dataclasses.dataclass(frozen=True)
 class BenchConfig:
   """`python -m train.bench`: the actor update of every method on synthetic GRPO minibatches."""
 
@@ -420,6 +449,7 @@ class Config:
   checkpoint: CheckpointConfig = CheckpointConfig()
   logging: LoggingConfig = LoggingConfig()
   memory: MemoryConfig = MemoryConfig()
+  replay: ReplayConfig = ReplayConfig()
   bench: BenchConfig = BenchConfig()
 
   def __post_init__(self):
@@ -434,6 +464,12 @@ class Config:
     if mb % (self.train.microbatch_size or mb):
       raise ConfigError(f"train.microbatch_size ({self.train.microbatch_size}) must divide "
                         f"train.minibatch_size ({mb})")
+    G = self.rollout.num_generations
+    if self.replay.group_size not in (0, G):
+      raise ConfigError(f"replay.group_size ({self.replay.group_size}) must equal rollout.num_generations ({G}) "
+                        f"or be 0")
+    if self.replay.group_size != G:  # validated again with G: naive mode's capacity must hold whole groups
+      object.__setattr__(self, "replay", dataclasses.replace(self.replay, group_size=G))
     if not self.grpo.max_completion_len:  # Dr.GRPO's normaliser defaults to the generation budget
       object.__setattr__(self, "grpo", dataclasses.replace(self.grpo,
                                                            max_completion_len=self.rollout.max_new_tokens))

@@ -91,7 +91,7 @@ class Step:
     return _flops(self.grad) + _flops(self.update)
 
   def __call__(self, state: dict, batch: dict):
-    grads, metrics = self.grad(state["params"], batch)
+    grads, metrics = self.grad(state["params"], train_step.step_inputs(batch))
     if self.kl_keys:
       state, m = self.update(state, grads, {k: batch[k] for k in self.kl_keys})
     else:
@@ -163,6 +163,7 @@ class Stepper:
 
   def get(self, spec: StepSpec, batch: dict, reason: str = "", count: bool = True) -> Step:
     """The compiled step; count=False compiles only to measure (a probe), counted as a compile if it later runs."""
+    batch = train_step.step_inputs(batch)
     key = (spec, tuple((k, v.shape, str(v.dtype)) for k, v in sorted(batch.items())))
     if key in self._probed:
       if not count:
@@ -250,10 +251,11 @@ def memory_hooks(stepper: Stepper, spec: StepSpec) -> StepHooks:
   with_policies = lambda pols: dataclasses.replace(spec, policies=tuple(pols))
 
   def token_weights(params, batch, switches):
-    # params None: before the update the policy is the one that produced old_logp (ratio 1 on-policy); on rows
-    # flagged on_policy old_logp, and so this logp, is a placeholder (it enters only the KL term)
+    # params None: the policy before the update, which is the one that produced old_logp (ratio 1 on-policy)
+    # unless the batch carries its log-probs as `logp` (replayed rows: old_logp is the stored behaviour's); on
+    # rows flagged on_policy without `logp`, old_logp, and so this logp, is a placeholder (only the KL reads it)
     if params is None:
-      logp = batch.get("old_logp", jnp.zeros(batch["mask"].shape, jnp.float32))
+      logp = batch.get("logp", batch.get("old_logp", jnp.zeros(batch["mask"].shape, jnp.float32)))
     else:
       logp, _ = train_step.completion_logprobs(cfg, params, batch, None, spec.logprob_chunk, spec.temperature)
     old = train_step.old_logprobs(logp, batch, spec)
@@ -272,5 +274,5 @@ def memory_hooks(stepper: Stepper, spec: StepSpec) -> StepHooks:
       compile_peak=lambda pols, batch: stepper.get(with_policies(pols), batch, count=False).peak_bytes,
       batch_shape=lambda b: (-(-b["tokens"].shape[0] // (spec.microbatches * shards)),
                              b["prompt_ids"].shape[1] + b["tokens"].shape[1]),
-      gradient=lambda p, b, pols: _grad(p, b, with_policies(pols)),
+      gradient=lambda p, b, pols: _grad(p, train_step.step_inputs(b), with_policies(pols)),
       token_weights=token_weights, unit_tensors=unit_tensors)

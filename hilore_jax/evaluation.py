@@ -21,20 +21,23 @@ from hilore_jax.tasks import Example
 def evaluate(cfg, params, prompter: Prompter, examples: Sequence[Example], reward_fn, *, max_prompt_len: int,
              max_new_tokens: int, pass_k: int = 4, temperature: float = 1.0, batch_size: int = 128,
              rng: jax.Array | None = None) -> dict:
-  """{'eval/accuracy': greedy accuracy, 'eval/pass@k': any of k samples correct, 'eval/n': examples}."""
+  """{'eval/accuracy': greedy accuracy, 'eval/completion_len': mean greedy completion tokens (stop token
+  included), 'eval/pass@k': any of k samples correct, 'eval/n': examples}."""
   rng = jax.random.PRNGKey(0) if rng is None else rng
   greedy = SamplingConfig(max_new_tokens=max_new_tokens, greedy=True)
   sampled = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature)
-  correct, passed = [], []
+  correct, passed, lens = [], [], []
   for i in range(0, len(examples), batch_size):
     chunk = list(examples[i:i + batch_size])
     r = rollout.sample_completions(cfg, params, prompter, chunk, 1, max_prompt_len, greedy, rng, reward_fn)
     correct.extend(r.rewards >= 1.0)
+    lens.extend(r.mask.sum(1))
     if pass_k > 0:
       rng, key = jax.random.split(rng)
       r = rollout.sample_completions(cfg, params, prompter, chunk, pass_k, max_prompt_len, sampled, key, reward_fn)
       passed.extend((r.rewards.reshape(len(chunk), pass_k) >= 1.0).any(axis=1))
-  out = {"eval/accuracy": float(np.mean(correct)), "eval/n": len(examples)}
+  out = {"eval/accuracy": float(np.mean(correct)), "eval/completion_len": float(np.mean(lens)),
+         "eval/n": len(examples)}
   if pass_k > 0:
     out[f"eval/pass@{pass_k}"] = float(np.mean(passed))
   return out

@@ -20,11 +20,10 @@ advantages carries no gradient in either mode); its zero-advantage rows are then
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
-MODES = ("fresh_anchored", "naive")
+from hilore_jax.config import ReplayConfig
+
 BATCH_KEYS = ("prompt_ids", "prompt_mask", "tokens", "mask", "adv", "old_logp")
 # stored field -> (trailing width, dtype): the one table the storage, state() and from_state() derive from.
 # old_logp holds the behaviour (sampling) log-probs, which are the importance ratio's denominator when replayed.
@@ -41,41 +40,21 @@ def round_half_up(x: float) -> int:
   return int(np.floor(x + 0.5))
 
 
-@dataclasses.dataclass(frozen=True)
-class ReplayConfig:
-  """replay.*: off by default; mode `naive` is the uniform, whole-group, unbounded-age baseline."""
-
-  enabled: bool = False
-  mode: str = "fresh_anchored"  # fresh_anchored | naive
-  tau_max: int = 4  # largest age (training steps) a replayed rollout may have; naive ignores it
-  capacity: int = 1024  # stored rollouts (rows, not groups)
-  share: float = 0.25  # replayed rows per fresh row, rounded half up, capped by what is replayable (0 fresh: none)
-  priority_exponent: float = 1.0  # alpha in P(row) ~ |A|^alpha; 0 is uniform; naive is always uniform
-  group_size: int = 8  # G rows per prompt; must equal rollout.num_generations
-
-  def __post_init__(self):
-    if self.mode not in MODES:
-      raise ValueError(f"replay.mode must be one of {list(MODES)}, got {self.mode!r}")
-    if self.tau_max < 1:
-      raise ValueError(f"replay.tau_max must be >= 1 (rows are replayable from the step after their birth), "
-                       f"got {self.tau_max}")
-    if self.capacity < 1:
-      raise ValueError(f"replay.capacity must be > 0, got {self.capacity}")
-    if self.share < 0:
-      raise ValueError(f"replay.share must be >= 0, got {self.share}")
-    if self.priority_exponent < 0:
-      raise ValueError(f"replay.priority_exponent must be >= 0, got {self.priority_exponent}")
-    if self.group_size < 2:
-      raise ValueError(f"replay.group_size must be > 1, got {self.group_size}")
-    if self.mode == "naive" and self.capacity % self.group_size:
-      raise ValueError(f"replay.capacity ({self.capacity}) must be a multiple of replay.group_size "
-                       f"({self.group_size}) in naive mode, which stores whole groups")
+def max_replay_rows(cfg: ReplayConfig, n_fresh: int) -> int:
+  """The most rows compose() appends to n_fresh fresh rows (fewer while the buffer holds fewer replayable)."""
+  if not cfg.enabled:
+    return 0
+  if cfg.mode == "naive":
+    return cfg.group_size * round_half_up(cfg.share * n_fresh / cfg.group_size)
+  return round_half_up(cfg.share * n_fresh)
 
 
 class ReplayBuffer:
   """Fixed-capacity structure-of-arrays store of rollouts; state() is a fixed-shape tree of arrays orbax can save."""
 
   def __init__(self, cfg: ReplayConfig, prompt_len: int, completion_len: int):
+    if cfg.group_size < 2:
+      raise ValueError(f"replay.group_size must be set to rollout.num_generations, got {cfg.group_size}")
     self.cfg = cfg
     widths = {"P": (prompt_len,), "N": (completion_len,), None: ()}
     self._a = {k: np.zeros((cfg.capacity, *widths[w]), dt) for k, (w, dt) in FIELDS.items()}
@@ -170,9 +149,8 @@ class ReplayBuffer:
     ok = self.eligible(step)
     if self.cfg.mode == "naive":
       G = self.cfg.group_size
-      groups = len(np.unique(self._a["seq"][ok] // G))
-      return G * min(round_half_up(self.cfg.share * n_fresh / G), groups)
-    return min(round_half_up(self.cfg.share * n_fresh), int(ok.sum()))
+      return min(max_replay_rows(self.cfg, n_fresh), G * len(np.unique(self._a["seq"][ok] // G)))
+    return min(max_replay_rows(self.cfg, n_fresh), int(ok.sum()))
 
   def sample(self, n: int, step: int, rng: np.random.Generator) -> np.ndarray:
     """Slots of n distinct replayable rows: each draw P(row) ~ |A|^alpha (fresh_anchored), uniform groups (naive)."""

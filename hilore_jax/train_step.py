@@ -53,6 +53,14 @@ def completion_logprobs(cfg: ModelConfig, params, batch: dict, policies=None, ch
 
 
 LOGPROB_KEYS = ("prompt_ids", "prompt_mask", "tokens", "mask")
+# batch keys for the memory manager alone, which the step never reads: logp [B, N], the current policy's log-probs
+# where they differ from old_logp (replayed rows), for the exposure's importance ratio
+EXPOSURE_KEYS = ("logp",)
+
+
+def step_inputs(batch: dict) -> dict:
+  """The batch without the keys the step never reads (one compiled program whether or not they are there)."""
+  return {k: v for k, v in batch.items() if k not in EXPOSURE_KEYS}
 
 
 def sequence_logprobs(spec: StepSpec, params, batch: dict) -> jax.Array:

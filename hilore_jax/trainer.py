@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import (checkpointing, engine, evaluation, grpo, metrics, model, optim, preflight, prompts, rollout,
-                        runtime, sft, sharding, tasks, train_step)
+from hilore_jax import (checkpointing, engine, evaluation, metrics, model, optim, preflight, prompts, replay, rollout,
+                        runtime, sft, sharding, tasks, train_step, update_batch)
 from hilore_jax.config import Config, MemoryConfig
 from hilore_jax.errors import ConfigError, RunExists, TrainingDiverged
 from hilore_jax.memory import MemoryManager
@@ -50,13 +50,17 @@ class Trainer:
     self.batch_size = c.rollout.num_prompts * c.rollout.num_generations
     mb = c.minibatch_size
     micro = c.train.microbatch_size or mb
-    self.updates_per_step = c.grpo.num_iterations * (self.batch_size // mb)
+    self.updates_per_step = update_batch.updates_per_step(c)
     total_updates = c.train.steps * self.updates_per_step
     self.lr_schedule = optim.schedule(c.optimizer, total_updates)
-    # every update after a rollout's first runs on a policy that has moved since sampling: it needs old_logp
+    self.replay = (replay.ReplayBuffer(c.replay, c.rollout.max_prompt_len, c.rollout.max_new_tokens)
+                   if c.replay.enabled else None)
+    # every update after a rollout's first runs on a policy that has moved since sampling, and a replayed row
+    # always does: they need old_logp
     self.spec = train_step.StepSpec(
         self.model_cfg, c.grpo, layer_policies(c.memory, self.model_cfg), mb // micro, c.train.logprob_chunk,
-        use_old_logp=self.updates_per_step > 1, use_ref_logp=c.grpo.beta > 0, temperature=c.rollout.temperature)
+        use_old_logp=self.updates_per_step > 1 or c.replay.enabled, use_ref_logp=c.grpo.beta > 0,
+        temperature=c.rollout.temperature)
     self.rng, init_key = jax.random.split(jax.random.PRNGKey(c.seed))
     host_params = preflight.load_hf("model.path", c.model.path, c.model)[1] if c.model.path else None
     self.engine = engine.build(c, self.model_cfg, total_updates, host_params, init_key)
@@ -76,30 +80,28 @@ class Trainer:
     self.eval_before: dict = {}
     self.warmstart_losses: list[float] = []
 
-  def _checkpoint_tree(self):
-    tree = {"train": self.state}
+  def _checkpoint(self) -> tuple[dict, dict]:
+    """(tree, shardings) of a checkpoint: train state, reference params (KL), replay buffer (host arrays)."""
+    tree, sh = {"train": self.state}, {"train": self.state_shardings}
     if self.ref_params is not None:
-      tree["ref"] = self.ref_params
-    return tree
-
-  def _checkpoint_shardings(self):
-    sh = {"train": self.state_shardings}
-    if self.config.grpo.beta > 0:
-      sh["ref"] = self.param_shardings
-    return sh
+      tree["ref"], sh["ref"] = self.ref_params, self.param_shardings
+    if self.replay is not None:  # the same on every process: replicated
+      tree["replay"] = self.replay.state()
+      sh["replay"] = jax.tree.map(lambda _: sharding.replicated(self.engine.mesh), tree["replay"])
+    return tree, sh
 
   def save(self, step: int):
     meta = {"step": step, "data_position": self.data_position,
             "rng": np.asarray(jax.random.key_data(self.rng)).tolist(), "eval_before": self.eval_before,
             "warmstart_losses": self.warmstart_losses, "config": self.config.to_dict(),
             "memory_manager": self.memory.state_json() if self.memory is not None else None}
-    self.checkpointer.save(step, self._checkpoint_tree(), meta)
+    self.checkpointer.save(step, self._checkpoint()[0], meta)
 
   def restore_latest(self) -> bool:
     """Restore the newest intact checkpoint (a damaged newer one is reported and skipped); False if none."""
     if self.config.grpo.beta > 0:
       self.ref_params = self.state["params"]  # shape donor; replaced by the restored reference
-    abstract = checkpointing.abstract_with_shardings(self._checkpoint_tree(), self._checkpoint_shardings())
+    abstract = checkpointing.abstract_with_shardings(*self._checkpoint())
     found = self.checkpointer.restore_newest(lambda meta: abstract)
     if found is None:
       self.ref_params = None
@@ -107,6 +109,8 @@ class Trainer:
     _, tree, meta = found
     self.state = tree["train"]
     self.ref_params = tree.get("ref")
+    if self.replay is not None:
+      self.replay = replay.ReplayBuffer.from_state(self.config.replay, jax.device_get(tree["replay"]))
     self.start_step = int(meta["step"])
     self.data_position = int(meta["data_position"])
     self.rng = jnp.asarray(np.asarray(meta["rng"], np.uint32))
@@ -142,28 +146,10 @@ class Trainer:
     opt_state = jax.jit(self.engine.optimizer.init, out_shardings=self.state_shardings["opt_state"])(params)
     self.state = {"params": params, "opt_state": opt_state, "step": self.state["step"]}
 
-  def build_update_batch(self, roll: rollout.Rollout, rng: np.random.Generator) -> tuple[list[dict], dict]:
-    """Advantages, zero-std filtering and fixed-size minibatches (short last one padded with masked rows)."""
-    c = self.config
-    G = c.rollout.num_generations
-    rewards_PG = jnp.asarray(roll.rewards.reshape(-1, G))
-    adv = np.asarray(grpo.advantages(c.grpo.advantage, rewards_PG, c.grpo.std_scale)).reshape(-1)
-    zero_std = np.asarray(grpo.zero_std_groups(rewards_PG))
-    keep_rows = np.arange(len(adv))
-    if c.grpo.filter_zero_std:
-      keep_rows = np.flatnonzero(np.repeat(~zero_std, G))
-    stats = {"frac_reward_zero_std": float(zero_std.mean()), "adv/abs_mean": float(np.abs(adv).mean()),
-             "rows_updated": int(len(keep_rows))}
-    if len(keep_rows) == 0:
-      return [], stats
-    rng.shuffle(keep_rows)
-    mb = c.minibatch_size
-    n_pad = -len(keep_rows) % mb
-    rows = np.concatenate([keep_rows, np.full(n_pad, keep_rows[0])])
-    live = np.concatenate([np.ones(len(keep_rows)), np.zeros(n_pad)]).astype(np.int32)
-    full = {"prompt_ids": roll.prompt_ids[rows], "prompt_mask": roll.prompt_mask[rows], "tokens": roll.tokens[rows],
-            "mask": roll.mask[rows] * live[:, None], "adv": (adv[rows] * live).astype(np.float32)}
-    minibatches = [{k: v[i:i + mb] for k, v in full.items()} for i in range(0, len(rows), mb)]
+  def build_update_batch(self, roll: rollout.Rollout, rng: np.random.Generator,
+                         step: int = 0) -> tuple[list[dict], dict]:
+    """Placed minibatches of the step's update rows (update_batch.py) and its stats."""
+    minibatches, stats = update_batch.minibatches(self.config, roll, rng, self.replay, step)
     return [self.place_batch(b) for b in minibatches], stats
 
   def _forward(self, params, b: dict) -> jax.Array:
@@ -171,7 +157,8 @@ class Trainer:
 
   def add_logprobs(self, minibatches: list[dict]) -> list[dict]:
     """ref_logp on every minibatch; old_logp, from the policy that sampled, on every one an update will see after
-    the rollout's first update, which is on-policy: its rows are flagged on_policy and skip that forward."""
+    the rollout's first update, which is on-policy: its rows are flagged on_policy and skip that forward. Replayed
+    rows keep the behaviour log-probs stored with them and are never on_policy."""
     if self.spec.use_ref_logp:
       minibatches = [{**b, "ref_logp": self._forward(self.ref_params, b)} for b in minibatches]
     if not self.spec.use_old_logp:
@@ -180,6 +167,15 @@ class Trainer:
     for j, b in enumerate(minibatches):
       rows, n = b["tokens"].shape
       first = j == 0
+      if "replayed" in b:
+        replayed, b = b["replayed"], {k: v for k, v in b.items() if k != "replayed"}
+        # replayed rows: the behaviour log-probs stored with them; `logp`, the current policy's, is the exposure's
+        # ratio numerator (memory/exposure.py), so that a replayed token outside the clip range has no exposure
+        logp = self._forward(self.state["params"], b)
+        old = jnp.where(replayed[:, None] > 0, b["old_logp"], logp)
+        on_policy = (replayed == 0) & first
+        out.append({**b, "old_logp": old, "logp": logp, "on_policy": on_policy.astype(jnp.int32)})
+        continue
       if first and self.config.grpo.num_iterations == 1:
         old = self.place_batch({"old_logp": np.zeros((rows, n), np.float32)})["old_logp"]  # never read
       else:
@@ -257,7 +253,7 @@ class Trainer:
     t_rollout = time.perf_counter() - t0
     t1 = time.perf_counter()
     shuffle = np.random.default_rng([c.seed, step])
-    minibatches, stats = self.build_update_batch(roll, shuffle)
+    minibatches, stats = self.build_update_batch(roll, shuffle, step)
     minibatches = self.add_logprobs(minibatches)
     specs = [self.spec] * len(minibatches)
     alloc_rows = []
