@@ -20,7 +20,7 @@ def test_bench_writes_all_outputs_with_every_method_under_budget(tmp_path):
   rows = saved["rows"]
   assert {"machine", "config", "rows"} <= set(saved)
   assert [(r["method"], r["budget_ratio"]) for r in rows][:3] == [("none", None), ("gc", None), ("sac", 1.3)]
-  assert len(rows) == 2 + 6
+  assert len(rows) == 2 + 8
   for r in rows:
     assert set(bench.ROW_KEYS) <= set(r)
     assert r["tokens_per_s"] > 0 and r["compiles"] <= 1
