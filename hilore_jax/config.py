@@ -348,6 +348,7 @@ class BenchConfig:
   logp_noise: float = 0.3  # old log-probs = current + N(0, this): some ratios clip
   risk_batches: int = 4  # held-out batches for the risk-prediction table
   risk_sets: int = 8  # random L sets whose measured error validates the set-risk model on the held-out batches
+  unit_risk_table: bool = True  # per-unit risk-prediction table (risk.md): one probe gradient per unit and batch
 
   def __post_init__(self):
     for k in ("batch_size", "group_size", "seq_len", "prompt_len", "reps"):

@@ -10,7 +10,7 @@ def test_bench_writes_all_outputs_with_every_method_under_budget(tmp_path):
   cfg = cli.load_config(None, [
       "model.vocab_size=37", "model.hidden_size=24", "model.intermediate_size=40", "model.num_hidden_layers=2",
       "model.num_attention_heads=4", "model.num_key_value_heads=2", "memory.group_size=8", "memory.budget_probes=2",
-      "bench.batch_size=4", "bench.group_size=2", "bench.seq_len=15", "bench.prompt_len=5", "bench.reps=1",
+      "bench.batch_size=4", "bench.group_size=2", "bench.seq_len=15", "bench.prompt_len=5", "bench.reps=3",
       "bench.budget_ratios=[1.3]", "bench.risk_batches=2", "grpo.beta=0.02"])
   out = str(tmp_path / "bench")
   result = bench.run(cfg, out, progress=lambda s: None)

@@ -111,17 +111,22 @@ def run(cfg: Config, out_dir: str, progress=print) -> dict:
                                              for b, ref in zip(err_batches, exact)]))}
   progress(f"bench: regime {regime}")
   risk_rows, risk_fit = {}, {}
-  if risk_batches and calib is not None:
-    progress(f"bench: risk-prediction table and set-error fit on {len(risk_batches)} held-out batches")
-    err_ev = np.stack([calibration.measure_unit_errors(hooks, params, b, units, mc.group_size, mc.lowp_format, ref)
-                       for b, ref in zip(risk_batches, exact[1:])])
+  if risk_batches and calib is not None and bc.risk_sets:
+    # the set-risk model as the allocator uses it: calibration's per-unit errors and coherence, predicting the
+    # measured error of random L sets on held-out batches
+    progress(f"bench: set-risk fit on {bc.risk_sets} random L sets x {len(risk_batches)} held-out batches")
     sets = calibration.random_sets(len(units), bc.risk_sets, np.random.default_rng(cfg.seed + 2))
     set_err = np.stack([calibration.set_errors(hooks, params, b, units, sets, mc.group_size, mc.lowp_format, ref)
                         for b, ref in zip(risk_batches, exact[1:])])
+    static = np.asarray(calib.static_error)
     risk_fit = {"coherence": calib.coherence, "calibration": calib.set_fit,
-                "held_out": calibration.set_fit(err_ev.mean(0), sets, set_err.mean(0), calib.coherence),
-                "predicted_linear": [calib.coherence * float(err_ev.mean(0)[s].sum()) for s in sets],
-                "measured": set_err.mean(0).tolist()}
+                "held_out": calibration.set_fit(static, sets, set_err.mean(0), calib.coherence),
+                "set_sizes": [len(s) for s in sets], "measured": set_err.mean(0).tolist(),
+                "predicted_linear": [calib.coherence * float(static[s].sum()) for s in sets]}
+  if risk_batches and calib is not None and bc.unit_risk_table:
+    progress(f"bench: per-unit risk-prediction table on {len(risk_batches)} held-out batches")
+    err_ev = np.stack([calibration.measure_unit_errors(hooks, params, b, units, mc.group_size, mc.lowp_format, ref)
+                       for b, ref in zip(risk_batches, exact[1:])])
     risk_rows = calibration.risk_report(hooks, params, cal_batches, risk_batches, units, mc.group_size,
                                         mc.lowp_format, err_cal=np.asarray(calib.unit_errors), err_ev=err_ev)
   progress(f"bench: timing {len(entries)} configurations x {bc.reps} reps, interleaved")
