@@ -34,12 +34,14 @@ def results_table(rows: list[dict]) -> str:
   lines = [head, "|---|---:|---:|---:|---:|---:|---|---|---:|---|---:|---:|---|---:|"]
   for r in rows:
     label = f"{r['method']} (-style)" if r["method"] in STYLE else r["method"]
+    solver = r.get("solver", "—") + (f" (greedy {r['greedy_gap_pct']:+.1f}%)" if r.get("greedy_gap_pct") is not None
+                                     else "")
     gain = (f"{_fmt(r['gain_vs_gc_pct'], '+.1f')}% [{_fmt(r.get('gain_ci_low'), '+.1f')}, "
             f"{_fmt(r.get('gain_ci_high'), '+.1f')}]" + (" NOISE (> No-GC)" if r.get("noise") else ""))
     lines.append(
         f"| {label} | {_fmt(r['budget_ratio'], '.2f') if r['budget_ratio'] else '—'} | {r['flops'] / 1e9:.2f} | "
         f"{_fmt((r.get('bytes_accessed') or 0) / 1e9, '.2f')} | {_fmt(r.get('recompute_removed_pct'), '.0f')}% | "
-        f"{r['peak_bytes'] / 2**20:.1f} | {r.get('active_constraint', '—')} | {r.get('solver', '—')} | "
+        f"{r['peak_bytes'] / 2**20:.1f} | {r.get('active_constraint', '—')} | {solver} | "
         f"{r['tokens_per_s']:.0f} | {gain} | {r['grad_rel_err_mean']:.2e} | {r['grad_rel_err_max']:.2e} | "
         f"{r['frac_H']:.2f} / {r['frac_L']:.2f} / {r['frac_R']:.2f} | {_fmt(r['schedule_overhead_pct'], '.3f')}% |")
   return "\n".join(lines)

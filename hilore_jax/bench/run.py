@@ -174,7 +174,7 @@ def _configure(cfg, method, ratio, spec, hooks, stepper, params, batch, calib, e
     pol = model.NO_REMAT if method == "none" else model.FULL_REMAT
     spec_m = dataclasses.replace(spec, policies=model.uniform(mcfg.num_hidden_layers, pol))
     fr = {"frac_H": 1.0 if method == "none" else 0.0, "frac_L": 0.0, "frac_R": 0.0 if method == "none" else 1.0}
-    budget, active = None, "none"
+    budget, active, gap = None, "none", None
   else:
     mc = dataclasses.replace(cfg.memory, policy=method, budget_ratio=ratio, budget_bytes=None)
     mm = MemoryManager(mc, hooks)
@@ -183,6 +183,7 @@ def _configure(cfg, method, ratio, spec, hooks, stepper, params, batch, calib, e
     spec_m = dataclasses.replace(spec, policies=alloc.policies)
     fr = {k: alloc.metrics[f"alloc/{k}"] for k in ("frac_H", "frac_L", "frac_R")}
     budget, active = alloc.metrics["memory/budget_bytes"], alloc.active_constraint
+    gap = 100 * alloc.metrics["alloc/greedy_gap"] if method in methods.SOLVED else None
     # what a training step pays to choose its policy once compiled: exposure level + cached plan lookup
     sched = _median_s(lambda: mm.allocate([batch]))
   compiled = stepper.get(spec_m, batch, reason=f"bench {method} @ {ratio}")
@@ -194,8 +195,9 @@ def _configure(cfg, method, ratio, spec, hooks, stepper, params, batch, calib, e
     coss.append(calibration.cosine(g, ref))
   row = {"method": method, "budget_ratio": ratio, "peak_bytes": int(compiled.peak_bytes), "budget_bytes": budget,
          "tokens_per_s": None, "gain_vs_gc_pct": None, "gain_ci_low": None, "gain_ci_high": None,
-         "active_constraint": active, "solver": (cfg.memory.solver if method in methods.SOLVED else
-                                                 "none" if method in ("none", "gc") else "heuristic"),
+         "active_constraint": active, "greedy_gap_pct": gap,
+         "solver": (cfg.memory.solver if method in methods.SOLVED else "none" if method in ("none", "gc") else
+                    "heuristic"),
          "grad_rel_err_mean": float(np.mean(errs)),
          "grad_rel_err_max": float(np.max(errs)), "grad_cos": float(np.min(coss)), **fr, "schedule_overhead_pct": None,
          "same_as_gc": method != "none" and all(p == model.FULL_REMAT for p in spec_m.policies),
