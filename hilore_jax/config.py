@@ -25,7 +25,8 @@ _ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig)
                      if f.name not in ("dtype", "param_dtype", "attention"))
 # memory.policy: none keeps every activation, gc recomputes every layer, hilore plans H/L/R(/O) per unit by
 # exposure; the rest are the benchmark's baselines (memory/methods.py implements one planner per name)
-MEMORY_POLICIES = ("none", "gc", "sac", "optimal_hr", "uniform_int8", "greedy_bits", "adacc_style", "hilore")
+MEMORY_POLICIES = ("none", "gc", "sac", "optimal_hr", "uniform_int8", "uniform_int8_gc", "greedy_bits",
+                   "greedy_bits_gc", "adacc_style", "hilore")
 REPLAY_MODES = ("fresh_anchored", "naive")
 
 
@@ -352,6 +353,8 @@ class MemoryConfig:
   group_size: int = 64  # L codes: one scale per group along the last axis
   lowp_format: str = "int8"  # L codes: int8 | fp8_e4m3 | int4 | bf16
   calib_batches: int = 2  # K: minibatches the risk calibration measures
+  calib_sets: int = 6  # random L sets per calibration batch to fit how coherently units' errors add
+  solver: str = "exact"  # exact (MILP) | greedy: the allocator of the solved methods; the other's gap is logged
   offload: bool = False  # allow O (offload to host memory); GPU/TPU only
   budget_probes: int = 4  # compiles per bucket to fit the plan's byte allowance to the compiled peak
   exposure: ExposureSwitches = ExposureSwitches()
@@ -360,6 +363,8 @@ class MemoryConfig:
     check_choice("memory.policy", self.policy, MEMORY_POLICIES)
     check_choice("memory.lowp_format", self.lowp_format, FORMATS)
     check_positive("memory.calib_batches", self.calib_batches)
+    check_positive("memory.calib_sets", self.calib_sets, allow_zero=True)
+    check_choice("memory.solver", self.solver, ("exact", "greedy"))
     check_positive("memory.budget_probes", self.budget_probes)
     if self.budget_ratio < 1.0:
       raise ConfigError(f"memory.budget_ratio must be >= 1.0 (full checkpointing is the floor), got "
@@ -414,6 +419,8 @@ class BenchConfig:
   zero_adv_frac: float = 0.25  # share of groups whose rewards are all equal
   logp_noise: float = 0.3  # old log-probs = current + N(0, this): some ratios clip
   risk_batches: int = 4  # held-out batches for the risk-prediction table
+  risk_sets: int = 8  # random L sets whose measured error validates the set-risk model on the held-out batches
+  unit_risk_table: bool = True  # per-unit risk-prediction table (risk.md): one probe gradient per unit and batch
 
   def __post_init__(self):
     for k in ("batch_size", "group_size", "seq_len", "prompt_len", "reps"):
@@ -431,6 +438,7 @@ class BenchConfig:
     check_range("bench.zero_adv_frac", self.zero_adv_frac, 0.0, 1.0)
     check_positive("bench.logp_noise", self.logp_noise, allow_zero=True)
     check_positive("bench.risk_batches", self.risk_batches, allow_zero=True)
+    check_positive("bench.risk_sets", self.risk_sets, allow_zero=True)
 
 
 @dataclasses.dataclass(frozen=True)

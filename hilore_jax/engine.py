@@ -57,10 +57,10 @@ def _memory(compiled) -> tuple[int, int]:
   return int(getattr(mem, "temp_size_in_bytes", 0) or 0), int(getattr(mem, "output_size_in_bytes", 0) or 0)
 
 
-def _flops(compiled) -> float:
+def _flops(compiled, key: str = "flops") -> float:
   cost = compiled.cost_analysis() or {}
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return float(cost.get("flops", 0.0))
+  return float(cost.get(key, 0.0))
 
 
 @dataclasses.dataclass
@@ -89,6 +89,11 @@ class Step:
   @property
   def flops(self) -> float:
     return _flops(self.grad) + _flops(self.update)
+
+  @property
+  def bytes_accessed(self) -> float:
+    """XLA's estimate of the bytes both programs read and write."""
+    return _flops(self.grad, "bytes accessed") + _flops(self.update, "bytes accessed")
 
   def __call__(self, state: dict, batch: dict):
     grads, metrics = self.grad(state["params"], train_step.step_inputs(batch))
@@ -275,4 +280,7 @@ def memory_hooks(stepper: Stepper, spec: StepSpec) -> StepHooks:
       batch_shape=lambda b: (-(-b["tokens"].shape[0] // (spec.microbatches * shards)),
                              b["prompt_ids"].shape[1] + b["tokens"].shape[1]),
       gradient=lambda p, b, pols: _grad(p, train_step.step_inputs(b), with_policies(pols)),
+      probe_gradient=lambda p, b, mix, fmt, group: _grad(
+          p, {**train_step.step_inputs(b), "lowp_probe": mix},
+          dataclasses.replace(spec, policies=(model.NO_REMAT,) * cfg.num_hidden_layers, lowp_probe=(fmt, group))),
       token_weights=token_weights, unit_tensors=unit_tensors)

@@ -32,6 +32,9 @@ class StepSpec:
   # log-probs of softmax(logits / T), the distribution rollouts were sampled from; the sampler's top-k/top-p
   # truncation is not applied here (as in TRL and verl)
   temperature: float = 1.0
+  # (format, group size): every unit read in backward as exact + mix * (decoded - exact), the mix [L, units] from
+  # batch["lowp_probe"] (risk calibration: one program measures any set of L units)
+  lowp_probe: tuple[str, int] | None = None
 
 
 def sequence_inputs(batch: dict) -> tuple[jax.Array, jax.Array]:
@@ -42,11 +45,11 @@ def sequence_inputs(batch: dict) -> tuple[jax.Array, jax.Array]:
 
 
 def completion_logprobs(cfg: ModelConfig, params, batch: dict, policies=None, chunk: int = 128,
-                        temperature: float = 1.0):
+                        temperature: float = 1.0, probe=None):
   """(log pi(completion token), entropy) [B, N] with chunked log-softmax over the vocabulary."""
   ids, mask = sequence_inputs(batch)
   P, N = batch["prompt_ids"].shape[1], batch["tokens"].shape[1]
-  h = model.hidden_states(cfg, params, ids, mask, layer_policies=policies)
+  h = model.hidden_states(cfg, params, ids, mask, layer_policies=policies, probe=probe)
   # position t predicts token t+1: completion token j is predicted at P - 1 + j
   return logprobs.token_logprobs(h[:, P - 1:P + N - 1], model.lm_head_weight(cfg, params), batch["tokens"], chunk,
                                  temperature)
@@ -85,8 +88,9 @@ def old_logprobs(logp: jax.Array, batch: dict, spec: StepSpec) -> jax.Array:
 
 
 def loss_and_stats(params, batch: dict, spec: StepSpec, num_seqs, num_tokens):
+  probe = (*spec.lowp_probe, batch["lowp_probe"]) if spec.lowp_probe else None
   logp, entropy = completion_logprobs(spec.model_cfg, params, batch, spec.policies, spec.logprob_chunk,
-                                      spec.temperature)
+                                      spec.temperature, probe)
   old = old_logprobs(logp, batch, spec)
   ref = batch["ref_logp"] if spec.use_ref_logp else jax.lax.stop_gradient(logp)
   loss, stats = grpo.grpo_loss(logp, old, ref, batch["adv"], batch["mask"], spec.loss_cfg, num_seqs, num_tokens)
@@ -102,13 +106,17 @@ def grads_and_stats(params, batch: dict, spec: StepSpec):
   if spec.microbatches == 1:
     return grad_fn(params, batch, spec, num_seqs, num_tokens)
   A = spec.microbatches
+  batch = dict(batch)
+  probe = batch.pop("lowp_probe", None)  # per layer, not per row: every microbatch reads all of it
   split = jax.tree_util.tree_map(lambda x: x.reshape(A, x.shape[0] // A, *x.shape[1:]), batch)
 
   def body(acc, mb):
+    mb = mb if probe is None else {**mb, "lowp_probe": probe}
     g, s = grad_fn(params, mb, spec, num_seqs, num_tokens)
     return jax.tree_util.tree_map(jnp.add, acc, (g, s)), None
 
   first = jax.tree_util.tree_map(lambda x: x[0], split)
+  first = first if probe is None else {**first, "lowp_probe": probe}
   shapes = jax.eval_shape(lambda p, b: grad_fn(p, b, spec, num_seqs, num_tokens), params, first)
   zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
   (grads, stats), _ = jax.lax.scan(body, zeros, split)

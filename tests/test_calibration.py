@@ -49,18 +49,33 @@ def test_measured_errors_and_held_out_score_quality(tiny_cfg):
   assert rows["without susceptibility"]["spearman"] < rows["full"]["spearman"] - 0.2
 
 
-def test_one_pass_unit_errors_equal_single_unit_runs(grpo_setup):
-  # every unit L at once: each unit's rounding error sits alone in its own weights' gradient
+def test_probe_measures_what_the_policy_runs(grpo_setup):
+  # the run-time mix of the probe program gives the same error as compiling the real L policy; a set's error is
+  # not the root sum of squares of its units' (codes reach earlier layers' input gradients too)
   hooks, p, batch = grpo_setup
   units = calibration.lowp_units(3)
-  one_pass = calibration.measure_unit_errors(hooks, p, batch, units, group_size=8)
-  for i in (0, 5, len(units) - 1):
-    alone = calibration.gradient_error(hooks, p, batch, calibration.lowp_policies(3, [units[i]], 8))
-    assert one_pass[i] == pytest.approx(alone, rel=1e-3), units[i]
-  # and a set's error is the root sum of squares of its units'
-  pair = [units[0], units[5]]
-  both = calibration.gradient_error(hooks, p, batch, calibration.lowp_policies(3, pair, 8))
-  assert both == pytest.approx(float(np.hypot(one_pass[0], one_pass[5])), rel=1e-3)
+  idx = [units.index((0, model.LAYER_INPUT)), units.index((1, model.ATTN_PROBS)), units.index((2, model.MLP_GATE))]
+  one = calibration.measure_unit_errors(hooks, p, batch, units, group_size=8)
+  assert one.shape == (len(units),) and np.all(one > 0)
+  for i in idx:
+    real = calibration.gradient_error(hooks, p, batch, calibration.lowp_policies(3, [units[i]], 8))
+    assert one[i] == pytest.approx(real, rel=1e-3), units[i]
+  (probe_set,) = calibration.set_errors(hooks, p, batch, units, [idx], group_size=8)
+  real_set = calibration.gradient_error(hooks, p, batch, calibration.lowp_policies(3, [units[i] for i in idx], 8))
+  assert probe_set == pytest.approx(real_set, rel=1e-3)
+  assert probe_set <= one[idx].sum() * (1 + 1e-6)  # the triangle inequality: the linear model's bound
+
+
+def test_coherence_and_set_fit_by_hand():
+  unit_err = np.array([[0.1, 0.2, 0.3]])
+  sets = [[0, 1], [1, 2], [0, 1, 2]]
+  measured = np.array([[0.25, 0.4, 0.45]])  # ratios to the sums .3, .5, .6: 0.833, 0.8, 0.75
+  assert calibration.fit_coherence(unit_err, sets, measured) == pytest.approx(0.25 / 0.3)
+  fit = calibration.set_fit(unit_err[0], sets, measured[0], 0.25 / 0.3)
+  assert fit["linear_covered"] == 1.0 and fit["sets"] == 3
+  # root sums of squares .224, .361, .374: all under the measured errors
+  assert fit["orthogonal_covered"] == 0.0
+  assert calibration.random_sets(10, 3, np.random.default_rng(0))[-1] == list(range(10))
 
 
 def test_zero_advantage_rows_carry_no_exposure(grpo_setup):
@@ -79,7 +94,7 @@ def test_calibrated_delta_meets_tolerance(grpo_setup):
   units = calibration.lowp_units(3)
   err = calibration.measure_unit_errors(hooks, p, batch, units, group_size=8)
   tolerance = float(np.sort(err)[3])  # tight enough that not every unit fits
-  delta, measured = calibration.calibrate_delta(hooks, p, [batch], units, err, err, tolerance, group_size=8)
-  assert 0 < delta <= tolerance ** 2 and 0 < measured <= tolerance
-  # the chosen set really is several units (squared risks add), and all of them would break the tolerance
+  delta, measured = calibration.calibrate_delta(hooks, p, [batch], units, err, tolerance, group_size=8)
+  assert 0 < delta <= tolerance and 0 < measured <= tolerance
+  # all of them would break the tolerance
   assert calibration.gradient_error(hooks, p, batch, calibration.lowp_policies(3, units, 8)) > tolerance

@@ -18,6 +18,8 @@ def test_unit_bytes_match_what_backward_saves(tiny_cfg):
   save_all = model.LayerPolicy(remat=True, save=U.UNITS)
   res = [r for rs in model.layer_residuals(tiny_cfg, p, ids, (save_all,) * 3) for r in rs]
   for u in us[:len(U.UNITS)]:
+    if u.kind in U.BOUNDARY:  # a checkpointed layer keeps its input as its argument (unnamed)
+      continue
     hit = [r for r in res if r.name == u.kind]
     assert len(hit) == 3 and hit[0].shape == u.shape, u.kind
     assert u.bytes_h == 4 * jnp.size(jnp.zeros(u.shape))
@@ -41,8 +43,9 @@ def test_profile_is_measured_and_cached(tiny_cfg, tmp_path):
   other = units.profile_key(tiny_cfg.replace(dtype="bfloat16"), 2, 16, 8)
   assert other != units.profile_key(tiny_cfg, 2, 16, 8)
   us = units.enumerate_units(tiny_cfg, 2, 16, 8, prof)
-  assert us[0].recompute_s == prof["ops"][U.BY_NAME[us[0].kind].producer]
-  assert us[0].codec_s == prof["codec"][us[0].kind]["int8"] and us[0].offload_s is None
+  assert us[0].kind in U.BOUNDARY and us[0].recompute_s == 0.0  # the layer input has no producer op
+  assert us[1].recompute_s == prof["ops"][U.BY_NAME[us[1].kind].producer]
+  assert us[1].codec_s == prof["codec"][us[1].kind]["int8"] and us[1].offload_s is None
 
 
 def _names(jaxpr) -> list[str]:
@@ -78,10 +81,10 @@ def test_the_table_names_exactly_what_the_decoder_tags(tiny_cfg, attention):
   assert sorted(set(names)) == sorted(rows)
   assert len(names) == len(rows)  # each tensor tagged once
   assert (U.ATTN_PROBS in rows) == (attention == "xla")  # the fused kernel has no probabilities tensor
-  assert [t.name for t in U.table(attention) if t.unit] == list(U.UNITS)  # the allocator's units are the same
-  lowp = model.LayerPolicy(remat=True, lowp=U.LOWP_UNITS)
+  assert [t.name for t in U.table(attention) if t.unit] == [u for u in U.UNITS if u in rows]
+  lowp = model.LayerPolicy(remat=False, lowp=U.LOWP_UNITS)
   codes = set(_layer_names(cfg, lowp)) - set(U.CHECKPOINT_NAMES)
-  assert codes == {n for u in U.LOWP_UNITS for n in U.code_names(u)}
+  assert codes == {n for u in U.LOWP_UNITS if u in rows for n in U.code_names(u)}
 
 
 class _Recorder(dict):

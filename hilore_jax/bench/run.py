@@ -14,14 +14,15 @@ import jax
 import numpy as np
 
 from hilore_jax import engine, model, sharding, train_step
-from hilore_jax.bench import report, synthetic
+from hilore_jax.bench import report, stats, synthetic
 from hilore_jax.config import Config
 from hilore_jax.memory import MemoryManager, calibration, methods
 
 log = logging.getLogger(__name__)
 
-ROW_KEYS = ("method", "budget_ratio", "peak_bytes", "tokens_per_s", "gain_vs_gc_pct", "grad_rel_err_mean",
-            "grad_rel_err_max", "grad_cos", "frac_H", "frac_L", "frac_R", "schedule_overhead_pct", "compiles")
+ROW_KEYS = ("method", "budget_ratio", "peak_bytes", "tokens_per_s", "gain_vs_gc_pct", "gain_ci_low", "gain_ci_high",
+            "active_constraint", "solver", "grad_rel_err_mean", "grad_rel_err_max", "grad_cos", "frac_H", "frac_L",
+            "frac_R", "schedule_overhead_pct", "compiles", "flops", "bytes_accessed")
 
 
 @dataclasses.dataclass
@@ -99,12 +100,35 @@ def run(cfg: Config, out_dir: str, progress=print) -> dict:
                f"{e.row['frac_H']:.2f}/{e.row['frac_L']:.2f}/{e.row['frac_R']:.2f}, "
                f"grad err {e.row['grad_rel_err_mean']:.2e}")
 
-  risk_rows = {}  # before timing: the timed steps donate (and so delete) the parameters they are given
-  if risk_batches and calib is not None:
-    progress(f"bench: risk-prediction table on {K} calibration + {len(risk_batches)} held-out batches")
-    risk_rows = calibration.risk_report(hooks, params, cal_batches, risk_batches,
-                                        calibration.lowp_units(mcfg.num_hidden_layers), cfg.memory.group_size,
-                                        cfg.memory.lowp_format)
+  # before timing: the timed steps donate (and so delete) the parameters they are given
+  mc, units = cfg.memory, calibration.lowp_units(mcfg.num_hidden_layers)
+  all_l = calibration.lowp_policies(mcfg.num_hidden_layers, units, mc.group_size, mc.lowp_format)
+  by = {e.method: e for e in entries}
+  regime = {"tolerance": mc.grad_err_tolerance, "lowp_format": mc.lowp_format,
+            "nogc_over_gc_temp": (by["none"].row["peak_bytes"] / by["gc"].row["peak_bytes"]
+                                  if {"none", "gc"} <= set(by) else None),
+            "all_l_grad_err": float(np.mean([calibration.relative_error(hooks.gradient(params, b, all_l), ref)
+                                             for b, ref in zip(err_batches, exact)]))}
+  progress(f"bench: regime {regime}")
+  risk_rows, risk_fit = {}, {}
+  if risk_batches and calib is not None and bc.risk_sets:
+    # the set-risk model as the allocator uses it: calibration's per-unit errors and coherence, predicting the
+    # measured error of random L sets on held-out batches
+    progress(f"bench: set-risk fit on {bc.risk_sets} random L sets x {len(risk_batches)} held-out batches")
+    sets = calibration.random_sets(len(units), bc.risk_sets, np.random.default_rng(cfg.seed + 2))
+    set_err = np.stack([calibration.set_errors(hooks, params, b, units, sets, mc.group_size, mc.lowp_format, ref)
+                        for b, ref in zip(risk_batches, exact[1:])])
+    static = np.asarray(calib.static_error)
+    risk_fit = {"coherence": calib.coherence, "calibration": calib.set_fit,
+                "held_out": calibration.set_fit(static, sets, set_err.mean(0), calib.coherence),
+                "set_sizes": [len(s) for s in sets], "measured": set_err.mean(0).tolist(),
+                "predicted_linear": [calib.coherence * float(static[s].sum()) for s in sets]}
+  if risk_batches and calib is not None and bc.unit_risk_table:
+    progress(f"bench: per-unit risk-prediction table on {len(risk_batches)} held-out batches")
+    err_ev = np.stack([calibration.measure_unit_errors(hooks, params, b, units, mc.group_size, mc.lowp_format, ref)
+                       for b, ref in zip(risk_batches, exact[1:])])
+    risk_rows = calibration.risk_report(hooks, params, cal_batches, risk_batches, units, mc.group_size,
+                                        mc.lowp_format, err_cal=np.asarray(calib.unit_errors), err_ev=err_ev)
   progress(f"bench: timing {len(entries)} configurations x {bc.reps} reps, interleaved")
   order = np.random.default_rng(cfg.seed + 1)
   for e in entries:  # one untimed run each (first-call allocations)
@@ -118,21 +142,25 @@ def run(cfg: Config, out_dir: str, progress=print) -> dict:
       jax.block_until_ready((state, m))
       e.times.append(time.perf_counter() - t0)
   tokens = bc.batch_size * bc.seq_len
-  gc_tps = next((tokens / np.median(e.times) for e in entries if e.method == "gc"), None)
+  gc = next((e for e in entries if e.method == "gc"), None)
   # deterministic companion of the timings: the share of GC's extra (recompute) FLOPs a plan removes
-  f_gc = next((e.row["flops"] for e in entries if e.method == "gc"), None)
+  f_gc = gc.row["flops"] if gc else None
   f_none = next((e.row["flops"] for e in entries if e.method == "none"), None)
   for e in entries:
     step_s = float(np.median(e.times))
     e.row["step_s"] = step_s
     e.row["tokens_per_s"] = tokens / step_s
-    e.row["gain_vs_gc_pct"] = 100 * (e.row["tokens_per_s"] / gc_tps - 1) if gc_tps else None
+    if gc is not None:  # per-rep ratios to GC, paired within the rep they were interleaved in
+      gains = stats.paired_gain_pct(e.times, gc.times)
+      lo, hi = stats.bootstrap_ci(gains, seed=cfg.seed)
+      e.row.update(gain_vs_gc_pct=float(np.mean(gains)), gain_ci_low=lo, gain_ci_high=hi,
+                   gains_pct=[float(g) for g in gains])
     e.row["schedule_overhead_pct"] = 100 * e.schedule_s / step_s
     if f_gc is not None and f_none is not None and f_gc > f_none:
       e.row["recompute_removed_pct"] = 100 * (f_gc - e.row["flops"]) / (f_gc - f_none)
 
-  result = {"machine": machine(), "config": cfg.to_dict(), "rows": [e.row for e in entries],
-            "calibration": dataclasses.asdict(calib) if calib else None, "risk": risk_rows}
+  result = {"machine": machine(), "config": cfg.to_dict(), "rows": [e.row for e in entries], "regime": regime,
+            "calibration": dataclasses.asdict(calib) if calib else None, "risk": risk_rows, "risk_fit": risk_fit}
   report.write_outputs(result, out_dir)
   return result
 
@@ -146,7 +174,7 @@ def _configure(cfg, method, ratio, spec, hooks, stepper, params, batch, calib, e
     pol = model.NO_REMAT if method == "none" else model.FULL_REMAT
     spec_m = dataclasses.replace(spec, policies=model.uniform(mcfg.num_hidden_layers, pol))
     fr = {"frac_H": 1.0 if method == "none" else 0.0, "frac_L": 0.0, "frac_R": 0.0 if method == "none" else 1.0}
-    budget = None
+    budget, active, gap = None, "none", None
   else:
     mc = dataclasses.replace(cfg.memory, policy=method, budget_ratio=ratio, budget_bytes=None)
     mm = MemoryManager(mc, hooks)
@@ -154,7 +182,8 @@ def _configure(cfg, method, ratio, spec, hooks, stepper, params, batch, calib, e
     (alloc,) = mm.allocate([batch])
     spec_m = dataclasses.replace(spec, policies=alloc.policies)
     fr = {k: alloc.metrics[f"alloc/{k}"] for k in ("frac_H", "frac_L", "frac_R")}
-    budget = alloc.metrics["memory/budget_bytes"]
+    budget, active = alloc.metrics["memory/budget_bytes"], alloc.active_constraint
+    gap = 100 * alloc.metrics["alloc/greedy_gap"] if method in methods.SOLVED else None
     # what a training step pays to choose its policy once compiled: exposure level + cached plan lookup
     sched = _median_s(lambda: mm.allocate([batch]))
   compiled = stepper.get(spec_m, batch, reason=f"bench {method} @ {ratio}")
@@ -165,8 +194,13 @@ def _configure(cfg, method, ratio, spec, hooks, stepper, params, batch, calib, e
     errs.append(calibration.relative_error(g, ref))
     coss.append(calibration.cosine(g, ref))
   row = {"method": method, "budget_ratio": ratio, "peak_bytes": int(compiled.peak_bytes), "budget_bytes": budget,
-         "tokens_per_s": None, "gain_vs_gc_pct": None, "grad_rel_err_mean": float(np.mean(errs)),
+         "tokens_per_s": None, "gain_vs_gc_pct": None, "gain_ci_low": None, "gain_ci_high": None,
+         "active_constraint": active, "greedy_gap_pct": gap,
+         "solver": (cfg.memory.solver if method in methods.SOLVED else "none" if method in ("none", "gc") else
+                    "heuristic"),
+         "grad_rel_err_mean": float(np.mean(errs)),
          "grad_rel_err_max": float(np.max(errs)), "grad_cos": float(np.min(coss)), **fr, "schedule_overhead_pct": None,
          "same_as_gc": method != "none" and all(p == model.FULL_REMAT for p in spec_m.policies),
-         "compiles": compiles, "probe_compiles": stepper.probe_compiles - probes, "flops": compiled.flops}
+         "compiles": compiles, "probe_compiles": stepper.probe_compiles - probes, "flops": compiled.flops,
+         "bytes_accessed": compiled.bytes_accessed}
   return Entry(method, ratio, spec_m, compiled, row, sched)

@@ -1,6 +1,14 @@
 """Risk calibration: measure each L unit's true gradient error on K batches, fit per-unit susceptibility to the
 exposure score, report how well scores predict the error, and turn the gradient-error tolerance into the risk
-budget delta (risk = predicted squared relative error; squares add because units' errors are orthogonal)."""
+budget delta.
+
+An L unit's decoded code is read by every part of backward that reads the tensor (a softmax or nonlinearity
+derivative too), so its error reaches input gradients of earlier layers: units' errors are not orthogonal. The
+risk of a set is therefore modelled as coherence * (sum of its units' errors), the triangle inequality scaled by a
+coherence factor measured on random sets (linear in the set, so the exact solver can bound it), and validated
+against the measured error of other random sets. Every measurement runs one compiled probe program (the gradient
+with every unit read as exact + mix * (decoded - exact), mix chosen at run time).
+"""
 
 from __future__ import annotations
 
@@ -20,7 +28,7 @@ from hilore_jax.model import units as U
 
 
 def lowp_units(num_layers: int) -> list[tuple[int, str]]:
-  """(layer, kind) of every unit that can be L."""
+  """(layer, kind) of every unit that can be L (the probe's mix order within a layer is units.UNITS)."""
   return [(layer, kind) for layer in range(num_layers) for kind in U.LOWP_UNITS]
 
 
@@ -75,23 +83,59 @@ def gradient_error(hooks: StepHooks, params, batch: dict, policies, exact=None) 
   return relative_error(hooks.gradient(params, batch, tuple(policies)), exact)
 
 
-def measure_unit_errors(hooks: StepHooks, params, batch: dict, units, group_size: int,
-                        fmt: str = "int8") -> np.ndarray:
-  """[U] true relative gradient error ||g_u - g|| / ||g|| when only unit u is L, for every unit at once.
+def probe_mix(num_layers: int, units, chosen) -> np.ndarray:
+  """[layers, len(UNITS)] mix that makes exactly the `chosen` indices into `units` L."""
+  mix = np.zeros((num_layers, len(U.UNITS)), np.float32)
+  for i in chosen:
+    layer, kind = units[i]
+    mix[layer, U.UNITS.index(kind)] = 1.0
+  return mix
 
-  An L unit's code is read only by its own weights' gradient (input gradients use exact weights), so with every
-  unit L each unit's error sits alone in its weights' gradient blocks: one gradient measures all of them.
-  """
-  exact = exact_gradient(hooks, params, batch)
-  approx = hooks.gradient(params, batch, lowp_policies(hooks.model_cfg.num_hidden_layers, units, group_size, fmt))
-  total = float(norm(exact))
-  out = []
-  for layer, kind in units:
-    blocks_a, blocks_e = model.layer_params(approx, layer), model.layer_params(exact, layer)
-    sq = sum(float(jnp.sum((blocks_a[sub][leaf].astype(jnp.float32) - blocks_e[sub][leaf].astype(jnp.float32)) ** 2))
-             for sub, leaf in U.BY_NAME[kind].weights)
-    out.append(np.sqrt(sq) / max(total, 1e-30))
-  return np.array(out)
+
+def set_errors(hooks: StepHooks, params, batch: dict, units, sets, group_size: int, fmt: str = "int8",
+               exact=None) -> np.ndarray:
+  """[len(sets)] relative gradient error with exactly each set (indices into units) L, measured."""
+  exact = exact_gradient(hooks, params, batch) if exact is None else exact
+  n = hooks.model_cfg.num_hidden_layers
+  return np.array([relative_error(hooks.probe_gradient(params, batch, probe_mix(n, units, s), fmt, group_size),
+                                  exact) for s in sets])
+
+
+def measure_unit_errors(hooks: StepHooks, params, batch: dict, units, group_size: int,
+                        fmt: str = "int8", exact=None) -> np.ndarray:
+  """[U] true relative gradient error ||g_u - g|| / ||g|| when only unit u is L (one probe gradient each)."""
+  return set_errors(hooks, params, batch, units, [[i] for i in range(len(units))], group_size, fmt, exact)
+
+
+def random_sets(n_units: int, count: int, rng: np.random.Generator) -> list[list[int]]:
+  """`count` random L sets of sizes spread over 2 .. n_units (what allocations choose lies in between)."""
+  sizes = np.linspace(2, n_units, count).round().astype(int)
+  return [sorted(rng.choice(n_units, size=int(k), replace=False).tolist()) for k in sizes]
+
+
+def fit_coherence(unit_err_KU: np.ndarray, sets, set_err_KS: np.ndarray) -> float:
+  """The coherence factor: the largest measured / (sum of unit errors) over calibration sets and batches, so the
+  linear risk model covers every set it was fitted on (1: errors add up fully, 1/sqrt(n): orthogonal)."""
+  unit_err_KU, set_err_KS = np.atleast_2d(unit_err_KU), np.atleast_2d(set_err_KS)
+  ratios = [set_err_KS[k, j] / max(unit_err_KU[k, s].sum(), 1e-30) for k in range(len(unit_err_KU))
+            for j, s in enumerate(sets)]
+  return float(max(ratios)) if ratios else 1.0
+
+
+def set_fit(unit_err_U: np.ndarray, sets, measured_S: np.ndarray, coherence: float) -> dict[str, float]:
+  """How well the linear (coherence * sum) and the orthogonal (root sum of squares) models predict measured set
+  errors: Spearman rho, median |predicted / measured - 1|, share covered (predicted >= measured)."""
+  from scipy.stats import spearmanr
+
+  out = {"sets": len(sets)}
+  measured_S = np.asarray(measured_S, float)
+  for name, pred in (("linear", np.array([coherence * unit_err_U[s].sum() for s in sets])),
+                     ("orthogonal", np.array([np.sqrt((unit_err_U[s] ** 2).sum()) for s in sets]))):
+    rel = pred / np.maximum(measured_S, 1e-30) - 1
+    out[f"{name}_spearman"] = float(spearmanr(pred, measured_S).statistic) if len(sets) > 2 else float("nan")
+    out[f"{name}_median_abs_rel_err"] = float(np.median(np.abs(rel)))
+    out[f"{name}_covered"] = float(np.mean(pred >= measured_S * (1 - 1e-6)))
+  return out
 
 
 def fit_susceptibility(raw_KU: np.ndarray, err_KU: np.ndarray) -> np.ndarray:
@@ -126,24 +170,23 @@ def risk_metrics(score: np.ndarray, err: np.ndarray, top: float = 0.1) -> dict[s
 
 def lowp_policies(num_layers: int, chosen: Sequence[tuple[int, str]], group_size: int,
                   fmt: str = "int8") -> tuple[model.LayerPolicy, ...]:
-  """Every activation kept except `chosen` units, which are L."""
+  """Every activation kept except `chosen` units, which are L (nothing is recomputed)."""
   pols = list(model.uniform(num_layers, model.NO_REMAT))
   for layer in range(num_layers):
     lowp = tuple(k for l, k in chosen if l == layer)
     if lowp:
-      pols[layer] = model.LayerPolicy(remat=True, lowp=lowp, formats=(fmt,) * len(lowp), group_size=group_size)
+      pols[layer] = model.LayerPolicy(remat=False, lowp=lowp, formats=(fmt,) * len(lowp), group_size=group_size)
   return tuple(pols)
 
 
-def calibrate_delta(hooks: StepHooks, params, batches: Sequence[dict], units, predicted: np.ndarray,
-                    measured_KU: np.ndarray, tolerance: float, group_size: int, fmt: str = "int8",
-                    max_halvings: int = 8) -> tuple[float, float]:
-  """Largest risk budget delta (from tolerance^2, halving) whose lowest-risk L set stays under the tolerance on
-  every calibration batch. A set's true error is the root sum of its units' squared measured errors (they lie in
-  disjoint weight gradients); the final set is checked once with a real gradient. Returns (delta, its error)."""
-  risk = np.asarray(predicted) ** 2
-  measured_KU = np.atleast_2d(measured_KU)
-  delta = tolerance ** 2
+def calibrate_delta(hooks: StepHooks, params, batches: Sequence[dict], units, risk: np.ndarray, tolerance: float,
+                    group_size: int, fmt: str = "int8", max_halvings: int = 8, exact=None) -> tuple[float, float]:
+  """Largest risk budget delta (from the tolerance, halving) whose lowest-risk L set (risk: each unit's predicted
+  error, coherence included) measures under the tolerance on every calibration batch. Returns (delta, its
+  measured error)."""
+  risk = np.asarray(risk, float)
+  exact = exact or [None] * len(batches)
+  delta = tolerance
   for _ in range(max_halvings + 1):
     chosen, total = [], 0.0
     for i in np.argsort(risk, kind="stable"):
@@ -151,11 +194,11 @@ def calibrate_delta(hooks: StepHooks, params, batches: Sequence[dict], units, pr
         break
       chosen.append(int(i))
       total += risk[i]
-    err = float(np.sqrt((measured_KU[:, chosen] ** 2).sum(1)).max()) if chosen else 0.0
+    if not chosen:
+      return delta, 0.0
+    err = max(float(set_errors(hooks, params, b, units, [chosen], group_size, fmt, ex)[0])
+              for b, ex in zip(batches, exact))
     if err <= tolerance:
-      if chosen:  # the set as it will run: one real gradient confirms the root-sum-square
-        pols = lowp_policies(hooks.model_cfg.num_hidden_layers, [units[i] for i in chosen], group_size, fmt)
-        err = gradient_error(hooks, params, batches[0], pols)
       return delta, err
     delta /= 2
   return 0.0, 0.0
@@ -167,11 +210,13 @@ ABLATIONS = ("ratio_clip", "update_mask", "kl", "activation", "susceptibility")
 
 
 def risk_report(hooks: StepHooks, params, cal_batches: Sequence[dict], eval_batches: Sequence[dict], units,
-                group_size: int, fmt: str = "int8") -> dict[str, dict[str, float]]:
+                group_size: int, fmt: str = "int8", err_cal=None, err_ev=None) -> dict[str, dict[str, float]]:
   """How well each score predicts the measured per-unit error on held-out batches (pooled over batches and units):
-  the full exposure score, each component switched off, and simple baselines. Scores are fit on cal_batches."""
+  the full exposure score, each component switched off, and simple baselines. Scores are fit on cal_batches
+  (err_cal / err_ev: their per-unit errors if already measured)."""
   measure = lambda bs: np.stack([measure_unit_errors(hooks, params, b, units, group_size, fmt) for b in bs])
-  err_cal, err_ev = measure(cal_batches), measure(eval_batches)
+  err_cal = measure(cal_batches) if err_cal is None else np.asarray(err_cal)
+  err_ev = measure(eval_batches) if err_ev is None else np.asarray(err_ev)
   raw_fn = jax.jit(lambda p, b, sw: raw_exposure(hooks, p, b, units, sw, group_size, fmt), static_argnums=2)
   rows = {}
   variants = {"full": ExposureSwitches()}

@@ -3,8 +3,8 @@ dataflow graph), plus codec and host-transfer time; and the Pareto set of choice
 
 Why a graph and not a per-unit sum: keeping a unit saves its producer op only if nothing else forces it. Attention
 backward reads q, k, v and the softmax probabilities, SiLU backward reads gate and up, the MLP norm backward reads
-its input, so those are rerun (with their inputs) unless kept exactly; a projection input is read only by its
-weight gradient, so an L code is enough there.
+its input, so those are rerun (with their inputs) unless kept; an L code serves backward wherever it reads the
+tensor (model/lowp.py), but a rerun needs its inputs exactly.
 """
 
 from __future__ import annotations
@@ -23,18 +23,19 @@ from hilore_jax.model import units as U
 
 
 def rerun_ops(choice: dict[str, str]) -> frozenset[str]:
-  """Producer ops backward must rerun when units are kept as `choice` (kind -> H/L/R/O; missing: R)."""
-  # backward reads these exactly; a unit read only by its weights' gradient is satisfied by an L code
-  need = list(U.EXACT_READS) + [t.name for t in U.TABLE if t.backward == U.WEIGHTS and choice.get(t.name, R) == R]
-  ops, seen = set(), set()
-  while need:
-    v = need.pop()
-    if v in seen or U.BY_NAME[v].producer is None or choice.get(v, R) in (H, O):
-      continue  # kept exactly, or the layer boundary (always kept)
-    seen.add(v)
-    ops.add(U.BY_NAME[v].producer)
-    need.extend(U.BY_NAME[v].reads)
-  return frozenset(ops)
+  """Producer ops backward must rerun when units are kept as `choice` (kind -> H/L/R/O; missing: R, the layer
+  boundary H): what backward reads is served by H, O or an L code; an R tensor's producer reruns, and a rerun
+  reads its inputs exactly, so an input that is R or only L reruns its own producer too."""
+  rerun: set[str] = set()
+  exact: set[str] = set()
+  for t in reversed(U.TABLE):  # consumers before producers
+    if t.producer is None:
+      continue  # the boundary is always there exactly when anything reruns (a checkpointed layer's argument)
+    c = choice.get(t.name, R) if t.unit else R
+    if (t.backward != U.NONE and c == R) or (t.name in exact and c in (R, L)):
+      rerun.add(t.name)
+      exact.update(t.reads)
+  return frozenset(U.BY_NAME[n].producer for n in rerun)
 
 
 def choice_time(choice: dict[str, str], op_s: dict[str, float], layer_units: Sequence[Unit]) -> float:
@@ -46,9 +47,15 @@ def choice_time(choice: dict[str, str], op_s: dict[str, float], layer_units: Seq
   return t
 
 
+def unit_bytes(u: Unit, c: str) -> int:
+  """Bytes a unit adds on top of full checkpointing, which keeps the layer boundary already (so its L is a
+  saving)."""
+  base = u.bytes_h if u.kind in U.BOUNDARY else 0
+  return (u.bytes_h if c == H else u.bytes_l if c == L else base) - base
+
+
 def choice_bytes(choice: dict[str, str], layer_units: Sequence[Unit]) -> int:
-  return sum(u.bytes_h if choice.get(u.kind, R) == H else u.bytes_l if choice.get(u.kind, R) == L else 0
-             for u in layer_units)
+  return sum(unit_bytes(u, choice.get(u.kind, H if u.kind in U.BOUNDARY else R)) for u in layer_units)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,28 +78,79 @@ def _pareto_2d(cands: list[Candidate]) -> list[Candidate]:
   return out
 
 
+_CODE = {H: 0, L: 1, R: 2, O: 3}
+
+
+def _rerun_matrix(codes: np.ndarray, kinds: Sequence[str]) -> dict[str, np.ndarray]:
+  """rerun_ops for many choices at once: codes [n, units] (_CODE) -> op -> [n] bool."""
+  col = {k: i for i, k in enumerate(kinds)}
+  n = len(codes)
+  exact = {t.name: np.zeros(n, bool) for t in U.TABLE}
+  ops = {op: np.zeros(n, bool) for op in U.PRODUCERS}
+  for t in reversed(U.TABLE):
+    if t.producer is None:
+      continue
+    c = codes[:, col[t.name]] if t.name in col else np.full(n, _CODE[R])
+    r = ((c == _CODE[R]) & (t.backward != U.NONE)) | (exact[t.name] & ((c == _CODE[R]) | (c == _CODE[L])))
+    ops[t.producer] |= r
+    for s in t.reads:
+      exact[s] |= r
+  return ops
+
+
 @functools.lru_cache(maxsize=64)
 def _candidates_cached(layer_units: tuple[Unit, ...], op_items: tuple, allow: tuple) -> tuple[Candidate, ...]:
   op_s = dict(op_items)
   kinds = [u.kind for u in layer_units]
   allowed = dict(allow)
-  per_kind = [allowed.get(u.kind, (H, R)) for u in layer_units]
-  by_lset: dict[tuple, list[Candidate]] = {}
-  for combo in itertools.product(*per_kind):
-    ch = dict(zip(kinds, combo))
-    lset = tuple(k for k, c in ch.items() if c == L)
-    cand = Candidate(tuple(combo), choice_bytes(ch, layer_units), choice_time(ch, op_s, layer_units), lset)
-    by_lset.setdefault(lset, []).append(cand)
-  return tuple(c for group in by_lset.values() for c in _pareto_2d(group))
+  combos = np.array(list(itertools.product(*[[_CODE[c] for c in allowed[k]] for k in kinds])), np.int8)
+  # an L layer boundary only where nothing reruns (or moves to the host): the layer then runs without remat
+  bnd = [i for i, k in enumerate(kinds) if k in U.BOUNDARY]
+  if bnd:
+    rest = np.delete(combos, bnd, axis=1)
+    ok = ~((combos[:, bnd] == _CODE[L]).any(1) & ((rest == _CODE[R]) | (rest == _CODE[O])).any(1))
+    combos = combos[ok]
+  per_unit_b = np.array([[unit_bytes(u, c) for c in (H, L, R, O)] if u.bytes_l is not None else
+                         [unit_bytes(u, H), 0, 0, 0] for u in layer_units], float)
+  per_unit_t = np.array([[0.0, u.codec_s, 0.0, u.offload_s or 0.0] for u in layer_units])
+  idx = np.arange(len(kinds))
+  b = per_unit_b[idx, combos].sum(1)
+  t = per_unit_t[idx, combos].sum(1)
+  for op, mask in _rerun_matrix(combos, kinds).items():
+    t = t + mask * op_s.get(op, 0.0)
+  lbits = ((combos == _CODE[L]) * (1 << idx)).sum(1)
+  # per L set (risk depends only on it), keep what is (bytes, time)-Pareto: sort by set, bytes, time and keep a
+  # row only when it is faster than every earlier row of its set
+  order = np.lexsort((t, b, lbits))
+  b, t, lbits, combos = b[order], t[order], lbits[order], combos[order]
+  gid = np.cumsum(np.r_[0, lbits[1:] != lbits[:-1]])
+  shifted = t - gid * (t.max() + 1.0)  # later sets lie below earlier ones, so a running minimum restarts per set
+  prev = np.r_[np.inf, np.minimum.accumulate(shifted)[:-1]]
+  keep = np.where(np.r_[True, gid[1:] != gid[:-1]], True, shifted < prev - 1e-15)
+  # across sets: a choice with no more bytes, no more time and a subset of the L units is as good for any risks
+  b, t, lbits, combos = b[keep], t[keep], lbits[keep], combos[keep]
+  dominated = np.zeros(len(b), bool)
+  for s in range(0, len(b), 512):
+    e = slice(s, s + 512)
+    le = (b[None] <= b[e, None]) & (t[None] <= t[e, None] + 1e-15) & ((lbits[None] & ~lbits[e, None]) == 0)
+    lt = (b[None] < b[e, None]) | (t[None] < t[e, None] - 1e-15) | (lbits[None] != lbits[e, None])
+    dominated[e] = (le & lt).any(1)
+  names = {v: k for k, v in _CODE.items()}
+  return tuple(Candidate(tuple(names[int(c)] for c in row), int(bb), float(tt), tuple(k for k, c in zip(kinds, row)
+                                                                                      if c == _CODE[L]))
+               for row, bb, tt, d in zip(combos, b, t, dominated) if not d)
 
 
 def candidates(layer_units: Sequence[Unit], op_s: dict[str, float], allow_l: bool = True,
                allow_o: bool = False) -> tuple[Candidate, ...]:
-  """Every layer choice that is (bytes, time)-Pareto for its set of L units (risk depends only on that set)."""
+  """Every layer choice that is Pareto in (bytes, time, L set) (risk grows with the L set)."""
   allow = []
   for u in layer_units:
-    opts = [H, R] + ([L] if allow_l and u.bytes_l is not None else []) + ([O] if allow_o and u.offload_s is not None
-                                                                         else [])
+    lo = [L] if allow_l and u.bytes_l is not None else []
+    if u.kind in U.BOUNDARY:
+      opts = [H] + lo
+    else:
+      opts = [H, R] + lo + ([O] if allow_o and u.offload_s is not None else [])
     allow.append((u.kind, tuple(opts)))
   # every layer has the same shapes and costs: key the cache without the layer index
   key = tuple(dataclasses.replace(u, layer=0) for u in layer_units)

@@ -24,6 +24,8 @@ class StepHooks:
     microbatch's rows divided by the mesh axes the batch is split over), so unit bytes and the op profile are
     per device, like compile_peak and the budget.
   gradient(params, batch, policies): the parameter gradient under these policies (calibrated methods).
+  probe_gradient(params, batch, mix [layers, units], format, group size): the gradient with every unit read in
+    backward as exact + mix * (decoded - exact): one compiled program for any set of L units (calibration).
   token_weights(params, batch, switches): |w_t| [B, N], the loss coefficient of every completion token; params
     None means from what the batch carries alone (no forward pass).
   unit_tensors(params, batch): per layer, the L-capable units' activations [B, N, ...] at the positions whose
@@ -36,7 +38,8 @@ class StepHooks:
   gradient: Callable[[Any, dict, Policies], Any] | None = None
   token_weights: Callable[[Any, dict, ExposureSwitches], jax.Array] | None = None
   unit_tensors: Callable[[Any, dict], list[dict[str, jax.Array]]] | None = None
+  probe_gradient: Callable[[Any, dict, Any, str, int], Any] | None = None
 
   @property
   def calibrates(self) -> bool:
-    return None not in (self.gradient, self.token_weights, self.unit_tensors)
+    return None not in (self.gradient, self.token_weights, self.unit_tensors, self.probe_gradient)

@@ -41,6 +41,9 @@ class Calibration:
   level_max: float  # their largest
   fit: dict
   calib_batches: int
+  coherence: float = 1.0  # measured set error / sum of its units' errors, the largest over calibration sets
+  set_fit: dict = dataclasses.field(default_factory=dict)  # linear vs orthogonal model on the calibration sets
+  unit_errors: list = dataclasses.field(default_factory=list)  # [K][U] measured per-unit errors
 
 
 @dataclasses.dataclass
@@ -90,6 +93,7 @@ class Allocation:
   plan: methods.Plan
   policies: tuple[model.LayerPolicy, ...]
   metrics: dict
+  active_constraint: str = "none"  # which budget binds the plan: memory | risk | both | none
 
 
 class MemoryManager:
@@ -101,6 +105,7 @@ class MemoryManager:
     self.state: ManagerState | None = None
     self._cache = AllocationCache(self._solve_bucket)
     self._gaps: dict[int, float] = {}
+    self._active: dict[int, str] = {}
     self._units: dict[tuple[int, int], list[profile.Unit]] = {}
     self._shape: tuple[int, int] | None = None
     self.lowp_ids = calibration.lowp_units(self.num_layers)
@@ -137,19 +142,26 @@ class MemoryManager:
     if not hooks.calibrates:
       raise ValueError(f"memory.policy={self.method} calibrates risk: StepHooks needs gradient, token_weights and "
                        "unit_tensors")
-    err = np.stack([calibration.measure_unit_errors(hooks, params, b, self.lowp_ids, mc.group_size, mc.lowp_format)
-                    for b in batches])
+    exact = [calibration.exact_gradient(hooks, params, b) for b in batches]
+    err = np.stack([calibration.measure_unit_errors(hooks, params, b, self.lowp_ids, mc.group_size, mc.lowp_format,
+                                                    ex) for b, ex in zip(batches, exact)])
     raw_fn = jax.jit(lambda p, b: calibration.raw_exposure(hooks, p, b, self.lowp_ids, mc.exposure, mc.group_size,
                                                            mc.lowp_format))
     raw = np.stack([np.asarray(raw_fn(params, b)) for b in batches])
     sus = calibration.fit_susceptibility(raw, err) if mc.exposure.susceptibility else np.ones(len(self.lowp_ids))
     pred = raw * sus
-    delta, measured = calibration.calibrate_delta(hooks, params, batches, self.lowp_ids, pred.mean(0), err,
-                                                  mc.grad_err_tolerance, mc.group_size, mc.lowp_format)
+    # units' errors are not orthogonal: fit how coherently they add on random sets of these batches
+    sets = calibration.random_sets(len(self.lowp_ids), mc.calib_sets, np.random.default_rng(len(self.lowp_ids)))
+    set_err = np.stack([calibration.set_errors(hooks, params, b, self.lowp_ids, sets, mc.group_size, mc.lowp_format,
+                                               ex) for b, ex in zip(batches, exact)])
+    kappa = calibration.fit_coherence(err, sets, set_err)
+    delta, measured = calibration.calibrate_delta(hooks, params, batches, self.lowp_ids, kappa * pred.mean(0),
+                                                  mc.grad_err_tolerance, mc.group_size, mc.lowp_format, exact=exact)
     levels = self.levels(batches)
     return Calibration(sus.tolist(), pred.mean(0).tolist(), err.mean(0).tolist(), delta, measured,
                        float(np.mean(levels)), float(np.max(levels)),
-                       calibration.risk_metrics(pred.ravel(), err.ravel()), len(batches))
+                       calibration.risk_metrics(pred.ravel(), err.ravel()), len(batches), kappa,
+                       calibration.set_fit(err.mean(0), sets, set_err.mean(0), kappa), err.tolist())
 
   def load_state(self, state: ManagerState | dict, reason: str = "restored from checkpoint"):
     self.state = state if isinstance(state, ManagerState) else ManagerState.from_json(state)
@@ -180,28 +192,38 @@ class MemoryManager:
     if self.method == "hilore":
       upper = Bucketer(tuple(st.edges)).upper(bucket, st.max_level)
       scale = upper / max(st.calibration.calibration_level, 1e-30)
-      return {k: (e * scale) ** 2 for k, e in zip(keys, st.calibration.predicted_error)}, {}
-    if self.method in ("adacc_style", "greedy_bits"):
-      static = st.calibration.static_error
-      return {k: e ** 2 for k, e in zip(keys, static)}, dict(zip(keys, static))
+      kappa = st.calibration.coherence
+      return {k: kappa * e * scale for k, e in zip(keys, st.calibration.predicted_error)}, {}
+    if self.method in methods.CALIBRATED:
+      static, kappa = st.calibration.static_error, st.calibration.coherence
+      return {k: kappa * e for k, e in zip(keys, static)}, dict(zip(keys, static))
     return {}, {}
 
-  def _plan(self, bucket: int, allowance: int, solver: str = "greedy") -> methods.Plan:
+  def _plan_kw(self, bucket: int, solver: str | None = None) -> dict:
     risk_of, sens = self._risks(bucket)
     cal = self.state.calibration
+    return dict(risk_of=risk_of, delta=cal.delta if cal else 0.0, fmt=self.mc.lowp_format, allow_o=self.mc.offload,
+                sensitivity=sens, group_size=self.mc.group_size, solver=solver or self.mc.solver)
+
+  def _plan(self, bucket: int, allowance: int, solver: str | None = None) -> methods.Plan:
     return methods.plan(self.method, self._units[self._shape], self.state.profile["ops"], max(allowance, 0),
-                        risk_of=risk_of, delta=cal.delta if cal else 0.0, fmt=self.mc.lowp_format,
-                        allow_o=self.mc.offload, sensitivity=sens, group_size=self.mc.group_size, solver=solver)
+                        **self._plan_kw(bucket, solver))
 
   def _solve_bucket(self, bucket: int) -> methods.Plan:
     st = self.state
     if bucket in st.fallback_gc:
+      self._active[bucket] = "none"
       return methods.plan("gc", self._units[self._shape], st.profile["ops"], 0)
-    allowance = st.allowance.get(str(bucket), st.budget_bytes - st.gc_bytes)
+    allowance = max(st.allowance.get(str(bucket), st.budget_bytes - st.gc_bytes), 0)
     plan = self._plan(bucket, allowance)
-    if self.method == "hilore":  # the exact MILP, once per bucket, only to report how far the greedy is from optimal
-      best = self._plan(bucket, allowance, solver="exact")
-      self._gaps[bucket] = (plan.time_s - best.time_s) / max(best.time_s, 1e-12)
+    if self.method in methods.SOLVED:  # the greedy fast path against the exact MILP, once per bucket: logged
+      other = self._plan(bucket, allowance, solver="greedy" if self.mc.solver == "exact" else "exact")
+      exact, greedy = (plan, other) if self.mc.solver == "exact" else (other, plan)
+      self._gaps[bucket] = (greedy.time_s - exact.time_s) / max(exact.time_s, 1e-12)
+      log.info("%s bucket %d: greedy is %.2f%% slower than the exact solution", self.method, bucket,
+               100 * self._gaps[bucket])
+    self._active[bucket] = methods.active_constraint(self.method, self._units[self._shape], st.profile["ops"],
+                                                     allowance, plan, **self._plan_kw(bucket))
     return plan
 
   def policies(self, plan: methods.Plan) -> tuple[model.LayerPolicy, ...]:
@@ -248,9 +270,9 @@ class MemoryManager:
       fr = plan.fractions()
       metrics = {"alloc/frac_H": fr["frac_H"], "alloc/frac_L": fr["frac_L"], "alloc/frac_R": fr["frac_R"],
                  "alloc/frac_O": fr["frac_O"], "alloc/bucket": bucket, "alloc/greedy_gap": self._gaps.get(bucket, 0.0),
-                 "alloc/predicted_err": float(np.sqrt(plan.risk)), "memory/budget_bytes": self.state.budget_bytes,
+                 "alloc/predicted_err": float(plan.risk), "memory/budget_bytes": self.state.budget_bytes,
                  "memory/predicted_bytes": self.state.gc_bytes + plan.bytes, "time/schedule_s": schedule_s}
-      out.append(Allocation(bucket, plan, self.policies(plan), metrics))
+      out.append(Allocation(bucket, plan, self.policies(plan), metrics, self._active.get(bucket, "none")))
     return out
 
   def step(self, params, minibatches: list[dict], step: int) -> list[Allocation]:

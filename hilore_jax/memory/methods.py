@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import numpy as np
+
 from hilore_jax import model
 from hilore_jax.config import MEMORY_POLICIES
 from hilore_jax.errors import OffloadUnsupported
@@ -16,7 +18,20 @@ from hilore_jax.model import codec
 from hilore_jax.model import units as U
 
 METHODS = MEMORY_POLICIES
-CALIBRATED = ("greedy_bits", "adacc_style", "hilore")  # methods that need measured per-unit errors
+CALIBRATED = ("greedy_bits", "greedy_bits_gc", "adacc_style", "hilore")  # methods that need measured per-unit errors
+SOLVED = ("optimal_hr", "adacc_style", "hilore")  # one exact solver over the layer graph's options for all of them
+# SAC-style named save policies (what jax.checkpoint_policies / PyTorch SAC users write by hand): the best of the
+# grid that fits, applied to as many layers as fit (the rest fully recomputed)
+SAC_GRID = {
+    "attn_out": (U.ATTN_CTX,),
+    "qkv": (U.Q, U.K, U.V),
+    "qkv+attn_out": (U.Q, U.K, U.V, U.ATTN_CTX),
+    "attention": (U.Q, U.K, U.V, U.ATTN_PROBS, U.ATTN_CTX),
+    "mlp": (U.MLP_GATE, U.MLP_UP),
+    "matmuls": U.MATMUL_UNITS,
+    "all_but_probs": tuple(u for u in U.UNITS if u != U.ATTN_PROBS),
+    "everything": U.UNITS,
+}
 # relative rounding step of each format against int8's (absmax/127): int4 absmax/7; bf16 ~2^-9 of the value
 FORMAT_STEP = {"int4": 127 / 7, "int8": 1.0, "fp8_e4m3": 1.0, "bf16": 0.5}
 
@@ -55,25 +70,27 @@ def require_offload(what: str):
 
 def policies(plan: Plan, unit_list: Sequence[Unit], num_layers: int, group_size: int,
              method: str = "") -> tuple[model.LayerPolicy, ...]:
-  """Per-layer LayerPolicy for a plan (none: no remat at all)."""
+  """Per-layer LayerPolicy for a plan (none: no remat at all); a layer where nothing is recomputed runs without
+  remat (its L units, the layer input included, as codes)."""
   if method == "none":
     return (model.NO_REMAT,) * num_layers
   if O in plan.choice:
     require_offload(f"offloading {sorted({u.kind for u, c in zip(unit_list, plan.choice) if c == O})} (O)")
-  save = [[] for _ in range(num_layers)]
-  lowp = [[] for _ in range(num_layers)]
-  fmts = [[] for _ in range(num_layers)]
-  off = [[] for _ in range(num_layers)]
+  per = [{"save": [], "lowp": [], "fmts": [], "off": [], "rerun": False} for _ in range(num_layers)]
   for u, c, f in zip(unit_list, plan.choice, plan.formats):
-    if c == H:
-      save[u.layer].append(u.kind)
+    d = per[u.layer]
+    if c == H and u.kind not in U.BOUNDARY:
+      d["save"].append(u.kind)
     elif c == L:
-      lowp[u.layer].append(u.kind)
-      fmts[u.layer].append(f)
+      d["lowp"].append(u.kind)
+      d["fmts"].append(f)
     elif c == O:
-      off[u.layer].append(u.kind)
-  return tuple(model.LayerPolicy(remat=True, save=tuple(s), lowp=tuple(l), formats=tuple(f), offload=tuple(o),
-                                 group_size=group_size) for s, l, f, o in zip(save, lowp, fmts, off))
+      d["off"].append(u.kind)
+    d["rerun"] |= c in (R, O) and u.kind not in U.BOUNDARY
+  return tuple(model.LayerPolicy(remat=True, save=tuple(d["save"]), lowp=tuple(d["lowp"]), formats=tuple(d["fmts"]),
+                                 offload=tuple(d["off"]), group_size=group_size) if d["rerun"] else
+               model.LayerPolicy(remat=False, lowp=tuple(d["lowp"]), formats=tuple(d["fmts"]), group_size=group_size)
+               for d in per)
 
 
 def evaluate(choice: Sequence[str], unit_list: Sequence[Unit], op_s: dict,
@@ -107,11 +124,12 @@ def layer_groups(unit_list, op_s, risk_of: dict, allow_l: bool, allow_o: bool) -
 
 def plan(method: str, unit_list: Sequence[Unit], op_s: dict, extra_bytes: int, *, risk_of: dict | None = None,
          delta: float = 0.0, fmt: str = "int8", allow_o: bool = False, sensitivity: dict | None = None,
-         group_size: int = 64, solver: str = "greedy") -> Plan:
+         group_size: int = 64, solver: str = "exact") -> Plan:
   """The method's plan for `extra_bytes` of activation memory on top of full checkpointing.
 
-  risk_of: predicted squared error of each (layer, kind) as L (hilore: at this bucket's exposure; adacc_style:
-  static). sensitivity: measured int8 error per (layer, kind) (greedy_bits). solver: greedy or exact (hilore).
+  risk_of: predicted relative gradient error of each (layer, kind) as L (hilore: at this bucket's exposure;
+  adacc_style: static), summed over a plan's L units against the budget delta. sensitivity: measured error per
+  (layer, kind) (greedy_bits). solver: exact (the MILP, every solved method) or greedy (the run-time fast path).
   """
   if method not in METHODS:
     raise ValueError(f"unknown memory.policy {method!r}; choose one of {list(METHODS)}")
@@ -121,54 +139,75 @@ def plan(method: str, unit_list: Sequence[Unit], op_s: dict, extra_bytes: int, *
   if method == "gc":
     return _plan((R,) * n, unit_list, op_s)
   if method == "sac":
-    # a 0/1 knapsack of matmul outputs valued by their own op's time, as PyTorch's SAC optimizer does (it does not
-    # know which other tensors backward will still have to recompute)
-    idx = [i for i, u in enumerate(unit_list) if u.kind in U.MATMUL_UNITS]
-    costs = [allocator.UnitCost(str(i), unit_list[i].bytes_h, None, unit_list[i].recompute_s) for i in idx]
-    picked = allocator.exact(allocator.per_unit(costs), extra_bytes, 0.0).choice
-    choice = [R] * n
-    for i, c in zip(idx, picked):
-      choice[i] = c
-    return _plan(choice, unit_list, op_s)
-  if method == "optimal_hr":
-    groups = layer_groups(unit_list, op_s, {}, allow_l=False, allow_o=allow_o)
-    return _plan(allocator.exact(groups, extra_bytes, 0.0).choice, unit_list, op_s)
-  if method == "uniform_int8":
-    # every unit that can be compressed is, in every layer that fits; the rest is recomputed
-    choice, used = [R] * n, 0
-    for idx in layers_of(unit_list):
-      lowp = [i for i in idx if unit_list[i].bytes_l is not None]
-      need = sum(unit_list[i].bytes_l for i in lowp)
-      if used + need <= extra_bytes:
-        used += need
-        for i in lowp:
-          choice[i] = L
-    return _plan(choice, unit_list, op_s, fmt="int8")
-  if method == "greedy_bits":
-    return _greedy_bits(unit_list, op_s, extra_bytes, sensitivity or {},
-                        lambda u, f: codec.code_bytes(u.shape, group_size, f))
-  risk_of = risk_of or {}
-  groups = layer_groups(unit_list, op_s, risk_of, allow_l=True, allow_o=allow_o)
-  if method == "adacc_style":
-    return _plan(allocator.exact(groups, extra_bytes, delta).choice, unit_list, op_s, risk_of, fmt)
+    return _sac(unit_list, op_s, extra_bytes)
+  if method in ("uniform_int8", "uniform_int8_gc"):
+    return _uniform(unit_list, op_s, extra_bytes, method.endswith("_gc"),
+                    lambda u, f: _code_bytes(u, f, group_size))
+  if method in ("greedy_bits", "greedy_bits_gc"):
+    return _greedy_bits(unit_list, op_s, extra_bytes, sensitivity or {}, lambda u, f: _code_bytes(u, f, group_size),
+                        method.endswith("_gc"))
+  risk_of = {} if method == "optimal_hr" else (risk_of or {})
+  groups = layer_groups(unit_list, op_s, risk_of, allow_l=method != "optimal_hr", allow_o=allow_o)
   solve = allocator.exact if solver == "exact" else allocator.greedy
   return _plan(solve(groups, extra_bytes, delta).choice, unit_list, op_s, risk_of, fmt)
 
 
-def _greedy_bits(unit_list, op_s, extra_bytes, sensitivity, code_bytes) -> Plan:
-  """GACT-style: every compressible unit gets a bit width in {4, 8, 16}, starting at 4 and upgrading the unit with
-  the largest drop in predicted gradient variance per extra byte while memory lasts; the rest is recomputed.
-  Layers whose 4-bit codes do not fit stay fully recomputed."""
+def _code_bytes(u: Unit, f: str, group_size: int) -> int:
+  """Bytes of u as a code in format f on top of full checkpointing (negative for the layer input it replaces)."""
+  return codec.code_bytes(u.shape, group_size, f) - (u.bytes_h if u.kind in U.BOUNDARY else 0)
+
+
+def _gc_choice(unit_list) -> list[str]:
+  """Full checkpointing (the layer boundary's R: kept exactly as the checkpointed layer's argument)."""
+  return [R] * len(unit_list)
+
+
+def _sac(unit_list, op_s, extra_bytes) -> Plan:
+  """The fastest (by the cost model) named save policy of SAC_GRID on the most layers that fit, the rest R."""
+  best = _plan(_gc_choice(unit_list), unit_list, op_s)
+  for names in SAC_GRID.values():
+    choice = _gc_choice(unit_list)
+    for idx in layers_of(unit_list):
+      trial = list(choice)
+      for i in idx:
+        if unit_list[i].kind in names:
+          trial[i] = H
+      if evaluate(trial, unit_list, op_s)[0] > extra_bytes:
+        break
+      choice = trial
+    cand = _plan(choice, unit_list, op_s)
+    if cand.time_s < best.time_s:
+      best = cand
+  return best
+
+
+def _uniform(unit_list, op_s, extra_bytes, with_gc: bool, code_bytes) -> Plan:
+  """GACT/ALAM-style: every unit of a layer int8 (nothing recomputed there); with_gc: only in the layers that fit,
+  the rest fully recomputed; without: every layer, whatever the budget (the budget fit then falls back to GC)."""
+  choice, used = _gc_choice(unit_list), 0
+  for idx in layers_of(unit_list):
+    need = sum(code_bytes(unit_list[i], "int8") for i in idx)
+    if with_gc and used + need > extra_bytes:
+      continue
+    used += need
+    for i in idx:
+      choice[i] = L
+  return Plan(tuple(choice), tuple("int8" if c == L else None for c in choice), int(used),
+              evaluate(choice, unit_list, op_s)[1], 0.0)
+
+
+def _greedy_bits(unit_list, op_s, extra_bytes, sensitivity, code_bytes, with_gc: bool) -> Plan:
+  """GACT-style: every unit gets a bit width in {4, 8, 16}, starting at 4 and upgrading the unit with the largest
+  drop in predicted gradient variance per extra byte while memory lasts. with_gc: layers whose 4-bit codes do not
+  fit stay fully recomputed; without: every layer starts at 4 bits, whatever the budget."""
   ladder = ("int4", "int8", "bf16")
-  idx = [i for i, u in enumerate(unit_list) if u.bytes_l is not None]
-  fmt = {i: None for i in idx}
+  fmt: dict[int, str | None] = {i: None for i in range(len(unit_list))}
   used = 0
   for idx in layers_of(unit_list):
-    ids = [i for i in idx if unit_list[i].bytes_l is not None]
-    need = sum(code_bytes(unit_list[i], "int4") for i in ids)
-    if used + need <= extra_bytes:
+    need = sum(code_bytes(unit_list[i], "int4") for i in idx)
+    if not with_gc or used + need <= extra_bytes:
       used += need
-      fmt.update({i: "int4" for i in ids})
+      fmt.update({i: "int4" for i in idx})
   var = lambda i, f: (sensitivity.get((unit_list[i].layer, unit_list[i].kind), 1.0) * FORMAT_STEP[f]) ** 2
   while True:
     best, best_gain = None, 0.0
@@ -186,8 +225,22 @@ def _greedy_bits(unit_list, op_s, extra_bytes, sensitivity, code_bytes) -> Plan:
       break
     i, nf, extra = best
     fmt[i], used = nf, used + extra
-  choice = [L if fmt.get(i) else R for i in range(len(unit_list))]
-  formats = [fmt.get(i) for i in range(len(unit_list))]
+  choice = [L if fmt[i] else c for i, c in enumerate(_gc_choice(unit_list))]
+  formats = [fmt[i] for i in range(len(unit_list))]
   _, t, _ = evaluate(choice, unit_list, op_s)
-  risk = float(sum(var(i, f) for i, f in fmt.items() if f))
+  risk = float(np.sqrt(sum(var(i, f) for i, f in fmt.items() if f)))
   return Plan(tuple(choice), tuple(formats), int(used), t, risk)
+
+
+def active_constraint(method: str, unit_list, op_s, extra_bytes: int, chosen: Plan, **kw) -> str:
+  """Which budget binds the chosen plan: memory if more bytes would give a faster plan, risk if a looser risk
+  budget would (solved methods); both, or none."""
+  if method in ("none", "gc"):
+    return "none"
+  total = sum(max(u.bytes_h, u.bytes_l or 0) for u in unit_list)
+  faster = lambda p: p.time_s < chosen.time_s * (1 - 1e-6) - 1e-12
+  mem = faster(plan(method, unit_list, op_s, max(total * 4, extra_bytes + 1), **kw))
+  risk = False
+  if method in ("adacc_style", "hilore"):
+    risk = faster(plan(method, unit_list, op_s, extra_bytes, **{**kw, "delta": float("inf")}))
+  return "both" if mem and risk else "memory" if mem else "risk" if risk else "none"

@@ -2,6 +2,7 @@
 
 A layer is a sequence of producer ops (`OPS`, the functions the memory profile times) over the tensors of
 `units.TABLE`; each tensor is tagged with its checkpoint name so a per-layer policy decides what backward keeps.
+Over the usual module size on purpose: the layer reads top to bottom as the table's dataflow, in one place.
 """
 
 from __future__ import annotations
@@ -114,12 +115,6 @@ def _proj(x, w, b, spec):
   return y if b is None else y + b.astype(x.dtype)
 
 
-def _projections(x, unit: str, ws: tuple, bs: tuple, specs: tuple, policy: LayerPolicy | None):
-  """Projections of one input; through the low-precision-residual custom VJP when the unit is L."""
-  if policy is None or unit not in policy.lowp:
-    return tuple(_proj(x, w, b, s) for w, b, s in zip(ws, bs, specs))
-  ys = lowp.project(x, ws, specs, unit, policy.group_size, policy.format_of(unit))
-  return tuple(y if b is None else y + b.astype(y.dtype) for y, b in zip(ys, bs))
 
 
 class LayerCtx(NamedTuple):
@@ -155,47 +150,74 @@ OPS = {
 
 
 def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, ctx: LayerCtx, kv_cache=None, cache_index=None,
-                  policy: LayerPolicy | None = None, taps: dict | None = None):
+                  policy: LayerPolicy | None = None, taps: dict | None = None, probe=None):
   """One pre-norm decoder layer; with kv_cache=(k, v) writes this step's k/v at cache_index first.
 
-  taps, if given, receives each L-capable unit's tensor (read only inside a jitted statistic).
+  Each L unit of the policy is kept by the op that reads it in backward (model/lowp.py); probe=(format, group
+  size, mix [len(UNITS)]) instead reads every unit as exact + mix * (decoded - exact) (calibration). taps, if
+  given, receives each unit's tensor (read only inside a jitted statistic).
   """
   tap = (lambda name, t: taps.__setitem__(name, t)) if taps is not None else (lambda name, t: None)
+  keep = lowp.keeper(policy, probe)
+  km = lambda unit, t: keep(unit, t.shape[-1], x_BTD.dtype)
+  proj = lambda x, unit, ws, bs, specs: lowp.projections(_proj, x, km(unit, x), ws, bs, specs)
+  norm = lambda x, unit, w: lowp.norm(rms_norm, x, w, cfg.rms_norm_eps, km(unit, x))
   x_BTD = checkpoint_name(x_BTD, U.LAYER_INPUT)
+  tap(U.LAYER_INPUT, x_BTD)
   a = p["attn"]
-  h = checkpoint_name(rms_norm(x_BTD, p["attn_norm_D"], cfg.rms_norm_eps), U.ATTN_NORM)
+  h = checkpoint_name(norm(x_BTD, U.LAYER_INPUT, p["attn_norm_D"]), U.ATTN_NORM)
   tap(U.ATTN_NORM, h)
-  q, k, v = _projections(h, U.ATTN_NORM, (a["wq_DNH"], a["wk_DKH"], a["wv_DKH"]),
-                         (a.get("bq_NH"), a.get("bk_KH"), a.get("bv_KH")),
-                         ("btd,dnh->btnh", "btd,dkh->btkh", "btd,dkh->btkh"), policy)
+  q, k, v = proj(h, U.ATTN_NORM, (a["wq_DNH"], a["wk_DKH"], a["wv_DKH"]), (a.get("bq_NH"), a.get("bk_KH"),
+                                                                           a.get("bv_KH")),
+                 ("btd,dnh->btnh", "btd,dkh->btkh", "btd,dkh->btkh"))
   v = checkpoint_name(v, U.V)
   q = checkpoint_name(apply_rope(q, ctx.cos_BTH, ctx.sin_BTH), U.Q)
   k = checkpoint_name(apply_rope(k, ctx.cos_BTH, ctx.sin_BTH), U.K)
+  for name, t in ((U.Q, q), (U.K, k), (U.V, v)):
+    tap(name, t)
   new_cache = None
   if kv_cache is not None:
     ck, cv = kv_cache
     ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, cache_index, 0, 0))
     cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, cache_index, 0, 0))
     new_cache, k, v = (ck, cv), ck.astype(q.dtype), cv.astype(q.dtype)
-  if cfg.attention == "dot_product_attention":
-    ctx_BTNH = checkpoint_name(fused_attention(q, k, v, ctx.mask_BTS), U.ATTN_CTX)
+  kms = [km(U.Q, q), km(U.K, k), km(U.V, v)]
+  if cfg.attention == "dot_product_attention":  # the fused kernel's backward reads q, k, v as kept
+    if kv_cache is None and any(c[0] is not None for c in kms):
+      ctx_BTNH = lowp.apply(fused_attention, tuple(c[0] for c in kms) + (None,), (q, k, v, ctx.mask_BTS),
+                            tuple(c[1] for c in kms) + (None,))
+    else:
+      ctx_BTNH = fused_attention(q, k, v, ctx.mask_BTS)
   else:
-    probs = checkpoint_name(attention_probs(q, k, ctx.mask_BTS), U.ATTN_PROBS)
-    ctx_BTNH = checkpoint_name(attention_context(probs, v), U.ATTN_CTX)
+    kms.append(keep(U.ATTN_PROBS, k.shape[1], q.dtype))
+    if kv_cache is None and any(c[0] is not None for c in kms):
+      ctx_BTNH = lowp.attention(q, k, v, ctx.mask_BTS, tuple(c[0] for c in kms), tuple(c[1] for c in kms))
+    else:
+      probs = checkpoint_name(attention_probs(q, k, ctx.mask_BTS), U.ATTN_PROBS)
+      tap(U.ATTN_PROBS, jnp.moveaxis(probs, 3, 1))  # taps are token-major: [B, T, K, G, S]
+      ctx_BTNH = attention_context(probs, v)
+  ctx_BTNH = checkpoint_name(ctx_BTNH, U.ATTN_CTX)
   tap(U.ATTN_CTX, ctx_BTNH)
-  (attn_out,) = _projections(ctx_BTNH, U.ATTN_CTX, (a["wo_NHD"],), (a.get("bo_D"),), ("btnh,nhd->btd",), policy)
+  (attn_out,) = proj(ctx_BTNH, U.ATTN_CTX, (a["wo_NHD"],), (a.get("bo_D"),), ("btnh,nhd->btd",))
   attn_out = checkpoint_name(attn_out, U.ATTN_OUT)
   x_BTD = checkpoint_name(x_BTD + attn_out, U.MLP_INPUT)
+  tap(U.MLP_INPUT, x_BTD)
   m = p["mlp"]
-  h = checkpoint_name(rms_norm(x_BTD, p["mlp_norm_D"], cfg.rms_norm_eps), U.MLP_NORM)
+  h = checkpoint_name(norm(x_BTD, U.MLP_INPUT, p["mlp_norm_D"]), U.MLP_NORM)
   tap(U.MLP_NORM, h)
-  gate, up = _projections(h, U.MLP_NORM, (m["wgate_DF"], m["wup_DF"]), (m.get("bgate_F"), m.get("bup_F")),
-                          ("btd,df->btf", "btd,df->btf"), policy)
+  gate, up = proj(h, U.MLP_NORM, (m["wgate_DF"], m["wup_DF"]), (m.get("bgate_F"), m.get("bup_F")),
+                  ("btd,df->btf", "btd,df->btf"))
   gate, up = checkpoint_name(gate, U.MLP_GATE), checkpoint_name(up, U.MLP_UP)
-  act = checkpoint_name(jax.nn.silu(gate), U.MLP_SILU)
-  down_in = checkpoint_name(act * up, U.MLP_DOWN_IN)
+  tap(U.MLP_GATE, gate)
+  tap(U.MLP_UP, up)
+  kg, ku = km(U.MLP_GATE, gate), km(U.MLP_UP, up)
+  if kg[0] is not None or ku[0] is not None:  # SiLU's derivative reads gate and up from what is kept
+    down_in = lowp.apply(lambda g, u: jax.nn.silu(g) * u, (kg[0], ku[0]), (gate, up), (kg[1], ku[1]))
+  else:
+    down_in = checkpoint_name(jax.nn.silu(gate), U.MLP_SILU) * up
+  down_in = checkpoint_name(down_in, U.MLP_DOWN_IN)
   tap(U.MLP_DOWN_IN, down_in)
-  (out,) = _projections(down_in, U.MLP_DOWN_IN, (m["wdown_FD"],), (m.get("bdown_D"),), ("btf,fd->btd",), policy)
+  (out,) = proj(down_in, U.MLP_DOWN_IN, (m["wdown_FD"],), (m.get("bdown_D"),), ("btf,fd->btd",))
   out = checkpoint_name(out, U.MLP_OUT)
   return x_BTD + out, new_cache
 
@@ -237,14 +259,16 @@ def policy_runs(policies: Sequence[LayerPolicy]) -> list[tuple[int, int, LayerPo
 
 def hidden_states(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array, attention_mask_BT=None, *,
                   positions_BT=None, layer_policies: Sequence[LayerPolicy] | None = None,
-                  taps: dict | None = None) -> jax.Array:
+                  taps: dict | None = None, probe=None) -> jax.Array:
   """Final-norm hidden states [B, T, D]; each layer runs under its own remat policy.
 
   Consecutive layers with the same policy run as one `lax.scan` over a stacked copy of their params, so compile
   time grows with the number of distinct policy runs, not with depth; a one-layer run is a plain call. Params stay
   stored per layer, so each layer's gradient is its own buffer: assembling them into one stacked buffer made
   XLA:CPU defer weight gradients to the end of backward (measured: up to 2x the peak on mixed plans). taps, if a
-  dict, receives each L-capable unit's tensor for every layer, stacked [L, B, T, ...] (no remat then).
+  dict, receives each unit's tensor for every layer, stacked [L, B, T, ...] (no remat then). probe=(format,
+  group size, mix [L, len(UNITS)]) runs every layer without remat, each unit read in backward as exact + mix *
+  (decoded - exact): one program measures the gradient error of any set of L units (calibration).
   """
   B, T = input_ids_BT.shape
   if attention_mask_BT is None:
@@ -265,6 +289,10 @@ def hidden_states(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array, atten
 
     x, stacked = jax.lax.scan(tapped, x, stack_layers(params["layers"]))
     taps.update(stacked)
+  elif probe is not None:
+    fmt, group_size, mix_LU = probe
+    x, _ = jax.lax.scan(lambda x, pm: (decoder_layer(cfg, pm[0], x, ctx, probe=(fmt, group_size, pm[1]))[0], None),
+                        x, (stack_layers(params["layers"]), mix_LU))
   else:
     for start, end, policy in policy_runs(policies):
       layer = remat(lambda p, x, ctx, policy=policy: decoder_layer(cfg, p, x, ctx, policy=policy)[0], policy)

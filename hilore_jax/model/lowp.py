@@ -1,47 +1,178 @@
-"""L units: projections whose input is kept for backward only as a low-precision code (a custom-VJP residual)."""
+"""L units: the op that reads a tensor in backward keeps it only as a low-precision code (a custom-VJP residual),
+and its backward runs on the decoded tensor everywhere it needs it (nonlinearity, norm or softmax derivative and
+weight gradients), so neither an exact copy nor a recompute of the tensor's producer is needed.
+
+Each read spec (`Keep`) says how one input of such an op is kept: exact (a plain residual that the layer's remat
+policy saves or recomputes under its checkpoint name) or as a code. A probe keeps both and mixes them in backward
+by a run-time weight, so calibration measures any set of L units with one compiled program.
+"""
 
 from __future__ import annotations
 
 import functools
+import math
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from hilore_jax.model import codec
-from hilore_jax.model.units import code_names
+from hilore_jax.model.units import ATTN_PROBS, UNITS, code_names
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def project(x, weights: tuple, specs: tuple[str, ...], unit: str, group_size: int, fmt: str = "int8"):
-  """(einsum(spec_i, x, w_i) for each weight): exact forward; backward's weight gradients read x's code.
+class Keep(NamedTuple):
+  """How an L input is kept: its unit name, codec format, group size, last-axis size and dtype; probe: also exact."""
+
+  unit: str
+  fmt: str
+  group_size: int
+  size: int
+  dtype: str
+  probe: bool = False
+
+
+def keep_of(unit: str, x: jax.Array, fmt: str, group_size: int, probe: bool = False) -> Keep:
+  return Keep(unit, fmt, group_size, x.shape[-1], jnp.dtype(x.dtype).name, probe)
+
+
+def _encode(x, k: Keep):
+  codes, scale = codec.encode(x, k.fmt, k.group_size)
+  cname, sname = code_names(k.unit)
+  # named so a save_only_these_names policy keeps exactly these (and not the float x) for backward
+  return (checkpoint_name(codes, cname), checkpoint_name(scale, sname)) + ((x,) if k.probe else ())
+
+
+def _decode(res, k: Keep, mix):
+  x_hat = codec.decode(res[0], res[1], res[0].shape[:-2] + (k.size,), jnp.dtype(k.dtype), k.fmt)
+  if k.probe:  # mix 0: the exact tensor, 1: its decoded code
+    x = res[2]
+    x_hat = x + mix.astype(x.dtype) * (x_hat - x)
+  return x_hat
+
+
+def _fwd_res(args, keeps):
+  return tuple(a if k is None else _encode(a, k) for a, k in zip(args, keeps))
+
+
+def _bwd_args(res, keeps, mixes):
+  return tuple(r if k is None else _decode(r, k, m) for r, k, m in zip(res, keeps, mixes))
+
+
+def _zero_mixes(mixes):
+  return tuple(None if m is None else jnp.zeros_like(m) for m in mixes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def apply(fn: Callable, keeps: tuple, args: tuple, mixes: tuple):
+  """fn(*args) exactly; backward is fn's VJP at the args as kept (`keeps[i]` None: exact, else a Keep)."""
+  return fn(*args)
+
+
+def _apply_fwd(fn, keeps, args, mixes):
+  return fn(*args), (_fwd_res(args, keeps), mixes)
+
+
+def _apply_bwd(fn, keeps, res, ct):
+  res, mixes = res
+  _, vjp = jax.vjp(fn, *_bwd_args(res, keeps, mixes))
+  return tuple(vjp(ct)), _zero_mixes(mixes)
+
+
+apply.defvjp(_apply_fwd, _apply_bwd)
+
+
+def project(x, weights: tuple, specs: tuple[str, ...], keep: Keep, mix=None):
+  """(einsum(spec_i, x, w_i) for each weight) with x read in backward (weight gradients) from its code.
 
   One unit may feed several projections (q/k/v, gate/up): it is quantized once.
   """
-  return tuple(jnp.einsum(s, x, w.astype(x.dtype)) for s, w in zip(specs, weights))
+  fn = lambda x, *ws: tuple(jnp.einsum(s, x, w.astype(x.dtype)) for s, w in zip(specs, ws))
+  return apply(fn, (keep,) + (None,) * len(weights), (x,) + tuple(weights), (mix,) + (None,) * len(weights))
 
 
-def _fwd(x, weights, specs, unit, group_size, fmt):
-  codes, scale = codec.encode(x, fmt, group_size)
-  cname, sname = code_names(unit)
-  # named so a save_only_these_names policy keeps exactly these (and not the float x) for backward
-  codes, scale = checkpoint_name(codes, cname), checkpoint_name(scale, sname)
-  ys = tuple(jnp.einsum(s, x, w.astype(x.dtype)) for s, w in zip(specs, weights))
-  return ys, (codes, scale, weights, x.shape)
+def scores(q_BTNH, k_BSKH):
+  """Grouped-query scores [B, K, G, T, S], accumulated in float32 whatever the compute dtype (bf16 sums over H
+  lose the scores' small differences)."""
+  B, T, N, H = q_BTNH.shape
+  KV = k_BSKH.shape[2]
+  q = q_BTNH.reshape(B, T, KV, N // KV, H)
+  return jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH, preferred_element_type=jnp.float32) / math.sqrt(H)
 
 
-def _bwd(specs, unit, group_size, fmt, res, cotangents):
-  codes, scale, weights, shape = res
-  dtype = cotangents[0].dtype  # the outputs, and so their cotangents, are in x's dtype
-  x_hat = codec.decode(codes, scale, shape, dtype, fmt)
-  dx = jnp.zeros(shape, dtype)
-  dws = []
-  for spec, w, dy in zip(specs, weights, cotangents):
-    ins, out = spec.split("->")
-    x_sub, w_sub = ins.split(",")
-    dx = dx + jnp.einsum(f"{out},{w_sub}->{x_sub}", dy, w.astype(dy.dtype))
-    dws.append(jnp.einsum(f"{x_sub},{out}->{w_sub}", x_hat, dy).astype(w.dtype))
-  return dx, tuple(dws)
+def probs(q, k, mask_BTS):
+  """Softmax probabilities [B, K, G, T, S] in q's dtype."""
+  s = jnp.where(mask_BTS[:, None, None], scores(q, k), jnp.finfo(jnp.float32).min)
+  return jax.nn.softmax(s, axis=-1).astype(q.dtype)
 
 
-project.defvjp(_fwd, _bwd)
+def context(probs_BKGTS, v_BSKH):
+  """Probability-weighted values [B, T, N, H]."""
+  B, KV, G, T, _ = probs_BKGTS.shape
+  ctx = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH)
+  return ctx.reshape(B, T, KV * G, ctx.shape[-1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def attention(q, k, v, mask_BTS, keeps: tuple, mixes: tuple):
+  """Attention context of q [B,T,N,H], k, v [B,S,K,H] whose backward reads q, k, v and the probabilities as kept
+  (keeps for q, k, v, probs: None exact, else a Keep); exact probabilities are named so a remat policy keeps (H)
+  or recomputes (R) them."""
+  return context(probs(q, k, mask_BTS), v)
+
+
+def _attention_fwd(q, k, v, mask_BTS, keeps, mixes):
+  p = probs(q, k, mask_BTS)
+  ctx = context(p, v)
+  kp = keeps[3]
+  res = _fwd_res((q, k, v), keeps[:3]) + (checkpoint_name(p, ATTN_PROBS) if kp is None else _encode(p, kp),)
+  return ctx, (res, mask_BTS, mixes)
+
+
+def _attention_bwd(keeps, res, dctx):
+  res, mask_BTS, mixes = res
+  q, k, v, p = _bwd_args(res, keeps, mixes)
+  _, pv_vjp = jax.vjp(context, p, v)
+  dprobs, dv = pv_vjp(dctx)
+  p32, dp32 = p.astype(jnp.float32), dprobs.astype(jnp.float32)
+  dscores = p32 * (dp32 - jnp.sum(dp32 * p32, axis=-1, keepdims=True))  # softmax derivative at the kept probs
+  _, s_vjp = jax.vjp(scores, q, k)
+  dq, dk = s_vjp(jnp.where(mask_BTS[:, None, None], dscores, 0.0))
+  zero_mask = np.zeros(mask_BTS.shape, jax.dtypes.float0)  # the mask is boolean: no cotangent
+  return dq, dk, dv, zero_mask, _zero_mixes(mixes)
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ----------------------------------------------------------------------------- the decoder's L reads
+
+
+def keeper(policy, probe):
+  """(unit, its tensor's last-axis size, dtype) -> (Keep or None, probe mix or None) for one layer: from the
+  layer's LayerPolicy, or for every unit from probe=(format, group size, mix [len(UNITS)])."""
+  def keep(unit: str, size: int, dtype):
+    if probe is not None:
+      fmt, group_size, mix_U = probe
+      return Keep(unit, fmt, group_size, size, jnp.dtype(dtype).name, True), mix_U[UNITS.index(unit)]
+    if policy is not None and unit in policy.lowp:
+      return Keep(unit, policy.format_of(unit), policy.group_size, size, jnp.dtype(dtype).name), None
+    return None, None
+  return keep
+
+
+def projections(proj: Callable, x, km: tuple, ws: tuple, bs: tuple, specs: tuple):
+  """proj(x, w_i, b_i, spec_i) for each weight; through `project` when x is L (km: its keep and mix)."""
+  keep, mix = km
+  if keep is None:
+    return tuple(proj(x, w, b, s) for w, b, s in zip(ws, bs, specs))
+  ys = project(x, ws, specs, keep, mix)
+  return tuple(y if b is None else y + b.astype(y.dtype) for y, b in zip(ys, bs))
+
+
+def norm(rms_norm: Callable, x_BTD, w_D, eps: float, km: tuple):
+  """rms_norm(x, w, eps), its backward reading x from the code when x is L."""
+  if km[0] is None:
+    return rms_norm(x_BTD, w_D, eps)
+  return apply(lambda x, w: rms_norm(x, w, eps), (km[0], None), (x_BTD, w_D), (km[1], None))

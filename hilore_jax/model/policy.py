@@ -11,16 +11,18 @@ from typing import Callable
 import jax
 
 from hilore_jax.model import codec
-from hilore_jax.model.units import CHECKPOINT_NAMES, LOWP_UNITS, code_names
+from hilore_jax.model.units import CHECKPOINT_NAMES, LAYER_INPUT, LOWP_UNITS, code_names
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerPolicy:
   """How one layer keeps activations for backward.
 
-  remat=False keeps everything (H). remat=True keeps the `save` names in compute dtype (H), the `lowp` units as
-  low-precision codes plus scales (L, format per unit in `formats`, default int8), the `offload` names in host
-  memory (O, accelerators only), and recomputes the rest (R).
+  remat=False keeps everything (H) except the `lowp` units, kept as low-precision codes plus scales (L, format
+  per unit in `formats`, default int8): nothing is recomputed. remat=True keeps the `save` names in compute dtype
+  (H), the `lowp` units as L, the `offload` names in host memory (O, accelerators only), and recomputes the rest
+  (R). The layer input may be L only without remat: a checkpointed layer keeps its argument exactly (any
+  recompute starts from it), so a code of it would save nothing.
   """
 
   remat: bool = False
@@ -38,8 +40,11 @@ class LayerPolicy:
       bad = sorted(set(names) - set(valid))
       if bad:
         raise ValueError(f"LayerPolicy.{field}: {bad} are not valid here; valid: {list(valid)}")
-    if (self.save or self.lowp or self.offload) and not self.remat:
-      raise ValueError("LayerPolicy.save / lowp / offload only apply when remat=True")
+    if (self.save or self.offload) and not self.remat:
+      raise ValueError("LayerPolicy.save / offload only apply when remat=True")
+    if self.remat and LAYER_INPUT in self.lowp:
+      raise ValueError(f"LayerPolicy.lowp: {LAYER_INPUT!r} may be L only with remat=False (a checkpointed layer "
+                       "keeps its input exactly for the recompute)")
     both = sorted((set(self.save) & set(self.lowp)) | (set(self.offload) & (set(self.save) | set(self.lowp))))
     if both:
       raise ValueError(f"units {both} have more than one of H (save), L (lowp) and O (offload)")

@@ -25,8 +25,9 @@ MLP_SILU = "mlp_silu"            # silu(gate)
 MLP_DOWN_IN = "mlp_down_in"      # silu(gate) * up, the down-projection input
 MLP_OUT = "mlp_out"              # down-projection output
 
-# What backward reads a tensor for: its exact value (a norm, softmax or nonlinearity's derivative reads it), only
-# the gradient of the weights it multiplies (a projection input: a low-precision code is enough), or nothing.
+# What backward reads a tensor for: its value in a norm, softmax or nonlinearity's derivative (and any weight
+# gradient), only the gradient of the weights it multiplies (a projection input), or nothing. Either way an L unit
+# serves backward from its decoded code (model/lowp.py); only a recompute needs a tensor exactly.
 EXACT, WEIGHTS, NONE = "exact", "weights", "none"
 
 
@@ -41,26 +42,28 @@ class Tensor:
   reads: tuple[str, ...]  # tensors that op reads (recomputing it needs them)
   backward: str  # EXACT | WEIGHTS | NONE
   weights: tuple[str, ...] = ()  # (sub-dict, leaf) of the params whose gradient reads it
-  lowp: bool = False  # may be kept as a low-precision code (L)
+  lowp: bool = False  # may be kept as a low-precision code (L): the op that reads it in backward keeps the code
   unit: bool = False  # the allocator chooses H / L / R for it (the rest is never kept on its own)
   matmul: bool = False  # produced by a matrix multiplication (SAC-style methods keep these)
 
 
 TABLE: tuple[Tensor, ...] = (
-    Tensor(LAYER_INPUT, "BTD", None, (), EXACT),
+    # the layer boundary: a checkpointed layer keeps it exactly as its argument, so L only when nothing is rerun
+    Tensor(LAYER_INPUT, "BTD", None, (), EXACT, lowp=True, unit=True),
     Tensor(ATTN_NORM, "BTD", "attn_norm_op", (LAYER_INPUT,), WEIGHTS,
            (("attn", "wq_DNH"), ("attn", "wk_DKH"), ("attn", "wv_DKH")), lowp=True, unit=True),
-    Tensor(Q, "BTNH", "q_proj", (ATTN_NORM,), EXACT, unit=True, matmul=True),
-    Tensor(K, "BTKH", "k_proj", (ATTN_NORM,), EXACT, unit=True, matmul=True),
-    Tensor(V, "BTKH", "v_proj", (ATTN_NORM,), EXACT, unit=True, matmul=True),
-    Tensor(ATTN_PROBS, "BKGTS", "scores", (Q, K), EXACT),
-    Tensor(ATTN_CTX, "BTNH", "pv", (ATTN_PROBS, V), WEIGHTS, (("attn", "wo_NHD"),), lowp=True, unit=True),
+    Tensor(Q, "BTNH", "q_proj", (ATTN_NORM,), EXACT, lowp=True, unit=True, matmul=True),
+    Tensor(K, "BTKH", "k_proj", (ATTN_NORM,), EXACT, lowp=True, unit=True, matmul=True),
+    Tensor(V, "BTKH", "v_proj", (ATTN_NORM,), EXACT, lowp=True, unit=True, matmul=True),
+    Tensor(ATTN_PROBS, "BKGTS", "scores", (Q, K), EXACT, lowp=True, unit=True),
+    Tensor(ATTN_CTX, "BTNH", "pv", (ATTN_PROBS, V), WEIGHTS, (("attn", "wo_NHD"),), lowp=True, unit=True,
+           matmul=True),
     Tensor(ATTN_OUT, "BTD", "o_proj", (ATTN_CTX, LAYER_INPUT), NONE),
-    Tensor(MLP_INPUT, "BTD", "o_proj", (ATTN_CTX, LAYER_INPUT), EXACT, unit=True, matmul=True),
+    Tensor(MLP_INPUT, "BTD", "o_proj", (ATTN_CTX, LAYER_INPUT), EXACT, lowp=True, unit=True, matmul=True),
     Tensor(MLP_NORM, "BTD", "mlp_norm_op", (MLP_INPUT,), WEIGHTS, (("mlp", "wgate_DF"), ("mlp", "wup_DF")),
            lowp=True, unit=True),
-    Tensor(MLP_GATE, "BTF", "gate_proj", (MLP_NORM,), EXACT, unit=True, matmul=True),
-    Tensor(MLP_UP, "BTF", "up_proj", (MLP_NORM,), EXACT, unit=True, matmul=True),
+    Tensor(MLP_GATE, "BTF", "gate_proj", (MLP_NORM,), EXACT, lowp=True, unit=True, matmul=True),
+    Tensor(MLP_UP, "BTF", "up_proj", (MLP_NORM,), EXACT, lowp=True, unit=True, matmul=True),
     Tensor(MLP_SILU, "BTF", "act", (MLP_GATE, MLP_UP), NONE),
     Tensor(MLP_DOWN_IN, "BTF", "act", (MLP_GATE, MLP_UP), WEIGHTS, (("mlp", "wdown_FD"),), lowp=True, unit=True),
     Tensor(MLP_OUT, "BTD", "down_proj", (MLP_DOWN_IN,), NONE),
@@ -71,6 +74,8 @@ CHECKPOINT_NAMES: tuple[str, ...] = tuple(t.name for t in TABLE)
 UNITS: tuple[str, ...] = tuple(t.name for t in TABLE if t.unit)  # what the allocator decides, per layer
 LOWP_UNITS: tuple[str, ...] = tuple(t.name for t in TABLE if t.lowp)
 EXACT_READS: tuple[str, ...] = tuple(t.name for t in TABLE if t.backward == EXACT and t.producer)
+BACKWARD_READS: tuple[str, ...] = tuple(t.name for t in TABLE if t.backward != NONE)  # what backward reads at all
+BOUNDARY: tuple[str, ...] = tuple(t.name for t in TABLE if t.producer is None)  # kept by a checkpointed layer
 MATMUL_UNITS: tuple[str, ...] = tuple(t.name for t in TABLE if t.unit and t.matmul)
 # the producer ops a recompute may need, each with the tensors it reads
 PRODUCERS: dict[str, tuple[str, ...]] = {t.producer: t.reads for t in TABLE if t.producer}
