@@ -127,8 +127,15 @@ def test_memory_policies_work_under_the_fused_kernel(tiny_cfg):
   rel = lambda g: float(jnp.linalg.norm(flat(g) - exact) / jnp.linalg.norm(exact))
   for pol in (model.FULL_REMAT, model.LayerPolicy(remat=True, save=(U.Q, U.K, U.V, U.MLP_GATE))):
     assert rel(grad(pol)) < 1e-5  # float32 reassociation only
-  err = rel(grad(model.LayerPolicy(remat=True, save=(U.Q,), lowp=U.LOWP_UNITS, group_size=8)))
-  assert 1e-5 < err < 0.05, err
+  # every unit L (q, k and v through the fused kernel's own VJP, as kept), and L beside H and R
+  for pol in (model.LayerPolicy(remat=False, lowp=U.LOWP_UNITS, group_size=8),
+              model.LayerPolicy(remat=True, save=(U.MLP_GATE,), lowp=(U.Q, U.K, U.V, U.ATTN_CTX), group_size=8)):
+    err = rel(grad(pol))
+    assert 1e-5 < err < 0.05, (pol, err)
+  codes = {r.name for rs in model.layer_residuals(cfg, p, ids, (model.LayerPolicy(remat=False, lowp=(U.Q, U.K, U.V),
+                                                                                  group_size=8),) * 3)
+           for r in rs if r.name}
+  assert {n for u in (U.Q, U.K, U.V) for n in U.code_names(u)} <= codes and not {U.Q, U.K, U.V} & codes
   # what backward keeps follows the policy: q as H, the L units as codes, never a probabilities tensor
   kept = {r.name for rs in model.layer_residuals(cfg, p, ids, (model.LayerPolicy(remat=True, save=(U.Q,)),) * 3)
           for r in rs if r.name}
