@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import types
 import typing
 from typing import Any
@@ -503,6 +504,9 @@ class Config:
 # ----------------------------------------------------------------------------- loading
 
 
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _coerce(key: str, value, tp):
   origin = typing.get_origin(tp)
   if origin in (typing.Union, types.UnionType):
@@ -526,6 +530,8 @@ def _coerce(key: str, value, tp):
       raise ConfigError(f"{key} must be an integer, got {value!r}")
     return value
   if tp is float:
+    if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+      value = float(value)  # YAML 1.1 reads '1e-3' (no dot) as a string; a user means the number
     if isinstance(value, bool) or not isinstance(value, (int, float)):
       raise ConfigError(f"{key} must be a number, got {value!r}")
     if not math.isfinite(value):  # YAML's .nan/.inf would pass every range check written as a comparison

@@ -5,6 +5,7 @@ import sys
 import pytest
 
 from hilore_jax import cli
+from hilore_jax.errors import ConfigError
 
 
 def test_yaml_and_overrides(tmp_path):
@@ -64,3 +65,11 @@ def test_shipped_configs_load():
   assert paths
   for path in paths:
     cli.load_config(path)
+
+
+def test_exponent_without_a_dot_is_a_number_not_a_string():
+  # YAML 1.1 reads 1e-3 as the string '1e-3'; an override a user types that way means the number
+  c = cli.load_config(None, ["optimizer.lr=1e-3", "optimizer.kl_control.target=2E2"])
+  assert c.optimizer.lr == 1e-3 and c.optimizer.kl_control.target == 200.0
+  with pytest.raises(ConfigError, match="optimizer.lr must be a number"):
+    cli.load_config(None, ["optimizer.lr=1e-3x"])
