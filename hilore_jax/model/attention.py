@@ -9,14 +9,18 @@ import jax
 import jax.numpy as jnp
 
 
-def attention_probs(q_BTNH, k_BSKH, mask_BTS) -> jax.Array:
-  """Grouped-query softmax probabilities [B, K, G, T, S], computed in float32."""
+def attention_scores(q_BTNH, k_BSKH) -> jax.Array:
+  """Grouped-query scores [B, K, G, T, S], accumulated in float32 whatever the compute dtype (bf16 sums over H
+  lose the scores' small differences)."""
   B, T, N, H = q_BTNH.shape
   KV = k_BSKH.shape[2]
   q = q_BTNH.reshape(B, T, KV, N // KV, H)
-  # accumulate in float32 whatever the compute dtype: bf16 sums over H lose the scores' small differences
-  scores = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH, preferred_element_type=jnp.float32) / math.sqrt(H)
-  scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  return jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH, preferred_element_type=jnp.float32) / math.sqrt(H)
+
+
+def attention_probs(q_BTNH, k_BSKH, mask_BTS) -> jax.Array:
+  """Grouped-query softmax probabilities [B, K, G, T, S], computed in float32, returned in q's dtype."""
+  scores = jnp.where(mask_BTS[:, None, None], attention_scores(q_BTNH, k_BSKH), jnp.finfo(jnp.float32).min)
   return jax.nn.softmax(scores, axis=-1).astype(q_BTNH.dtype)
 
 

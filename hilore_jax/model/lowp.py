@@ -10,7 +10,6 @@ by a run-time weight, so calibration measures any set of L units with one compil
 from __future__ import annotations
 
 import functools
-import math
 from typing import Callable, NamedTuple
 
 import jax
@@ -19,6 +18,10 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from hilore_jax.model import codec
+# the attention math itself lives with the kernels; this module adds only what backward reads from codes
+from hilore_jax.model.attention import attention_context as context
+from hilore_jax.model.attention import attention_probs as probs
+from hilore_jax.model.attention import attention_scores as scores
 from hilore_jax.model.units import ATTN_PROBS, UNITS, code_names
 
 
@@ -90,28 +93,6 @@ def project(x, weights: tuple, specs: tuple[str, ...], keep: Keep, mix=None):
   """
   fn = lambda x, *ws: tuple(jnp.einsum(s, x, w.astype(x.dtype)) for s, w in zip(specs, ws))
   return apply(fn, (keep,) + (None,) * len(weights), (x,) + tuple(weights), (mix,) + (None,) * len(weights))
-
-
-def scores(q_BTNH, k_BSKH):
-  """Grouped-query scores [B, K, G, T, S], accumulated in float32 whatever the compute dtype (bf16 sums over H
-  lose the scores' small differences)."""
-  B, T, N, H = q_BTNH.shape
-  KV = k_BSKH.shape[2]
-  q = q_BTNH.reshape(B, T, KV, N // KV, H)
-  return jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH, preferred_element_type=jnp.float32) / math.sqrt(H)
-
-
-def probs(q, k, mask_BTS):
-  """Softmax probabilities [B, K, G, T, S] in q's dtype."""
-  s = jnp.where(mask_BTS[:, None, None], scores(q, k), jnp.finfo(jnp.float32).min)
-  return jax.nn.softmax(s, axis=-1).astype(q.dtype)
-
-
-def context(probs_BKGTS, v_BSKH):
-  """Probability-weighted values [B, T, N, H]."""
-  B, KV, G, T, _ = probs_BKGTS.shape
-  ctx = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH)
-  return ctx.reshape(B, T, KV * G, ctx.shape[-1])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
