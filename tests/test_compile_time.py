@@ -1,5 +1,5 @@
-"""The traced train step's size follows the number of distinct policy runs, not depth (the layer scan), and the
-compile-time bench measures what it says."""
+"""The traced train step's size does not grow with depth when every layer has the same policy (the layer scan); a
+mixed plan unrolls (model/decoder.py says why); the compile-time bench measures what it says."""
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +34,9 @@ def test_step_size_does_not_grow_with_depth_for_equal_policy_layers(tiny_cfg):
   for policy in (model.FULL_REMAT, compile_time.LOWP):
     sizes = {n: _grad_size(tiny_cfg, n, (policy,) * n) for n in (2, 5, 9)}
     assert len(set(sizes.values())) == 1, sizes
-  # the bench's mixed plan: a fixed number of runs, so a fixed size; the per-layer plan grows with depth
+  # mixed plans unroll, so they grow with depth like a plan that differs on every layer
   mixed = {n: _grad_size(tiny_cfg, n, compile_time.plans(n)["hilore_mixed"]) for n in (6, 12)}
-  assert mixed[6] == mixed[12], mixed
+  assert mixed[12] > mixed[6] * 1.5, mixed
   per_layer = {n: _grad_size(tiny_cfg, n, compile_time.plans(n)["per_layer"]) for n in (6, 12)}
   assert per_layer[12] > per_layer[6] * 1.5, per_layer
 

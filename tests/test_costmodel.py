@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hilore_jax import model
-from hilore_jax.memory import costmodel
+from hilore_jax.memory import costmodel, methods
 from hilore_jax.memory import profile as units
 from hilore_jax.memory.allocator import H, L, R
 from hilore_jax.model import units as U
@@ -70,3 +70,28 @@ def test_candidates_are_pareto_and_risk_prunes(tiny_cfg):
     assert not np.any((b <= b[i]) & (t <= t[i]) & ((b < b[i]) | (t < t[i])) &
                       (np.array([o.risk for o in opts]) <= opts[i].risk))
   assert min(o.bytes for o in opts) == 0 and max(o.time_s for o in opts) == sum(ops.values())
+
+
+def test_plan_bytes_are_exactly_what_backward_keeps(tiny_cfg):
+  # every Pareto layer choice, as the methods turn it into a policy, keeps exactly the cost model's bytes on top of
+  # full checkpointing: nothing unmodelled (norm statistics, RoPE tables) rides along, L layer input included
+  cfg = tiny_cfg.replace(num_hidden_layers=1)
+  B, T, group = 3, 7, 8
+  us = units.enumerate_units(cfg, B, T, group, {"ops": {op: 1.0 for op in U.PRODUCERS}, "codec": {}})
+  cands = costmodel.candidates(us, {op: 1.0 for op in U.PRODUCERS})
+  p = model.init_params(cfg, jax.random.PRNGKey(0))
+  ids = jnp.ones((B, T), jnp.int32)
+
+  def kept(pol):
+    (res,) = model.layer_residuals(cfg, p, ids, (pol,))
+    return sum(int(np.prod(r.shape)) * jnp.dtype({"i8": "int8"}.get(r.dtype, "float32")).itemsize for r in res
+               if "argument p" not in r.source)  # parameters are there anyway
+
+  base = kept(model.FULL_REMAT)
+  rng = np.random.default_rng(0)
+  picks = [cands[i] for i in rng.choice(len(cands), 12, replace=False)]
+  picks.append(next(c for c in cands if model.LAYER_INPUT in c.lowp and len(c.lowp) == 1))
+  for c in picks:
+    plan = methods.Plan(c.choice, tuple("int8" if x == L else None for x in c.choice), c.bytes, 0.0, 0.0)
+    (pol,) = methods.policies(plan, us, 1, group)
+    assert kept(pol) - base == c.bytes, c.choice

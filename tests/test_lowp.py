@@ -140,8 +140,11 @@ def test_policy_validation():
     LayerPolicy(remat=True, save=(model.MLP_NORM,), lowp=(model.MLP_NORM,))
   with pytest.raises(ValueError, match="only apply when remat"):
     LayerPolicy(save=(model.MLP_NORM,))
-  with pytest.raises(ValueError, match="may be L only with remat=False"):
+  with pytest.raises(ValueError, match=r"may be L under remat only when no other unit is recomputed; \['attn_ctx'"):
     LayerPolicy(remat=True, lowp=(model.LAYER_INPUT,))
+  # nothing else recomputed (the probabilities may be): the layer's input is not needed exactly
+  LayerPolicy(remat=True, lowp=(model.LAYER_INPUT,), save=tuple(u for u in U.UNITS if u not in (
+      model.LAYER_INPUT, model.ATTN_PROBS)))
   LayerPolicy(lowp=(model.MLP_NORM, model.LAYER_INPUT))  # no remat: L without any recompute
   with pytest.raises(ValueError, match=r"unknown low-precision formats \['int3'\]"):
     LayerPolicy(remat=True, lowp=(model.MLP_NORM,), formats=("int3",))

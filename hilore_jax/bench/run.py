@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from hilore_jax import engine, model, sharding, train_step
-from hilore_jax.bench import report, stats, synthetic
+from hilore_jax.bench import flops, report, stats, synthetic
 from hilore_jax.config import Config
 from hilore_jax.memory import MemoryManager, calibration, methods
 
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 ROW_KEYS = ("method", "budget_ratio", "peak_bytes", "tokens_per_s", "gain_vs_gc_pct", "gain_ci_low", "gain_ci_high",
             "active_constraint", "solver", "grad_rel_err_mean", "grad_rel_err_max", "grad_cos", "frac_H", "frac_L",
-            "frac_R", "schedule_overhead_pct", "compiles", "flops", "bytes_accessed")
+            "frac_R", "schedule_overhead_pct", "compiles", "flops", "xla_flops", "bytes_accessed")
 
 
 @dataclasses.dataclass
@@ -201,6 +201,8 @@ def _configure(cfg, method, ratio, spec, hooks, stepper, params, batch, calib, e
          "grad_rel_err_mean": float(np.mean(errs)),
          "grad_rel_err_max": float(np.max(errs)), "grad_cos": float(np.min(coss)), **fr, "schedule_overhead_pct": None,
          "same_as_gc": method != "none" and all(p == model.FULL_REMAT for p in spec_m.policies),
-         "compiles": compiles, "probe_compiles": stepper.probe_compiles - probes, "flops": compiled.flops,
+         "compiles": compiles, "probe_compiles": stepper.probe_compiles - probes,
+         "flops": flops.program_flops(lambda p, b: hooks.gradient(p, b, spec_m.policies), params, batch),
+         "xla_flops": compiled.flops,
          "bytes_accessed": compiled.bytes_accessed}
   return Entry(method, ratio, spec_m, compiled, row, sched)

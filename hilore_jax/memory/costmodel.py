@@ -104,7 +104,7 @@ def _candidates_cached(layer_units: tuple[Unit, ...], op_items: tuple, allow: tu
   kinds = [u.kind for u in layer_units]
   allowed = dict(allow)
   combos = np.array(list(itertools.product(*[[_CODE[c] for c in allowed[k]] for k in kinds])), np.int8)
-  # an L layer boundary only where nothing reruns (or moves to the host): the layer then runs without remat
+  # an L layer boundary only where nothing reruns (or moves to the host): a recompute would need it exactly
   bnd = [i for i, k in enumerate(kinds) if k in U.BOUNDARY]
   if bnd:
     rest = np.delete(combos, bnd, axis=1)

@@ -70,13 +70,14 @@ def require_offload(what: str):
 
 def policies(plan: Plan, unit_list: Sequence[Unit], num_layers: int, group_size: int,
              method: str = "") -> tuple[model.LayerPolicy, ...]:
-  """Per-layer LayerPolicy for a plan (none: no remat at all); a layer where nothing is recomputed runs without
-  remat (its L units, the layer input included, as codes)."""
+  """Per-layer LayerPolicy for a plan (none: no remat at all). Every other plan runs each layer under a name
+  policy, even where nothing is recomputed: without remat autodiff also keeps what the cost model does not count
+  (norm statistics, normalised inputs, RoPE tables), 20-100% more than the plan's units on the tiny configs."""
   if method == "none":
     return (model.NO_REMAT,) * num_layers
   if O in plan.choice:
     require_offload(f"offloading {sorted({u.kind for u, c in zip(unit_list, plan.choice) if c == O})} (O)")
-  per = [{"save": [], "lowp": [], "fmts": [], "off": [], "rerun": False} for _ in range(num_layers)]
+  per = [{"save": [], "lowp": [], "fmts": [], "off": []} for _ in range(num_layers)]
   for u, c, f in zip(unit_list, plan.choice, plan.formats):
     d = per[u.layer]
     if c == H and u.kind not in U.BOUNDARY:
@@ -86,11 +87,8 @@ def policies(plan: Plan, unit_list: Sequence[Unit], num_layers: int, group_size:
       d["fmts"].append(f)
     elif c == O:
       d["off"].append(u.kind)
-    d["rerun"] |= c in (R, O) and u.kind not in U.BOUNDARY
   return tuple(model.LayerPolicy(remat=True, save=tuple(d["save"]), lowp=tuple(d["lowp"]), formats=tuple(d["fmts"]),
-                                 offload=tuple(d["off"]), group_size=group_size) if d["rerun"] else
-               model.LayerPolicy(remat=False, lowp=tuple(d["lowp"]), formats=tuple(d["fmts"]), group_size=group_size)
-               for d in per)
+                                 offload=tuple(d["off"]), group_size=group_size) for d in per)
 
 
 def evaluate(choice: Sequence[str], unit_list: Sequence[Unit], op_s: dict,

@@ -11,7 +11,7 @@ from typing import Callable
 import jax
 
 from hilore_jax.model import codec
-from hilore_jax.model.units import CHECKPOINT_NAMES, LAYER_INPUT, LOWP_UNITS, code_names
+from hilore_jax.model.units import ATTN_PROBS, CHECKPOINT_NAMES, LAYER_INPUT, LOWP_UNITS, UNITS, code_names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,8 +21,9 @@ class LayerPolicy:
   remat=False keeps everything (H) except the `lowp` units, kept as low-precision codes plus scales (L, format
   per unit in `formats`, default int8): nothing is recomputed. remat=True keeps the `save` names in compute dtype
   (H), the `lowp` units as L, the `offload` names in host memory (O, accelerators only), and recomputes the rest
-  (R). The layer input may be L only without remat: a checkpointed layer keeps its argument exactly (any
-  recompute starts from it), so a code of it would save nothing.
+  (R); what it keeps is then exactly the named units, nothing the autodiff of the layer would keep besides (norm
+  statistics, RoPE tables). The layer input may be L under remat only when every other unit is kept (H, L or O;
+  the attention probabilities may be R): a recompute would start from the argument, which then stays exact.
   """
 
   remat: bool = False
@@ -42,9 +43,10 @@ class LayerPolicy:
         raise ValueError(f"LayerPolicy.{field}: {bad} are not valid here; valid: {list(valid)}")
     if (self.save or self.offload) and not self.remat:
       raise ValueError("LayerPolicy.save / offload only apply when remat=True")
-    if self.remat and LAYER_INPUT in self.lowp:
-      raise ValueError(f"LayerPolicy.lowp: {LAYER_INPUT!r} may be L only with remat=False (a checkpointed layer "
-                       "keeps its input exactly for the recompute)")
+    rerun = sorted(set(UNITS) - {LAYER_INPUT, ATTN_PROBS} - set(self.save) - set(self.lowp) - set(self.offload))
+    if self.remat and LAYER_INPUT in self.lowp and rerun:
+      raise ValueError(f"LayerPolicy.lowp: {LAYER_INPUT!r} may be L under remat only when no other unit is "
+                       f"recomputed; {rerun} are (a recompute starts from the layer's exact input)")
     both = sorted((set(self.save) & set(self.lowp)) | (set(self.offload) & (set(self.save) | set(self.lowp))))
     if both:
       raise ValueError(f"units {both} have more than one of H (save), L (lowp) and O (offload)")
