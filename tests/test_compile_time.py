@@ -2,6 +2,7 @@
 mixed plan unrolls (model/decoder.py says why); the compile-time bench measures what it says."""
 
 import jax
+import pytest
 import jax.numpy as jnp
 from trainer_util import tiny_config
 
@@ -47,3 +48,13 @@ def test_bench_compile_rows(tmp_path):
   assert [(r["layers"], r["plan"], r["policy_runs"]) for r in rows] == [(3, "gc", 1), (3, "hilore_mixed", 3)]
   assert all(r["compile_s"] > 0 and r["peak_bytes"] > 0 for r in rows)
   assert "| 3 |" in compile_time.table(rows)
+
+
+def test_bench_compile_bad_arguments_are_one_line_errors():
+  from train import bench_compile
+
+  for args, msg in ((["--layers", "4,x"], "--layers must be comma-separated integers"),
+                    (["--plans", "gc,nope"], "unknown --plans ['nope']")):
+    with pytest.raises(SystemExit) as e:
+      bench_compile.main(args)
+    assert str(e.value).startswith("config error: ") and msg in str(e.value), e.value

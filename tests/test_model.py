@@ -170,4 +170,5 @@ def test_a_mixed_plan_costs_what_its_layers_keep():
     return g.lower(p).compile().memory_analysis().temp_size_in_bytes
 
   gc_too = LayerPolicy(remat=True, group_size=63)  # another policy that keeps exactly what FULL_REMAT keeps
-  assert temp((gc_too,) + (model.FULL_REMAT,) * 3) <= 1.02 * temp((model.FULL_REMAT,) * 4)
+  # 10% headroom for other CPUs' fusion choices; the split-scan program was 36% over
+  assert temp((gc_too,) + (model.FULL_REMAT,) * 3) <= 1.10 * temp((model.FULL_REMAT,) * 4)

@@ -17,13 +17,18 @@ def main(argv=None):
   cli.setup_logging(logging.WARNING)
 
   def body():
-    cfg = cli.load_config(args.config, args.overrides)
     from hilore_jax.bench import compile_time
+    from hilore_jax.errors import ConfigError
 
-    layers, plans = [int(x) for x in args.layers.split(",")], args.plans.split(",")
+    try:
+      layers = [int(x) for x in args.layers.split(",")]
+    except ValueError:
+      raise ConfigError(f"--layers must be comma-separated integers, got {args.layers!r}") from None
+    plans = args.plans.split(",")
     bad = sorted(set(plans) - set(compile_time.plans(1)))
     if bad:
-      raise SystemExit(f"unknown --plans {bad}; choose from {sorted(compile_time.plans(1))}")
+      raise ConfigError(f"unknown --plans {bad}; choose from {sorted(compile_time.plans(1))}")
+    cfg = cli.load_config(args.config, args.overrides)
     print(compile_time.table(compile_time.measure(cfg, layers, plans)))
 
   cli.run(body)
