@@ -80,6 +80,9 @@ class ArithmeticSpec:
   num_test: int = 200
   teacher_error_rate: float = 0.0  # share of warm-start targets where the teacher answers one too high
   fixed_width: bool = False  # zero-pad operands and gold answers to a fixed width ('07+45=' -> '052')
+  # completions of varying length: the answer, '#', then a tail (the first operand once, and once more per unit of
+  # the others' last digit): '3+5=' -> '8#3,3,3,3,3,3'; the reward reads the answer before the '#'
+  scratchpad: bool = False
 
   def __post_init__(self):
     check_range("task.arithmetic.teacher_error_rate", self.teacher_error_rate, 0.0, 1.0)
@@ -92,6 +95,8 @@ class ArithmeticSpec:
     if bad or not self.ops:
       raise ConfigError(f"task.arithmetic.ops must be a non-empty subset of ['+', '-', '*'], got {list(self.ops)}")
     check_positive("task.arithmetic.num_test", self.num_test)
+    if self.scratchpad and "*" in self.ops:
+      raise ConfigError("task.arithmetic.scratchpad counts digits of the later operands: ops must not include '*'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -443,6 +448,23 @@ class BenchConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExposureBenchConfig:
+  """`python -m train.bench_exposure`: run-time exposure on real rollout minibatches (bench/exposure.py)."""
+
+  rollout_steps: int = 4  # rollouts of the warm-started policy; each gives grpo.num_iterations passes of minibatches
+  calib_minibatches: int = 8  # the first minibatches (step 0, first pass) calibrate; every later one is held out
+  budget_ratio: float = 1.10  # every arm's memory budget, a multiple of the GC step's peak
+  reps: int = 5  # interleaved timing rounds over every distinct plan
+  bootstrap: int = 2000  # resamples of the held-out minibatches for the Spearman CIs
+
+  def __post_init__(self):
+    for k in ("rollout_steps", "calib_minibatches", "reps", "bootstrap"):
+      check_positive(f"bench_exposure.{k}", getattr(self, k))
+    if self.budget_ratio < 1.0:
+      raise ConfigError(f"bench_exposure.budget_ratio must be >= 1.0, got {self.budget_ratio}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   seed: int = 0
   out_dir: str = "runs/default"
@@ -460,6 +482,7 @@ class Config:
   memory: MemoryConfig = MemoryConfig()
   replay: ReplayConfig = ReplayConfig()
   bench: BenchConfig = BenchConfig()
+  bench_exposure: ExposureBenchConfig = ExposureBenchConfig()
 
   def __post_init__(self):
     check_positive("seed", self.seed, allow_zero=True)  # numpy's per-step shuffle seeds take no negatives

@@ -151,6 +151,8 @@ class Stepper:
   def _compile(self, spec: StepSpec, batch: dict) -> Step:
     batch_sh = {k: sharding.batch_sharding(self.mesh) for k in batch}
     param_sh, metrics_sh = self.state_shardings["params"], sharding.replicated(self.mesh)
+    metrics_sh = {**{k: metrics_sh for k in train_step.SCALAR_METRICS},
+                  train_step.TOKEN_LOGP: sharding.batch_sharding(self.mesh)}
     fn = jax.jit(lambda p, b: train_step.gradient_step(p, b, spec), in_shardings=(param_sh, batch_sh),
                  out_shardings=(param_sh, metrics_sh))
     grad = fn.lower(self.state_abstract["params"], _abstract(batch, batch_sh)).compile()

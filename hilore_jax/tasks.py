@@ -57,7 +57,16 @@ def _arith_problem(spec: ArithmeticSpec, rng: random.Random) -> Example:
   value = eval(expr)  # expr holds only digits and + - *
   shown = str(terms[0]).zfill(width) + "".join(op + str(t).zfill(width) for op, t in zip(ops, terms[1:]))
   target = str(value).zfill(_answer_width(spec)) if spec.fixed_width and value >= 0 else str(value)
+  if spec.scratchpad:
+    target = target + "#" + _work(terms, ops)
   return Example(prompt=shown + "=", reference=value, target=target)
+
+
+def _work(terms: Sequence[int], ops: Sequence[str]) -> str:
+  """A tail whose length varies with the problem: the first operand once, and once more per unit of each later
+  operand's last digit ('3', '+', '5' -> '3,3,3,3,3,3'). A stand-in for reasoning length, written after the answer
+  (three formats with harder or earlier work left the bench's 6-layer model at 0-5% reward, every group the same)."""
+  return ",".join([str(terms[0]).zfill(len(str(max(terms))))] * (1 + sum(t % 10 for t in terms[1:])))
 
 
 def arithmetic_task(spec: ArithmeticSpec) -> Task:
@@ -77,10 +86,13 @@ def arithmetic_task(spec: ArithmeticSpec) -> Task:
         break
     if spec.teacher_error_rate and rng.random() < spec.teacher_error_rate:
       # a biased teacher: the reference (and so GRPO's reward) stays exact, only the imitation target is off
-      ex = dataclasses.replace(ex, target=str(ex.reference + 1).zfill(len(ex.target)))
+      answer, tail = ex.target.partition("#")[::2]
+      wrong = str(ex.reference + 1).zfill(len(answer))
+      ex = dataclasses.replace(ex, target=wrong + "#" + tail if spec.scratchpad else wrong)
     return ex
 
-  return Task("arithmetic", train_example, list(test.values()), verifiers.arithmetic_reward)
+  reward = verifiers.scratchpad_reward if spec.scratchpad else verifiers.arithmetic_reward
+  return Task("arithmetic", train_example, list(test.values()), reward)
 
 
 @dataclasses.dataclass

@@ -96,6 +96,8 @@ def loss_and_stats(params, batch: dict, spec: StepSpec, num_seqs, num_tokens):
   loss, stats = grpo.grpo_loss(logp, old, ref, batch["adv"], batch["mask"], spec.loss_cfg, num_seqs, num_tokens)
   stats["entropy_sum"] = jnp.sum(jnp.where(batch["mask"] > 0, entropy, 0.0))
   stats["loss"] = loss
+  # per token, for the next pass's exposure (its ratio and clip state) without another forward
+  stats["token_logp"] = jax.lax.stop_gradient(logp)
   return loss, stats
 
 
@@ -113,13 +115,16 @@ def grads_and_stats(params, batch: dict, spec: StepSpec):
   def body(acc, mb):
     mb = mb if probe is None else {**mb, "lowp_probe": probe}
     g, s = grad_fn(params, mb, spec, num_seqs, num_tokens)
-    return jax.tree_util.tree_map(jnp.add, acc, (g, s)), None
+    logp = s.pop("token_logp")  # per row: stacked, not summed
+    return jax.tree_util.tree_map(jnp.add, acc, (g, s)), logp
 
   first = jax.tree_util.tree_map(lambda x: x[0], split)
   first = first if probe is None else {**first, "lowp_probe": probe}
   shapes = jax.eval_shape(lambda p, b: grad_fn(p, b, spec, num_seqs, num_tokens), params, first)
+  shapes[1].pop("token_logp")
   zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-  (grads, stats), _ = jax.lax.scan(body, zeros, split)
+  (grads, stats), logp = jax.lax.scan(body, zeros, split)
+  stats["token_logp"] = logp.reshape(-1, logp.shape[-1])
   return grads, stats
 
 
@@ -128,7 +133,11 @@ def step_metrics(stats: dict) -> dict:
   tokens = jnp.maximum(stats["tokens"], 1.0)
   return {"loss": stats["loss"], "clipfrac": stats["clipped_tokens"] / tokens, "kl": stats["kl_sum"] / tokens,
           "entropy": stats["entropy_sum"] / tokens, "tokens": stats["tokens"],
-          "abs_log_ratio": stats["abs_log_ratio_sum"] / tokens}
+          "abs_log_ratio": stats["abs_log_ratio_sum"] / tokens, TOKEN_LOGP: stats["token_logp"]}
+
+
+TOKEN_LOGP = "token_logp"  # the gradient program's per-token log-probs [B, N] (sharded like the batch)
+SCALAR_METRICS = ("loss", "clipfrac", "kl", "entropy", "tokens", "abs_log_ratio")
 
 
 def gradient_step(params, batch: dict, spec: StepSpec):

@@ -183,6 +183,23 @@ class Trainer:
       out.append({**b, "old_logp": old, "on_policy": self._on_policy(rows, first)})
     return out
 
+  def next_rollout(self) -> rollout.Rollout:
+    """Sample and score the next prompts of the training stream under the current policy."""
+    c = self.config
+    examples = self.task.train_batch(self.data_position, c.rollout.num_prompts)
+    self.data_position += c.rollout.num_prompts
+    self.rng, key = jax.random.split(self.rng)
+    return rollout.sample_completions(self.model_cfg, self.state["params"], self.prompter, examples,
+                                      c.rollout.num_generations, c.rollout.max_prompt_len, c.rollout.sampling(), key,
+                                      self.task.reward)
+
+  def pass_batches(self, minibatches: list[dict], it: int) -> list[dict]:
+    """The minibatches of pass `it` over a rollout: on a later pass the first minibatch is off-policy too."""
+    if not (self.spec.use_old_logp and it > 0 and minibatches):
+      return minibatches
+    first = minibatches[0]
+    return [{**first, "on_policy": self._on_policy(len(first["adv"]), False)}, *minibatches[1:]]
+
   def _on_policy(self, rows: int, value: bool) -> jax.Array:
     return self.place_batch({"on_policy": np.full(rows, int(value), np.int32)})["on_policy"]
 
@@ -243,12 +260,7 @@ class Trainer:
     steps -> metrics, read to host once."""
     c = self.config
     t0 = time.perf_counter()
-    examples = self.task.train_batch(self.data_position, c.rollout.num_prompts)
-    self.data_position += c.rollout.num_prompts
-    self.rng, key = jax.random.split(self.rng)
-    roll = rollout.sample_completions(self.model_cfg, self.state["params"], self.prompter, examples,
-                                      c.rollout.num_generations, c.rollout.max_prompt_len, c.rollout.sampling(), key,
-                                      self.task.reward)
+    roll = self.next_rollout()
     self.last_rollout = roll  # what the model saw and said this step (samples.jsonl, tests)
     t_rollout = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -256,18 +268,25 @@ class Trainer:
     minibatches, stats = self.build_update_batch(roll, shuffle, step)
     minibatches = self.add_logprobs(minibatches)
     specs = [self.spec] * len(minibatches)
-    alloc_rows = []
+    alloc_rows, allocations = [], None
     if self.memory is not None and minibatches:
       allocations = self.memory.step(self.state["params"], minibatches, step)
-      specs = [dataclasses.replace(self.spec, policies=a.policies) for a in allocations]
-      alloc_rows = [a.metrics for a in allocations] * c.grpo.num_iterations
-    step_metrics, peaks = [], []
+    # hilore reallocates every later pass: its minibatches are off-policy, and the previous pass's log-probs (an
+    # output of that pass's step, no extra forward) tell the exposure which tokens now clip
+    per_pass = c.memory.policy == "hilore"
+    step_metrics, peaks, token_logp = [], [], []
     for it in range(c.grpo.num_iterations):
-      for j, (spec, b) in enumerate(zip(specs, minibatches)):
-        if self.spec.use_old_logp and it > 0 and j == 0:  # the first minibatch's second pass is off-policy
-          b = {**b, "on_policy": self._on_policy(len(b["adv"]), False)}
+      batches = self.pass_batches(minibatches, it)
+      if allocations is not None:
+        if it > 0 and per_pass:
+          allocations = self.memory.allocate([{**b, "logp": lp} for b, lp in zip(batches, token_logp)])
+        specs = [dataclasses.replace(self.spec, policies=a.policies) for a in allocations]
+        alloc_rows += [a.metrics for a in allocations]
+      token_logp = []
+      for spec, b in zip(specs, batches):
         compiled = self.stepper.get(spec, b, reason=f"memory.policy={c.memory.policy}")
         self.state, m = compiled(self.state, b)
+        token_logp.append(m.pop(train_step.TOKEN_LOGP))
         step_metrics.append(m)
         peaks.append(compiled.peak_bytes)
     # the next rollout needs these params anyway, so waiting here costs nothing and times the update honestly

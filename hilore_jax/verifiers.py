@@ -21,6 +21,11 @@ def arithmetic_reward(completion: str, reference: int) -> float:
   return 1.0 if int(text) == int(reference) else 0.0
 
 
+def scratchpad_reward(completion: str, reference: int) -> float:
+  """arithmetic_reward of the completion's text before its first '#' (the answer; what follows is the work)."""
+  return arithmetic_reward(completion[:MAX_ANSWER_CHARS].split("\n")[0].split("#")[0], reference)
+
+
 # ----------------------------------------------------------------------------- answer extraction
 
 # Extractors read only a completion's last MAX_ANSWER_CHARS characters: the final answer sits at the end, real

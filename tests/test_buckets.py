@@ -1,18 +1,20 @@
 import jax
 import jax.numpy as jnp
-import pytest
+import numpy as np
 
 from hilore_jax import engine, model, train_step
 from hilore_jax.config import GRPOConfig
 from hilore_jax.memory import allocator, buckets
 
 
-def test_bucketing_by_hand():
-  b = buckets.Bucketer.around(4.0, 4)  # edges a factor sqrt(2) apart, the middle one at the level
-  assert b.num_buckets == 4 and b.edges == pytest.approx((2 * 2 ** 0.5, 4.0, 4 * 2 ** 0.5))
-  assert [b.bucket(x) for x in (0.0, 2.8, 2.9, 5, 100)] == [0, 0, 1, 2, 3]
-  assert b.upper(1, 9.0) == 4.0 and b.upper(3, 9.0) == 9.0
-  assert buckets.Bucketer.around(0.0, 4).num_buckets == 1  # nothing exposed at calibration: one bucket
+def test_unit_levels_by_hand():
+  ref = [1.0, 1.0, 1.0, 0.0, 2.0]
+  # 1.0 is level 0's upper edge; 1.5 lies in (sqrt2, 2]: level 2; 0.01 is raised to the lowest level -4; a unit with
+  # no calibrated risk and a zero score are ZERO
+  levels = buckets.unit_levels([1.0, 1.5, 0.01, 3.0, 0.0], ref, 4)
+  assert levels == (0, 2, -4, buckets.ZERO, buckets.ZERO)
+  np.testing.assert_allclose(buckets.level_risk(levels, ref), [1.0, 2.0, 0.25, 0.0, 0.0])
+  assert all(r >= s for r, s in zip(buckets.level_risk(levels, ref), [1.0, 1.5, 0.01, 0.0, 0.0]))  # never below
 
 
 def test_allocation_per_bucket_is_solved_once():
@@ -28,9 +30,13 @@ def test_allocation_per_bucket_is_solved_once():
   allocs = [cache.get(b) for b in seq]
   assert calls == [0, 2, 1] and [r for _, r in cache.solves][0] == "first allocation"
   assert allocs[0] is allocs[1] is allocs[3]
+  cache.invalidate("allowance fitted", 2)  # only that bucket is solved again
+  cache.get(0)
+  cache.get(2)
+  assert calls == [0, 2, 1, 2]
   cache.invalidate("calibration refreshed")
   cache.get(0)
-  assert calls == [0, 2, 1, 0]
+  assert calls == [0, 2, 1, 2, 0]
 
 
 def test_second_step_in_the_same_bucket_compiles_nothing(tiny_cfg):

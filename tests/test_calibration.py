@@ -43,10 +43,11 @@ def test_measured_errors_and_held_out_score_quality(tiny_cfg):
   assert err.shape == (len(units),) and np.all(err > 0) and np.all(err < 0.05)
   rows = calibration.risk_report(hooks, p, batches[:2], batches[2:], units, group_size=8)
   print(calibration.risk_table(rows))
-  assert set(rows) >= {"full", "without susceptibility", "baseline: static type/layer", "baseline: advantage only"}
-  assert rows["full"]["spearman"] > 0.8 and rows["full"]["auroc"] > 0.8
+  assert set(rows) >= {"run-time score", "without susceptibility", "baseline: static type/layer",
+                       "baseline: advantage only"}
+  assert rows["run-time score"]["spearman"] > 0.8 and rows["run-time score"]["auroc"] > 0.8
   # the fitted susceptibility carries the per-unit differences: without it the ranking is much worse
-  assert rows["without susceptibility"]["spearman"] < rows["full"]["spearman"] - 0.2
+  assert rows["without susceptibility"]["spearman"] < rows["run-time score"]["spearman"] - 0.2
 
 
 def test_probe_measures_what_the_policy_runs(grpo_setup):

@@ -47,3 +47,30 @@ def test_unit_exposure_and_ablations():
                              [3 ** 0.5, 0.0, 1.0], rtol=1e-6)
   np.testing.assert_allclose(exposure.unit_exposure(w * 7, err, s), exposure.unit_exposure(w, err, s), rtol=1e-6)
   assert float(exposure.unit_exposure(w * 0, err, s).max()) == 0.0
+
+
+def test_position_profile_by_hand():
+  err = jnp.array([[[1.0, 2.0, 0.0], [3.0, 0.0, 5.0]]])
+  mask = jnp.array([[1, 1, 0], [1, 0, 0]])  # position 2 holds no token: the unit's overall RMS
+  np.testing.assert_allclose(exposure.position_profile(err, mask), [[5 ** 0.5, 2.0, (14 / 3) ** 0.5]], rtol=1e-6)
+
+
+def test_runtime_scores_by_hand():
+  logp, old, ref, adv, mask = _inputs()
+  lc = GRPOConfig(loss_agg="token-mean", eps_low=0.2, eps_high=0.2)
+  w = exposure.token_weights(logp, old, ref, adv, mask, lc)  # [[1/6, 0 (clipped), 1/6], [0]*3 (zero adv), [2/6, 0, 0]]
+  profile = jnp.array([[1.0, 2.0, 3.0], [1.0, 1.0, 1.0]])
+  sus = jnp.array([1.0, 0.5])
+  # per position sum w^2: 5/36, 0, 1/36; sum |w| = 4/6
+  # unit 0: sqrt(5/36 * 1 + 1/36 * 9) / (4/6) = sqrt(14) / 4; unit 1 (flat): 0.5 * sqrt(6/36) / (4/6) = sqrt(6) / 8
+  np.testing.assert_allclose(exposure.runtime_scores(w, profile, sus), [14 ** 0.5 / 4, 6 ** 0.5 / 8], rtol=1e-6)
+  # the clipped token sits where unit 0's error is largest: without clipping its score is sqrt(18) / 5
+  w_nc = exposure.token_weights(logp, old, ref, adv, mask, lc, ExposureSwitches(ratio_clip=False))
+  np.testing.assert_allclose(exposure.runtime_scores(w_nc, profile, sus)[0], 18 ** 0.5 / 5, rtol=1e-6)
+  # the zero-advantage row adds nothing; no update at all: every score 0
+  assert float(exposure.runtime_scores(w * 0, profile, sus).max()) == 0.0
+  flat = exposure.runtime_scores(w, profile, sus, ExposureSwitches(activation=False))
+  np.testing.assert_allclose(flat, [6 ** 0.5 / 4, 6 ** 0.5 / 8], rtol=1e-6)
+  # a longer batch than the profile reads its last position
+  w4 = jnp.pad(w, ((0, 0), (0, 1)))
+  np.testing.assert_allclose(exposure.runtime_scores(w4, profile, sus), exposure.runtime_scores(w, profile, sus))

@@ -52,3 +52,21 @@ def test_offload_on_cpu_is_a_clear_cli_error(tmp_path):
   with pytest.raises(SystemExit, match="memory error: memory.offload=true is unsupported on the cpu backend"):
     cli.main([*TINY, f"out_dir={tmp_path}", "memory.policy=hilore", "memory.offload=true", "train.warmstart_steps=0",
               "eval.at_start=false", "grpo.filter_zero_std=false", "train.steps=1"])
+
+
+def test_later_passes_are_reallocated_from_the_previous_pass(tmp_path, monkeypatch):
+  from hilore_jax.memory import MemoryManager
+
+  seen, allocate = [], MemoryManager.allocate
+
+  def spy(self, minibatches):
+    seen.append([b.get("logp") for b in minibatches])
+    return allocate(self, minibatches)
+
+  monkeypatch.setattr(MemoryManager, "allocate", spy)
+  t = Trainer(tiny_config(tmp_path, *HILORE, "memory.budget_ratio=1.02", "train.steps=1", "grpo.num_iterations=2"))
+  t.train()
+  # the first pass allocates from what the batch carries; the second from the first pass's own log-probs (the
+  # step's output, no extra forward), so its ratios and clipping are visible to the exposure
+  assert len(seen) == 2 and all(lp is None for lp in seen[0])
+  assert all(lp is not None and lp.shape == t.last_rollout.mask[:lp.shape[0]].shape for lp in seen[1])

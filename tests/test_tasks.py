@@ -285,3 +285,23 @@ def test_bad_references_raise_not_score_zero(tmp_path):
 def test_arithmetic_reward_never_raises_on_huge_numbers():
   assert verifiers.arithmetic_reward("1" * 5000, 11) == 0.0  # int() would raise past 4300 digits
   assert verifiers.arithmetic_reward("-0047\nmore", -47) == 1.0
+
+
+def test_scratchpad_targets_vary_in_length_and_the_reward_reads_the_answer():
+  assert tasks._work([3, 5], ["+"]) == "3,3,3,3,3,3" and tasks._work([86, 30], ["+"]) == "86"
+  assert tasks._work([7, 45], ["+"]) == ",".join(["07"] * 6)
+  spec = ArithmeticSpec(fixed_width=True, scratchpad=True, teacher_error_rate=0.5)
+  task = tasks.arithmetic_task(spec)
+  examples = [task.train_example(i) for i in range(200)]
+  lengths = {len(e.target) for e in examples}
+  assert min(lengths) <= 6 and max(lengths) >= 30  # 3 digits, '#', 1 to 10 copies of the first operand
+  for e in examples:
+    answer, work = e.target.split("#")
+    assert work == tasks._work([int(x) for x in e.prompt[:-1].split("+")], ["+"])  # the teacher's bias: answer only
+    assert int(answer) in (e.reference, e.reference + 1)
+    assert task.reward(e.target, e.reference) == float(int(answer) == e.reference)
+  assert verifiers.scratchpad_reward("052#07,07\nmore", 52) == 1.0
+  assert verifiers.scratchpad_reward("052", 52) == 1.0  # the tail is optional
+  assert verifiers.scratchpad_reward("07#052", 52) == 0.0  # the answer comes first
+  with pytest.raises(Exception, match="scratchpad"):
+    ArithmeticSpec(scratchpad=True, ops=("+", "*"))

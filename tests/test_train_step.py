@@ -75,6 +75,21 @@ def test_split_step_updates_exactly_as_the_one_function_step():
   # at zero, so their own scale is the update's. Weight decay alone moves the state by ~250 such steps: a dropped
   # term or a second clip fails at 32
   assert_trees_close(split_state, fused_state, ulps=32, scale="tree")
-  for k in fused_m:  # the loss is a mean of terms of either sign: steps of the terms' scale (~1), not of the mean
+  for k in set(fused_m) - {train_step.TOKEN_LOGP}:  # the loss is a mean of terms of either sign: steps of the
+    # terms' scale (~1), not of the mean
     assert_close(float(split_m[k]), float(fused_m[k]), ulps=64, scale=max(1.0, abs(float(fused_m[k]))))
+  # the per-token log-probs the next pass's exposure reads: the forward's, identical in both programs
+  np.testing.assert_array_equal(np.asarray(split_m[train_step.TOKEN_LOGP]), np.asarray(fused_m[train_step.TOKEN_LOGP]))
   assert int(split_state["step"]) == 1
+
+
+def test_token_logp_output_is_the_forward_in_every_microbatch_split():
+  spec1 = train_step.StepSpec(CFG, GRPOConfig(), model.uniform(CFG.num_hidden_layers, model.FULL_REMAT))
+  spec2 = train_step.StepSpec(CFG, GRPOConfig(), spec1.policies, microbatches=2)
+  batch = _batch()
+  want = train_step.completion_logprobs(CFG, _state(optax.sgd(0.1), sharding.make_mesh())[0]["params"], batch)[0]
+  for spec in (spec1, spec2):
+    params = _state(optax.sgd(0.1), sharding.make_mesh())[0]["params"]
+    _, m = jax.jit(lambda p, b: train_step.gradient_step(p, b, spec))(params, batch)
+    assert m[train_step.TOKEN_LOGP].shape == batch["tokens"].shape
+    np.testing.assert_allclose(np.asarray(m[train_step.TOKEN_LOGP]), np.asarray(want), rtol=1e-5, atol=1e-5)

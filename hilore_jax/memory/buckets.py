@@ -1,39 +1,34 @@
-"""Exposure buckets: a few quantised exposure levels, one cached allocation each, so the train step recompiles
-only when the bucket (and with it the allocation) changes."""
+"""Exposure buckets: each unit's run-time exposure quantised to a few levels; a minibatch's bucket is its vector of
+unit levels, with one cached allocation each, so the train step recompiles only when the plan changes."""
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
 import logging
-from typing import Callable
+from typing import Callable, Sequence
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class Bucketer:
-  """Bucket b covers exposure levels in (edges[b-1], edges[b]]; the last bucket is open-ended."""
+ZERO = -(10**6)  # the level of a unit with no exposure at all (no updated token): risk exactly 0
 
-  edges: tuple[float, ...]
 
-  @classmethod
-  def around(cls, level: float, num_buckets: int) -> "Bucketer":
-    """Geometric edges a factor sqrt(2) apart, centred on the calibration level (one bucket if level is 0)."""
-    if level <= 0:
-      return cls(())
-    return cls(tuple(level * 2.0 ** ((k - num_buckets // 2) / 2) for k in range(1, num_buckets)))
+def unit_levels(scores_U, ref_U, max_levels: int) -> tuple[int, ...]:
+  """Each unit's exposure level on a grid a factor sqrt(2) apart around its calibration score: level k covers
+  scores in (ref * 2^((k-1)/2), ref * 2^(k/2)]. Levels below -max_levels are raised to it (a coarser grid, never
+  an understated risk); a zero score (or a unit that carries no risk) is ZERO."""
+  scores, ref = np.asarray(scores_U, float), np.asarray(ref_U, float)
+  pos = (scores > 0) & (ref > 0)
+  ratio = np.where(pos, scores / np.where(ref > 0, ref, 1.0), 1.0)
+  k = np.maximum(np.ceil(2 * np.log2(ratio) - 1e-9), -max_levels)
+  return tuple(int(x) if p else ZERO for x, p in zip(k, pos))
 
-  @property
-  def num_buckets(self) -> int:
-    return len(self.edges) + 1
 
-  def bucket(self, level: float) -> int:
-    return bisect.bisect_left(self.edges, level)
-
-  def upper(self, bucket: int, observed_max: float) -> float:
-    """The level an allocation for this bucket must tolerate (its upper edge; the run's max for the last)."""
-    return self.edges[bucket] if bucket < len(self.edges) else max(observed_max, self.edges[-1] if self.edges else 0)
+def level_risk(levels: Sequence[int], ref_U) -> np.ndarray:
+  """[U] the risk a bucket's allocation must tolerate: each unit's level's upper edge."""
+  lv = np.asarray(levels, float)
+  return np.where(lv == ZERO, 0.0, np.asarray(ref_U, float) * 2.0 ** (lv / 2))
 
 
 class AllocationCache:
@@ -52,7 +47,10 @@ class AllocationCache:
       log.info("allocation for exposure bucket %d solved (%s)", bucket, reason)
     return self._cache[bucket]
 
-  def invalidate(self, reason: str):
-    """Drop cached allocations (after a calibration refresh or a restore)."""
-    log.info("allocation cache cleared: %s", reason)
-    self._cache.clear()
+  def invalidate(self, reason: str, bucket: int | None = None):
+    """Drop one bucket's cached allocation (its allowance was fitted), or all (a calibration refresh, a restore)."""
+    log.info("allocation cache cleared%s: %s", "" if bucket is None else f" for bucket {bucket}", reason)
+    if bucket is None:
+      self._cache.clear()
+    else:
+      self._cache.pop(bucket, None)

@@ -53,6 +53,24 @@ def raw_exposure(hooks: StepHooks, params, batch: dict, units, switches=Exposure
   return exposure.unit_exposure(w, err, jnp.ones(len(units)), dataclasses.replace(switches, susceptibility=False))
 
 
+def error_profile(hooks: StepHooks, params, batches: Sequence[dict], units, group_size: int,
+                  fmt: str = "int8") -> np.ndarray:
+  """[U, T] RMS L reconstruction error of each unit at each completion position, pooled over the batches (the
+  run-time score's stand-in for the per-token errors only a forward pass would show)."""
+  fn = jax.jit(lambda p, b: token_errors(hooks, p, b, units, group_size, fmt))
+  err = jnp.concatenate([fn(params, b) for b in batches], axis=1)
+  mask = jnp.concatenate([jnp.asarray(b["mask"]) for b in batches], axis=0)
+  return np.asarray(exposure.position_profile(err, mask))
+
+
+def runtime_raw(hooks: StepHooks, batch: dict, profile_UT, switches=ExposureSwitches()) -> jax.Array:
+  """[U] the run-time exposure score without susceptibility, from what the batch carries (no forward pass)."""
+  w = hooks.token_weights(None, batch, switches)
+  profile_UT = jnp.asarray(profile_UT, jnp.float32)
+  return exposure.runtime_scores(w, profile_UT, jnp.ones(profile_UT.shape[0]),
+                                 dataclasses.replace(switches, susceptibility=False))
+
+
 def norm(tree) -> jax.Array:
   """Euclidean norm of a pytree, leaf by leaf (no flattened copy of the model)."""
   return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree_util.tree_leaves(tree)))
@@ -211,19 +229,25 @@ ABLATIONS = ("ratio_clip", "update_mask", "kl", "activation", "susceptibility")
 
 def risk_report(hooks: StepHooks, params, cal_batches: Sequence[dict], eval_batches: Sequence[dict], units,
                 group_size: int, fmt: str = "int8", err_cal=None, err_ev=None) -> dict[str, dict[str, float]]:
-  """How well each score predicts the measured per-unit error on held-out batches (pooled over batches and units):
+  """How well each score predicts the measured per-unit error on held-out batches (pooled over batches and units,
+  so mostly fixed per-unit differences; bench/exposure.py reports the within-unit figures):
   the full exposure score, each component switched off, and simple baselines. Scores are fit on cal_batches
   (err_cal / err_ev: their per-unit errors if already measured)."""
   measure = lambda bs: np.stack([measure_unit_errors(hooks, params, b, units, group_size, fmt) for b in bs])
   err_cal = measure(cal_batches) if err_cal is None else np.asarray(err_cal)
   err_ev = measure(eval_batches) if err_ev is None else np.asarray(err_ev)
-  raw_fn = jax.jit(lambda p, b, sw: raw_exposure(hooks, p, b, units, sw, group_size, fmt), static_argnums=2)
+  # the run-time score (what allocations use: no forward pass), its ablations, and the same score with the
+  # forward's own per-token errors in place of the calibrated profile (not available at run time)
+  prof = error_profile(hooks, params, cal_batches, units, group_size, fmt)
+  run_fn = jax.jit(lambda b, sw: runtime_raw(hooks, b, prof, sw), static_argnums=1)
+  fwd_fn = jax.jit(lambda p, b, sw: raw_exposure(hooks, p, b, units, sw, group_size, fmt), static_argnums=2)
   rows = {}
-  variants = {"full": ExposureSwitches()}
-  variants.update({f"without {a}": ExposureSwitches(**{a: False}) for a in ABLATIONS})
-  for name, sw in variants.items():
-    raw_cal = np.stack([np.asarray(raw_fn(params, b, sw)) for b in cal_batches])
-    raw_ev = np.stack([np.asarray(raw_fn(params, b, sw)) for b in eval_batches])
+  variants = {"run-time score": (run_fn, ExposureSwitches())}
+  variants.update({f"without {a}": (run_fn, ExposureSwitches(**{a: False})) for a in ABLATIONS})
+  variants["with the forward's per-token errors"] = (lambda b, sw: fwd_fn(params, b, sw), ExposureSwitches())
+  for name, (fn, sw) in variants.items():
+    raw_cal = np.stack([np.asarray(fn(b, sw)) for b in cal_batches])
+    raw_ev = np.stack([np.asarray(fn(b, sw)) for b in eval_batches])
     sus = fit_susceptibility(raw_cal, err_cal) if sw.susceptibility else np.ones(len(units))
     rows[name] = risk_metrics((raw_ev * sus).ravel(), err_ev.ravel())
   # baselines: the unit's reconstruction error alone; its calibrated mean error (type/layer, batch-independent);

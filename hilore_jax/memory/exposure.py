@@ -47,3 +47,32 @@ def unit_exposure(w_abs_BT: jax.Array, err_UBT: jax.Array, susceptibility_U: jax
   w2 = w_abs_BT * w_abs_BT
   # 0 when no token is updated (every group had zero advantage): nothing can reach the gradient
   return s * jnp.sqrt(jnp.einsum("bt,ubt->u", w2, err * err) / jnp.maximum(jnp.sum(w2), 1e-30))
+
+
+def position_profile(err_UBT: jax.Array, mask_BT: jax.Array) -> jax.Array:
+  """[U, T] root-mean-square reconstruction error of each unit at each completion position over the rows that
+  have a token there (positions no row reaches take the unit's overall RMS)."""
+  m = mask_BT.astype(jnp.float32)
+  sq = jnp.einsum("bt,ubt->ut", m, err_UBT * err_UBT)
+  count = jnp.sum(m, axis=0)
+  overall = jnp.sqrt(jnp.sum(sq, axis=1) / jnp.maximum(jnp.sum(count), 1.0))
+  return jnp.where(count > 0, jnp.sqrt(sq / jnp.maximum(count, 1.0)), overall[:, None])
+
+
+def runtime_scores(w_abs_BT: jax.Array, profile_UT: jax.Array, susceptibility_U: jax.Array,
+                   sw: ExposureSwitches = ExposureSwitches()) -> jax.Array:
+  """[U] run-time exposure of each unit from the batch's |w_t| alone (no forward pass):
+
+      score_u = s_u * sqrt(sum_t w_t^2 p_u[pos t]^2) / sum_t |w_t|
+
+  p_u the unit's calibrated per-position reconstruction error (what the forward would show, on average). The
+  numerator is the error that reaches the gradient (rounding errors of different tokens add in quadrature); the
+  denominator the gradient's scale (token contributions add coherently). A unit with a flat profile scores
+  s_u * p_u * ||w||_2 / ||w||_1; 0 when no token is updated (nothing can reach the gradient)."""
+  T = w_abs_BT.shape[1]
+  prof = profile_UT[:, :T] if profile_UT.shape[1] >= T else jnp.pad(
+      profile_UT, ((0, 0), (0, T - profile_UT.shape[1])), mode="edge")  # longer completions: the last position's
+  prof = prof if sw.activation else jnp.ones_like(prof)
+  s = susceptibility_U if sw.susceptibility else jnp.ones_like(susceptibility_U)
+  w2 = jnp.sum(w_abs_BT * w_abs_BT, axis=0)  # [T]: rows at one position share the profile
+  return s * jnp.sqrt(jnp.einsum("t,ut->u", w2, prof * prof)) / jnp.maximum(jnp.sum(w_abs_BT), 1e-30)

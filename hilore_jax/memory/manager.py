@@ -1,5 +1,6 @@
-"""The memory manager: budget from the GC step, unit profile, risk calibration on K batches, exposure buckets for
-all of a step's minibatches at once, and per bucket one plan fitted to the budget on the compiled step.
+"""The memory manager: budget from the GC step, unit profile, risk calibration on K batches, per-unit run-time
+exposure of all of a step's minibatches in one jitted call, and per bucket (a vector of unit exposure levels) one
+plan fitted to the budget on the compiled step.
 
 It reaches the trainer only through `StepHooks` (compile a step, take a gradient, read loss coefficients), so it
 never imports a train step; its state is a typed, JSON-serialisable dataclass saved with every checkpoint.
@@ -20,30 +21,33 @@ from hilore_jax import model
 from hilore_jax.config import MemoryConfig
 from hilore_jax.errors import CheckpointError
 from hilore_jax.memory import budget as budgets
-from hilore_jax.memory import calibration, methods, profile
-from hilore_jax.memory.buckets import AllocationCache, Bucketer
+from hilore_jax.memory import buckets as bucketing
+from hilore_jax.memory import calibration, exposure, methods, profile
+from hilore_jax.memory.buckets import AllocationCache
 from hilore_jax.memory.hooks import StepHooks
 
 log = logging.getLogger(__name__)
-STATE_VERSION = 2
+STATE_VERSION = 3
 
 
 @dataclasses.dataclass
 class Calibration:
-  """What risk calibration measured: per-unit errors and susceptibility, the risk budget, the exposure level."""
+  """What risk calibration measured: per-unit errors, susceptibility and error profile, the risk budget."""
 
   susceptibility: list[float]
-  predicted_error: list[float]
-  static_error: list[float]
+  predicted_error: list[float]  # [U] mean over calibration batches of the run-time score (each unit's level 0)
+  static_error: list[float]  # [U] mean measured error
   delta: float
   calibration_error: float
-  calibration_level: float  # mean exposure level of the calibration batches
+  calibration_level: float  # mean over calibration batches of the summed predicted unit errors
   level_max: float  # their largest
   fit: dict
   calib_batches: int
   coherence: float = 1.0  # measured set error / sum of its units' errors, the largest over calibration sets
   set_fit: dict = dataclasses.field(default_factory=dict)  # linear vs orthogonal model on the calibration sets
   unit_errors: list = dataclasses.field(default_factory=list)  # [K][U] measured per-unit errors
+  profile: list = dataclasses.field(default_factory=list)  # [U][T] per-position RMS reconstruction error
+  score_max: list = dataclasses.field(default_factory=list)  # [U] largest run-time score over calibration batches
 
 
 @dataclasses.dataclass
@@ -55,8 +59,7 @@ class ManagerState:
   profile: dict
   calibrated_at: int
   calibration: Calibration | None = None
-  edges: list[float] = dataclasses.field(default_factory=list)  # exposure bucket edges (hilore)
-  max_level: float = 0.0
+  buckets: list[list[int]] = dataclasses.field(default_factory=list)  # hilore: unit level vectors, by index
   allowance: dict[str, int] = dataclasses.field(default_factory=dict)  # bucket -> fitted byte allowance
   verified: list[int] = dataclasses.field(default_factory=list)
   fallback_gc: list[int] = dataclasses.field(default_factory=list)
@@ -76,7 +79,12 @@ class ManagerState:
         cal["level_max"] = d.get("max_level", cal["calibration_level"])
       d = {k: v for k, v in d.items() if k in {f.name for f in dataclasses.fields(cls)}}
       d["calibration"] = cal if len(cal) == len(cal_keys) else None
-    elif version != STATE_VERSION:
+    if version == 2 and d.pop("edges", None):  # hilore's scalar exposure buckets: replan, recalibrate
+      d.update(allowance={}, verified=[], fallback_gc=[])
+      if d.get("calibration"):
+        d["calibration"] = {k: v for k, v in d["calibration"].items() if k not in ("profile", "score_max")}
+    d.pop("max_level", None)
+    if version not in (1, 2, STATE_VERSION):
       raise CheckpointError(f"memory manager state version {version} is newer than this code's {STATE_VERSION}")
     try:
       cal = d.pop("calibration", None)
@@ -113,11 +121,8 @@ class MemoryManager:
       methods.require_offload("memory.offload=true")
     sw = mc.exposure
     if hooks.token_weights is not None:
-      def level(b):  # ||w||_2 / ||w||_1: the fewer tokens carry the update, the less rounding errors average out
-        w = hooks.token_weights(None, b, sw)
-        return jnp.sqrt(jnp.sum(w * w)) / jnp.maximum(jnp.sum(w), 1e-30)
-
-      self._levels = jax.jit(jax.vmap(level))
+      score = lambda b, prof, sus: exposure.runtime_scores(hooks.token_weights(None, b, sw), prof, sus, sw)
+      self._scores = jax.jit(jax.vmap(score, in_axes=(0, None, None)))
 
   # ------------------------------------------------------------------ set-up
 
@@ -131,11 +136,11 @@ class MemoryManager:
     st = ManagerState(gc_bytes, budget, profile.profile_ops(cfg, rows, seq, mc.group_size), calibrated_at=step)
     if self.method in methods.CALIBRATED:
       st.calibration = calibration_state or self._calibrate(params, batches[:mc.calib_batches])
-      if self.method == "hilore":
-        st.edges = list(Bucketer.around(st.calibration.calibration_level, mc.buckets).edges)
-        st.max_level = st.calibration.level_max
     self.load_state(st, f"set up at step {step}")
-    log.info("memory (%s): GC %d B, budget %d B, calibration %s", self.method, gc_bytes, budget, st.calibration)
+    cal = st.calibration
+    log.info("memory (%s): GC %d B, budget %d B%s", self.method, gc_bytes, budget, "" if cal is None else
+             f", calibration on {cal.calib_batches} minibatches: delta {cal.delta:.3g} (measured "
+             f"{cal.calibration_error:.3g}), coherence {cal.coherence:.2f}, fit {cal.fit}")
 
   def _calibrate(self, params, batches: list[dict]) -> Calibration:
     mc, hooks = self.mc, self.hooks
@@ -143,11 +148,17 @@ class MemoryManager:
       raise ValueError(f"memory.policy={self.method} calibrates risk: StepHooks needs gradient, token_weights and "
                        "unit_tensors")
     exact = [calibration.exact_gradient(hooks, params, b) for b in batches]
+    # a minibatch with no gradient (every advantage zero, no KL yet) has no relative error to measure
+    live = [i for i, g in enumerate(exact) if float(calibration.norm(g)) > 0]
+    if live and len(live) < len(batches):
+      log.warning("memory: %d of %d calibration minibatches have a zero gradient; calibrating on the others",
+                  len(batches) - len(live), len(batches))
+      batches, exact = [batches[i] for i in live], [exact[i] for i in live]
     err = np.stack([calibration.measure_unit_errors(hooks, params, b, self.lowp_ids, mc.group_size, mc.lowp_format,
                                                     ex) for b, ex in zip(batches, exact)])
-    raw_fn = jax.jit(lambda p, b: calibration.raw_exposure(hooks, p, b, self.lowp_ids, mc.exposure, mc.group_size,
-                                                           mc.lowp_format))
-    raw = np.stack([np.asarray(raw_fn(params, b)) for b in batches])
+    # the run-time score reads only the batch; the forward's per-token errors enter as a per-position profile
+    prof = calibration.error_profile(hooks, params, batches, self.lowp_ids, mc.group_size, mc.lowp_format)
+    raw = self.unit_scores(batches, prof, np.ones(len(self.lowp_ids)))
     sus = calibration.fit_susceptibility(raw, err) if mc.exposure.susceptibility else np.ones(len(self.lowp_ids))
     pred = raw * sus
     # units' errors are not orthogonal: fit how coherently they add on random sets of these batches
@@ -157,11 +168,12 @@ class MemoryManager:
     kappa = calibration.fit_coherence(err, sets, set_err)
     delta, measured = calibration.calibrate_delta(hooks, params, batches, self.lowp_ids, kappa * pred.mean(0),
                                                   mc.grad_err_tolerance, mc.group_size, mc.lowp_format, exact=exact)
-    levels = self.levels(batches)
+    total = pred.sum(1)
     return Calibration(sus.tolist(), pred.mean(0).tolist(), err.mean(0).tolist(), delta, measured,
-                       float(np.mean(levels)), float(np.max(levels)),
+                       float(np.mean(total)), float(np.max(total)),
                        calibration.risk_metrics(pred.ravel(), err.ravel()), len(batches), kappa,
-                       calibration.set_fit(err.mean(0), sets, set_err.mean(0), kappa), err.tolist())
+                       calibration.set_fit(err.mean(0), sets, set_err.mean(0), kappa), err.tolist(),
+                       prof.tolist(), pred.max(0).tolist())
 
   def load_state(self, state: ManagerState | dict, reason: str = "restored from checkpoint"):
     self.state = state if isinstance(state, ManagerState) else ManagerState.from_json(state)
@@ -170,12 +182,18 @@ class MemoryManager:
 
   # ------------------------------------------------------------------ per step
 
-  def levels(self, minibatches: list[dict]) -> np.ndarray:
-    """Exposure level of every minibatch, in one jitted call and one host read (no forward pass)."""
-    if self.hooks.token_weights is None:
-      return np.zeros(len(minibatches))
-    stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *minibatches)
-    return np.asarray(jax.device_get(self._levels(stacked)), np.float64)
+  def unit_scores(self, minibatches: list[dict], profile_UT=None, susceptibility_U=None) -> np.ndarray:
+    """[M, U] run-time exposure of every unit in every minibatch, in one jitted call and one host read (no
+    forward pass): from advantages, masks, old / reference log-probs and, where a minibatch carries them, the
+    current log-probs (`logp`: a previous pass's or a replayed row's), whose ratio decides which tokens clip."""
+    cal = self.state.calibration if self.state else None
+    prof = np.asarray(cal.profile if profile_UT is None else profile_UT, np.float32)
+    sus = np.asarray(cal.susceptibility if susceptibility_U is None else susceptibility_U, np.float32)
+    if any("logp" in b for b in minibatches):  # one stacked batch: a minibatch without it is on its old policy
+      minibatches = [b if "logp" in b else {**b, "logp": b["old_logp"]} for b in minibatches]
+    keys = set.intersection(*(set(b) for b in minibatches)) - {"lowp_probe", "replayed"}
+    stacked = {k: jnp.stack([jnp.asarray(b[k]) for b in minibatches]) for k in keys}
+    return np.asarray(jax.device_get(self._scores(stacked, prof, sus)), np.float64)
 
   def _unit_list(self, batch: dict) -> list[profile.Unit]:
     shape = self.hooks.batch_shape(batch)
@@ -185,15 +203,44 @@ class MemoryManager:
     self._shape = shape
     return self._units[shape]
 
+  def bucket_levels(self, scores_MU: np.ndarray) -> list[tuple[int, ...]]:
+    """Each minibatch's bucket key: its units' exposure levels (memory.buckets <= 1: exposure off, one bucket)."""
+    if self.mc.buckets <= 1:
+      return [()] * len(scores_MU)
+    ref = self.state.calibration.predicted_error
+    return [bucketing.unit_levels(s, ref, self.mc.buckets) for s in scores_MU]
+
+  def bucket_for(self, levels: tuple[int, ...]) -> int:
+    """The bucket of a minibatch with these unit levels: its own if known; else the fastest fitted bucket whose
+    levels are at least these in every unit (its plan's L set stays within the risk budget here too, so no new
+    plan and no compile); else a new one. Fewer plans than exact levels, at the price of some minibatches running
+    a more cautious plan than their own."""
+    st, key = self.state, list(levels)
+    if key in st.buckets:
+      return st.buckets.index(key)
+    # a minibatch with no exposure at all (no updated token) gets its own bucket: every unit may be L there
+    unexposed = all(k == bucketing.ZERO for k in key)
+    cover = [b for b in st.verified if b < len(st.buckets) and len(st.buckets[b]) == len(key) and key
+             and not unexposed and all(x >= y for x, y in zip(st.buckets[b], key))]
+    if cover:
+      return min(cover, key=lambda b: (self._cache.get(b).time_s, b))
+    st.buckets.append(key)
+    return len(st.buckets) - 1
+
+  def bucket_risk(self, bucket: int) -> np.ndarray:
+    """[U] predicted error per unit (coherence included) the bucket's allocation must tolerate; the exposure-off
+    bucket takes each unit's largest calibration score."""
+    cal = self.state.calibration
+    levels = self.state.buckets[bucket]
+    risk = bucketing.level_risk(levels, cal.predicted_error) if levels else np.asarray(cal.score_max)
+    return cal.coherence * risk
+
   def _risks(self, bucket: int) -> tuple[dict, dict]:
     """(risk_of, sensitivity) per (layer, kind): hilore's at this bucket's exposure, static for the baselines."""
     st = self.state
     keys = [tuple(u) for u in self.lowp_ids]
     if self.method == "hilore":
-      upper = Bucketer(tuple(st.edges)).upper(bucket, st.max_level)
-      scale = upper / max(st.calibration.calibration_level, 1e-30)
-      kappa = st.calibration.coherence
-      return {k: kappa * e * scale for k, e in zip(keys, st.calibration.predicted_error)}, {}
+      return dict(zip(keys, self.bucket_risk(bucket).tolist())), {}
     if self.method in methods.CALIBRATED:
       static, kappa = st.calibration.static_error, st.calibration.coherence
       return {k: kappa * e for k, e in zip(keys, static)}, dict(zip(keys, static))
@@ -231,8 +278,19 @@ class MemoryManager:
 
   def _fit(self, bucket: int, batch: dict):
     """Fit the bucket's plan to the budget on the compiled step (probe compiles, logged); remembered in the state,
-    so a resumed run repeats it."""
+    so a resumed run repeats it. A later bucket first tries the largest allowance fitted so far: one compile (of
+    the step it will run anyway) when its plan fits too."""
     st = self.state
+    fitted = [a for b, a in st.allowance.items() if int(b) not in st.fallback_gc]
+    if fitted:
+      plan = self._plan(bucket, max(fitted))
+      if self.hooks.compile_peak(self.policies(plan), batch) <= st.budget_bytes:
+        log.info("%s bucket %d: allowance %d B reused (compiled peak within budget)", self.method, bucket,
+                 max(fitted))
+        st.allowance[str(bucket)] = max(fitted)
+        st.verified = sorted(set(st.verified) | {bucket})
+        self._cache.invalidate("allowance fitted", bucket)
+        return
     fit = budgets.fit_allowance(
         st.budget_bytes, st.gc_bytes, plan_for=lambda a: self._plan(bucket, a),
         peak_of=lambda plan: self.hooks.compile_peak(self.policies(plan), batch), max_probes=self.mc.budget_probes,
@@ -243,22 +301,22 @@ class MemoryManager:
       st.fallback_gc = sorted(set(st.fallback_gc) | {bucket})
     st.allowance[str(bucket)] = fit.allowance
     st.verified = sorted(set(st.verified) | {bucket})
-    self._cache.invalidate(f"bucket {bucket} fitted")
+    self._cache.invalidate("allowance fitted", bucket)
 
   def allocate(self, minibatches: list[dict]) -> list[Allocation]:
     """Every minibatch's bucket, plan and policies, in order; a new bucket is fitted first (its probe compiles
     are not counted as scheduling time). Exposure levels come from one jitted call."""
     t0 = time.perf_counter()
     self._unit_list(minibatches[0])
-    hilore = self.method == "hilore" and self.state.edges
-    levels = self.levels(minibatches) if hilore else np.zeros(len(minibatches))
-    bucketer = Bucketer(tuple(self.state.edges))
+    keys = [()] * len(minibatches)
+    if self.method == "hilore":
+      scores = self.unit_scores(minibatches)
+      keys = self.bucket_levels(scores)
     fit_s, chosen = 0.0, []
-    for level in levels:
+    for key in keys:
       bucket = 0
-      if hilore:
-        self.state.max_level = max(self.state.max_level, float(level))
-        bucket = bucketer.bucket(float(level))
+      if self.method == "hilore":
+        bucket = self.bucket_for(key)
       if bucket not in self.state.verified and self.method != "none":
         t1 = time.perf_counter()
         self._fit(bucket, minibatches[0])
@@ -278,7 +336,10 @@ class MemoryManager:
   def step(self, params, minibatches: list[dict], step: int) -> list[Allocation]:
     """Set up (or refresh) when due, then allocate this step's minibatches."""
     mc = self.mc
-    if self.state is None or (mc.refresh_every and step - self.state.calibrated_at >= mc.refresh_every):
+    stale = self.state is not None and self.method == "hilore" and not self.state.calibration.profile
+    if stale:
+      log.warning("memory: the checkpoint's hilore calibration predates per-unit exposure: recalibrating")
+    if self.state is None or stale or (mc.refresh_every and step - self.state.calibrated_at >= mc.refresh_every):
       self.setup(params, minibatches, step)
     return self.allocate(minibatches)
 

@@ -140,7 +140,7 @@ def plan(method: str, unit_list: Sequence[Unit], op_s: dict, extra_bytes: int, *
     return _sac(unit_list, op_s, extra_bytes)
   if method in ("uniform_int8", "uniform_int8_gc"):
     return _uniform(unit_list, op_s, extra_bytes, method.endswith("_gc"),
-                    lambda u, f: _code_bytes(u, f, group_size))
+                    lambda u, f: _code_bytes(u, f, group_size), fmt)
   if method in ("greedy_bits", "greedy_bits_gc"):
     return _greedy_bits(unit_list, op_s, extra_bytes, sensitivity or {}, lambda u, f: _code_bytes(u, f, group_size),
                         method.endswith("_gc"))
@@ -179,18 +179,19 @@ def _sac(unit_list, op_s, extra_bytes) -> Plan:
   return best
 
 
-def _uniform(unit_list, op_s, extra_bytes, with_gc: bool, code_bytes) -> Plan:
-  """GACT/ALAM-style: every unit of a layer int8 (nothing recomputed there); with_gc: only in the layers that fit,
-  the rest fully recomputed; without: every layer, whatever the budget (the budget fit then falls back to GC)."""
+def _uniform(unit_list, op_s, extra_bytes, with_gc: bool, code_bytes, fmt: str = "int8") -> Plan:
+  """GACT/ALAM-style: every unit of a layer in one low-precision format (memory.lowp_format, int8 unless set;
+  nothing recomputed there); with_gc: only in the layers that fit, the rest fully recomputed; without: every
+  layer, whatever the budget (the budget fit then falls back to GC)."""
   choice, used = _gc_choice(unit_list), 0
   for idx in layers_of(unit_list):
-    need = sum(code_bytes(unit_list[i], "int8") for i in idx)
+    need = sum(code_bytes(unit_list[i], fmt) for i in idx)
     if with_gc and used + need > extra_bytes:
       continue
     used += need
     for i in idx:
       choice[i] = L
-  return Plan(tuple(choice), tuple("int8" if c == L else None for c in choice), int(used),
+  return Plan(tuple(choice), tuple(fmt if c == L else None for c in choice), int(used),
               evaluate(choice, unit_list, op_s)[1], 0.0)
 
 

@@ -1,0 +1,139 @@
+"""Run-time exposure per unit and minibatch in the memory manager, the oracle arm, and the bench's split."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from hilore_jax import engine, model, sharding, train_step
+from hilore_jax.bench import exposure as bench_exposure
+from hilore_jax.config import GRPOConfig, MemoryConfig
+from hilore_jax.memory import MemoryManager, buckets
+from hilore_jax.model import ModelConfig
+from hilore_jax.model import units as U
+
+CFG = ModelConfig(vocab_size=31, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=False)
+B, P, N = 8, 5, 7
+
+
+def _batch(rng, adv):
+  mask = (np.arange(N)[None] < rng.integers(3, N + 1, B)[:, None]).astype(np.int32)
+  return {"prompt_ids": rng.integers(3, 31, (B, P)).astype(np.int32), "prompt_mask": np.ones((B, P), np.int32),
+          "tokens": (rng.integers(3, 31, (B, N)) * mask).astype(np.int32), "mask": mask,
+          "adv": np.asarray(adv, np.float32), "old_logp": np.full((B, N), -3.0, np.float32) * mask}
+
+
+@pytest.fixture(scope="module")
+def setup():
+  params = model.init_params(CFG, jax.random.PRNGKey(0), init_std=0.3)
+  mesh = sharding.make_mesh(1, 1)
+  opt = optax.sgd(1e-3)
+  state, sh = engine.init_state(mesh, opt, jax.eval_shape(lambda: params), lambda s: jax.device_put(params, s))
+  spec = train_step.StepSpec(CFG, GRPOConfig(), model.uniform(2, model.NO_REMAT), use_old_logp=True)
+  hooks = engine.memory_hooks(engine.Stepper(mesh, opt, state, sh), spec)
+  rng = np.random.default_rng(0)
+  adv = [1.5, -0.5, -0.5, -0.5, 1.0, -1.0, 1.0, -1.0]
+  cal = [_batch(rng, adv) for _ in range(2)]
+  mc = MemoryConfig(policy="hilore", budget_ratio=1.5, group_size=8, calib_batches=2, calib_sets=2,
+                    budget_probes=2, buckets=4)
+  on = MemoryManager(mc, hooks)
+  on.setup(params, cal, 0)
+  return hooks, params, on, mc, rng, adv
+
+
+def test_each_minibatch_is_allocated_from_its_own_unit_scores(setup):
+  hooks, params, on, mc, rng, adv = setup
+  normal = _batch(rng, adv)
+  zero = {**normal, "adv": np.zeros(B, np.float32)}  # every group's rewards equal
+  # the previous pass moved the log-probs of the rows with A > 0 up by 1: ratio e > 1 + eps clips every one of
+  # their tokens (w = 0, beta = 0), exactly as if those rows had no advantage; the other rows keep ratio 1
+  up = (normal["adv"] > 0)[:, None]
+  clipped = {**normal, "logp": normal["old_logp"] + up * normal["mask"]}
+  no_up = {**normal, "adv": np.where(up[:, 0], 0.0, normal["adv"]).astype(np.float32)}
+  scores = on.unit_scores([normal, zero, clipped, no_up])
+  assert scores.shape == (4, 2 * len(U.LOWP_UNITS))
+  assert np.all(scores[0] > 0) and np.all(scores[1] == 0)
+  np.testing.assert_allclose(scores[2], scores[3], rtol=1e-5)
+  assert np.abs(scores[2] / scores[0] - 1).max() > 0.05  # the clip is visible to the score
+  allocs = on.allocate([normal, zero, clipped])
+  assert allocs[1].bucket != allocs[0].bucket  # no exposure at all: its own bucket
+  kappa = on.state.calibration.coherence
+  np.testing.assert_array_equal(on.bucket_risk(allocs[1].bucket), 0.0)  # nothing can reach the gradient
+  assert allocs[1].plan.risk == 0.0
+  for a, s in zip(allocs, scores):  # a bucket's risk never understates its minibatch's score
+    assert np.all(on.bucket_risk(a.bucket) >= kappa * s * (1 - 1e-9))
+  # the same minibatch again: its bucket, no new solve
+  solves = len(on._cache.solves)
+  assert on.allocate([normal])[0].bucket == allocs[0].bucket and len(on._cache.solves) == solves
+
+  # a minibatch at or below a fitted bucket's levels in every unit runs that bucket's plan (no new plan or compile);
+  # one above it in any unit gets its own
+  key = on.state.buckets[allocs[0].bucket]
+  n = len(on.state.buckets)
+  assert on.bucket_for(tuple(k - 1 for k in key)) == allocs[0].bucket and len(on.state.buckets) == n
+  top = max(b[0] for b in on.state.buckets) + 1  # above every bucket in one unit
+  assert on.bucket_for((top, *key[1:])) == n and len(on.state.buckets) == n + 1
+
+  # exposure off: one bucket for all, at each unit's largest calibration score
+  off = MemoryManager(dataclasses.replace(mc, buckets=1), hooks)
+  off.setup(params, [normal], 0, calibration_state=on.state.calibration)
+  allocs_off = off.allocate([normal, zero, clipped])
+  assert {a.bucket for a in allocs_off} == {0}
+  np.testing.assert_allclose(off.bucket_risk(0), kappa * np.asarray(on.state.calibration.score_max))
+
+
+def test_oracle_allocates_from_measured_errors(setup):
+  hooks, params, on, mc, rng, adv = setup
+  oracle = bench_exposure.OracleManager(mc, hooks)
+  oracle.setup(params, [_batch(rng, adv)], 0, calibration_state=on.state.calibration)
+  b = _batch(rng, adv)
+  ref = np.asarray(on.state.calibration.predicted_error)
+  oracle.measured = np.zeros_like(ref)  # measured harmless: every unit may be L at no risk
+  a0 = oracle.allocate([b])[0]
+  assert set(oracle.state.buckets[a0.bucket]) == {buckets.ZERO} and a0.plan.risk == 0.0
+  oracle.measured = ref * 1e6  # measured far over the risk budget: no unit is L
+  a1 = oracle.allocate([b])[0]
+  assert a1.metrics["alloc/frac_L"] == 0.0 and a1.bucket != a0.bucket
+
+
+def test_split_holds_out_whole_later_rollouts():
+  rec = lambda step, it, j: bench_exposure.Record(step, it, j, None, {}, {})
+  records = [rec(s, it, j) for s in range(3) for it in range(2) for j in range(2)]
+  cal, held = bench_exposure.split(records, 2)  # rollout 0's first pass calibrates; its second pass is dropped
+  assert [(r.step, r.pass_, r.index) for r in cal] == [(0, 0, 0), (0, 0, 1)]
+  assert {r.step for r in held} == {1, 2} and len(held) == 8
+  cal, held = bench_exposure.split(records, 5)  # reaches into rollout 1: held out starts at rollout 2
+  assert {r.step for r in held} == {2}
+  with pytest.raises(Exception, match="no rollout after"):
+    bench_exposure.split(records, 9)
+  with pytest.raises(Exception, match="leaves no held-out"):
+    bench_exposure.split(records, 12)
+
+
+def test_manager_state_round_trips_and_converts_the_scalar_bucket_version(setup):
+  from hilore_jax.errors import CheckpointError
+  from hilore_jax.memory.manager import ManagerState
+
+  _, _, on, _, _, _ = setup
+  saved = on.state.to_json()
+  assert ManagerState.from_json(saved) == on.state and saved["version"] == 3
+  # version 2: hilore bucketed one scalar level per minibatch (edges); its fitted allowances and calibration
+  # describe other buckets, so they are dropped and the manager recalibrates
+  v2 = {**saved, "version": 2, "edges": [0.5, 1.0], "max_level": 2.0, "buckets": [],
+        "calibration": {k: v for k, v in saved["calibration"].items() if k not in ("profile", "score_max")}}
+  old = ManagerState.from_json(v2)
+  assert old.allowance == {} and old.verified == [] and old.calibration.profile == []
+  with pytest.raises(CheckpointError, match="newer than this code"):
+    ManagerState.from_json({**saved, "version": 4})
+
+
+def test_calibration_skips_minibatches_without_a_gradient(setup):
+  hooks, params, _, mc, rng, adv = setup
+  dead = {**_batch(rng, adv), "adv": np.zeros(B, np.float32)}  # every group's rewards equal, no KL: no gradient
+  m = MemoryManager(dataclasses.replace(mc, calib_sets=1), hooks)
+  m.setup(params, [dead, _batch(rng, adv)], 0)
+  cal = m.state.calibration
+  assert cal.calib_batches == 1 and cal.delta > 0 and np.isfinite(cal.unit_errors).all()
