@@ -1,4 +1,7 @@
-"""The GRPO loop: rollout -> rewards -> advantages -> minibatched updates, with checkpoints and metrics."""
+"""The GRPO loop: rollout -> rewards -> advantages -> minibatched updates, with checkpoints and metrics.
+
+Over 320 lines on purpose: the loop's phases (rollout, update batch, log-probs, per-pass allocation, compiled steps,
+checkpoints) all act on one Trainer's sharded state and run directory; the numerics live elsewhere."""
 
 from __future__ import annotations
 

@@ -115,7 +115,7 @@ def test_split_holds_out_whole_later_rollouts():
 
 def test_manager_state_round_trips_and_converts_the_scalar_bucket_version(setup):
   from hilore_jax.errors import CheckpointError
-  from hilore_jax.memory.manager import ManagerState
+  from hilore_jax.memory.state import ManagerState
 
   _, _, on, _, _, _ = setup
   saved = on.state.to_json()

@@ -1,7 +1,9 @@
 """The memory wing: HiLoRe's decisions (profile, exposure, calibration, cost model, allocator, buckets, budget
-fit, methods, manager). It never imports a trainer or the benchmark: the trainer's side arrives as `StepHooks`."""
+fit, methods, manager and its state). It never imports a trainer or the benchmark: the trainer's side arrives as
+`StepHooks`."""
 
 from hilore_jax.memory.hooks import StepHooks
-from hilore_jax.memory.manager import Allocation, Calibration, ManagerState, MemoryManager
+from hilore_jax.memory.manager import Allocation, MemoryManager
+from hilore_jax.memory.state import Calibration, ManagerState
 
 __all__ = ["Allocation", "Calibration", "ManagerState", "MemoryManager", "StepHooks"]

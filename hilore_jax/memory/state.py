@@ -1,0 +1,73 @@
+"""The memory manager's state: what calibration measured and everything a resumed run needs to allocate exactly as
+the interrupted one did (typed, JSON-serialisable, saved with every checkpoint; older versions converted)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hilore_jax.errors import CheckpointError
+
+STATE_VERSION = 3
+
+
+@dataclasses.dataclass
+class Calibration:
+  """What risk calibration measured: per-unit errors, susceptibility and error profile, the risk budget."""
+
+  susceptibility: list[float]
+  predicted_error: list[float]  # [U] mean over calibration batches of the run-time score (each unit's level 0)
+  static_error: list[float]  # [U] mean measured error
+  delta: float
+  calibration_error: float
+  calibration_level: float  # mean over calibration batches of the summed predicted unit errors
+  level_max: float  # their largest
+  fit: dict
+  calib_batches: int
+  coherence: float = 1.0  # measured set error / sum of its units' errors, the largest over calibration sets
+  set_fit: dict = dataclasses.field(default_factory=dict)  # linear vs orthogonal model on the calibration sets
+  unit_errors: list = dataclasses.field(default_factory=list)  # [K][U] measured per-unit errors
+  profile: list = dataclasses.field(default_factory=list)  # [U][T] per-position RMS reconstruction error
+  score_max: list = dataclasses.field(default_factory=list)  # [U] largest run-time score over calibration batches
+
+
+@dataclasses.dataclass
+class ManagerState:
+  """Everything a resumed run needs to allocate exactly as the interrupted one did."""
+
+  gc_bytes: int
+  budget_bytes: int
+  profile: dict
+  calibrated_at: int
+  calibration: Calibration | None = None
+  buckets: list[list[int]] = dataclasses.field(default_factory=list)  # hilore: unit level vectors, by index
+  allowance: dict[str, int] = dataclasses.field(default_factory=dict)  # bucket -> fitted byte allowance
+  verified: list[int] = dataclasses.field(default_factory=list)
+  fallback_gc: list[int] = dataclasses.field(default_factory=list)
+
+  def to_json(self) -> dict:
+    return {"version": STATE_VERSION, **dataclasses.asdict(self)}
+
+  @classmethod
+  def from_json(cls, d: dict) -> "ManagerState":
+    """A saved state; version 1 (a flat dict, written before this class existed) is converted."""
+    d = dict(d)
+    version = d.pop("version", 1)
+    if version == 1:  # calibration keys sat beside the rest
+      cal_keys = [f.name for f in dataclasses.fields(Calibration)]
+      cal = {k: d.pop(k) for k in cal_keys if k in d}
+      if "calibration_level" in cal:
+        cal["level_max"] = d.get("max_level", cal["calibration_level"])
+      d = {k: v for k, v in d.items() if k in {f.name for f in dataclasses.fields(cls)}}
+      d["calibration"] = cal if len(cal) == len(cal_keys) else None
+    if version == 2 and d.pop("edges", None):  # hilore's scalar exposure buckets: replan, recalibrate
+      d.update(allowance={}, verified=[], fallback_gc=[])
+      if d.get("calibration"):
+        d["calibration"] = {k: v for k, v in d["calibration"].items() if k not in ("profile", "score_max")}
+    d.pop("max_level", None)
+    if version not in (1, 2, STATE_VERSION):
+      raise CheckpointError(f"memory manager state version {version} is newer than this code's {STATE_VERSION}")
+    try:
+      cal = d.pop("calibration", None)
+      return cls(**d, calibration=Calibration(**cal) if cal else None)
+    except TypeError as e:
+      raise CheckpointError(f"memory manager state in the checkpoint does not match this version: {e}") from None
