@@ -456,6 +456,7 @@ class ExposureBenchConfig:
   budget_ratio: float = 1.10  # every arm's memory budget, a multiple of the GC step's peak
   reps: int = 5  # interleaved timing rounds over every distinct plan
   bootstrap: int = 2000  # resamples of the held-out minibatches for the Spearman CIs
+  arms: bool = True  # false: risk prediction only (no per-arm plans, budget fits or timing)
 
   def __post_init__(self):
     for k in ("rollout_steps", "calib_minibatches", "reps", "bootstrap"):

@@ -41,7 +41,7 @@ def test_bench_writes_all_outputs_with_every_method_under_budget(tmp_path):
     md = f.read()
   assert "| hilore | 1.30 |" in md and "## Targets" in md
   with open(os.path.join(out, "risk.md")) as f:
-    assert "| full |" in f.read()
+    assert "| run-time score |" in f.read()
   assert not math.isnan(result["risk"]["run-time score"]["spearman"])
 
 

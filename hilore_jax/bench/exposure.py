@@ -207,7 +207,8 @@ def run(cfg: Config, out_dir: str, progress=print) -> dict:
            f"{all_l:.2e} vs tolerance {tol:.0e}")
 
   # per held-out minibatch: exact gradient, each unit's error alone, every arm's plan and its realised error
-  err_MU, per_arm = [], {a: [] for a in ARMS}
+  names = ARMS if be.arms else ()  # arms off: the risk-prediction half alone (no plans, no compiles)
+  err_MU, per_arm = [], {a: [] for a in names}
   grads_cache: dict = {}
   skipped = 0
   for i, r in enumerate(list(held)):
@@ -220,63 +221,67 @@ def run(cfg: Config, out_dir: str, progress=print) -> dict:
     err_MU.append(err_U)
     managers["oracle"].measured = err_U
     grads_cache.clear()
-    for name, m in managers.items():
-      a = m.allocate([r.batch])[0]
+    for name in names:
+      a = managers[name].allocate([r.batch])[0]
       key = a.policies
-      if key not in grads_cache:
-        grads_cache[key] = calibration.relative_error(hooks.gradient(r.params, r.batch, a.policies), exact)
+      if key not in grads_cache:  # the arm's own compiled gradient program (its budget fit compiled it)
+        step = trainer.stepper.get(dataclasses.replace(spec, policies=key), r.batch, count=False)
+        grads_cache[key] = calibration.relative_error(step.grad(r.params, train_step.step_inputs(r.batch))[0], exact)
       per_arm[name].append({"policies": a.policies, "plan_risk": float(a.plan.risk), "err": grads_cache[key],
                             "bucket": a.bucket, "active": a.active_constraint,
                             **{k: a.metrics[f"alloc/{k}"] for k in ("frac_H", "frac_L", "frac_R")}})
-    if (i + 1) % 10 == 0 or i + 1 == len(held):
+    if (i + 1) % 5 == 0:
       progress(f"measured {i + 1}/{len(held)} held-out minibatches")
   err_MU = np.array(err_MU)
 
-  # step time of every distinct plan (and GC), interleaved rounds; each arm's time is its plans' sum over the
-  # held-out minibatches, paired with GC's within a round
-  gc_pols = model.uniform(L, model.FULL_REMAT)
-  distinct = list(dict.fromkeys([gc_pols] + [e["policies"] for a in ARMS for e in per_arm[a]]))
-  steps = {p: trainer.stepper.get(dataclasses.replace(spec, policies=p), held[0].batch, count=False)
-           for p in distinct}
-  params = held[0].params
-  for p in distinct:
-    _time_grad(steps[p], params, held[0].batch, 1)  # warm
-  rounds = []
-  order_rng = np.random.default_rng(cfg.seed)
-  for _ in range(be.reps):
-    t = {}
-    for k in order_rng.permutation(len(distinct)):
-      t[distinct[k]] = _time_grad(steps[distinct[k]], params, held[0].batch)
-    rounds.append(t)
-  progress(f"timed {len(distinct)} distinct plans x {be.reps} rounds")
+  arms, pairs, closed = {}, {}, float("nan")
+  if names:
+    # step time of every distinct plan (and GC), interleaved rounds; each arm's time is its plans' sum over the
+    # held-out minibatches, paired with GC's within a round
+    gc_pols = model.uniform(L, model.FULL_REMAT)
+    distinct = list(dict.fromkeys([gc_pols] + [e["policies"] for a in ARMS for e in per_arm[a]]))
+    steps = {p: trainer.stepper.get(dataclasses.replace(spec, policies=p), held[0].batch, count=False)
+             for p in distinct}
+    params = held[0].params
+    for p in distinct:
+      _time_grad(steps[p], params, held[0].batch, 1)  # warm
+    rounds = []
+    order_rng = np.random.default_rng(cfg.seed)
+    for _ in range(be.reps):
+      t = {}
+      for k in order_rng.permutation(len(distinct)):
+        t[distinct[k]] = _time_grad(steps[distinct[k]], params, held[0].batch)
+      rounds.append(t)
+    progress(f"timed {len(distinct)} distinct plans x {be.reps} rounds")
 
-  tokens = float(sum(np.prod(r.batch["prompt_ids"].shape) + np.prod(r.batch["tokens"].shape) for r in held))
-  arms = {}
-  for a in ARMS:
-    es = per_arm[a]
-    times = np.array([sum(t[e["policies"]] for e in es) for t in rounds])
-    gc_times = np.array([t[gc_pols] * len(es) for t in rounds])
-    gain = stats.summary(stats.paired_gain_pct(times, gc_times))
-    errs = np.array([e["err"] for e in es])
-    viol = (errs > tol).astype(float)
-    arms[a] = {"tokens_per_s": tokens / float(np.median(times)), "gain_vs_gc_pct": gain["mean"],
-               "gain_ci_low": gain["ci_low"], "gain_ci_high": gain["ci_high"],
-               "round_times_s": times.tolist(),
-               "peak_bytes": int(max(steps[e["policies"]].peak_bytes for e in es)),
-               "err_mean": float(errs.mean()), "err_max": float(errs.max()),
-               "violation_rate": float(viol.mean()), "violation_ci": list(stats.bootstrap_ci(viol)),
-               "frac_L": float(np.mean([e["frac_L"] for e in es])), "frac_R": float(np.mean([e["frac_R"] for e in es])),
-               "distinct_plans": len({e["policies"] for e in es}), "buckets": len({e["bucket"] for e in es}),
-               "active": sorted({e["active"] for e in es}),
-               "per_minibatch": [{k: v for k, v in e.items() if k != "policies"} for e in es]}
-  pairs = {}
-  for a, b in (("hilore_exposure_on", "adacc_style"), ("hilore_exposure_on", "hilore_exposure_off"),
-               ("oracle", "adacc_style"), ("hilore_exposure_on", "optimal_hr")):
-    d = stats.summary(stats.paired_gain_pct(arms[a]["round_times_s"], arms[b]["round_times_s"]))
-    pairs[f"{a} vs {b}"] = {"gain_pct": d["mean"], "ci_low": d["ci_low"], "ci_high": d["ci_high"]}
-  oracle_gap = arms["oracle"]["gain_vs_gc_pct"] - arms["adacc_style"]["gain_vs_gc_pct"]
-  closed = ((arms["hilore_exposure_on"]["gain_vs_gc_pct"] - arms["adacc_style"]["gain_vs_gc_pct"]) / oracle_gap
-            if abs(oracle_gap) > 1e-9 else float("nan"))
+    tokens = float(sum(np.prod(r.batch["prompt_ids"].shape) + np.prod(r.batch["tokens"].shape) for r in held))
+    arms = {}
+    for a in ARMS:
+      es = per_arm[a]
+      times = np.array([sum(t[e["policies"]] for e in es) for t in rounds])
+      gc_times = np.array([t[gc_pols] * len(es) for t in rounds])
+      gain = stats.summary(stats.paired_gain_pct(times, gc_times))
+      errs = np.array([e["err"] for e in es])
+      viol = (errs > tol).astype(float)
+      arms[a] = {"tokens_per_s": tokens / float(np.median(times)), "gain_vs_gc_pct": gain["mean"],
+                 "gain_ci_low": gain["ci_low"], "gain_ci_high": gain["ci_high"],
+                 "round_times_s": times.tolist(),
+                 "peak_bytes": int(max(steps[e["policies"]].peak_bytes for e in es)),
+                 "err_mean": float(errs.mean()), "err_max": float(errs.max()),
+                 "violation_rate": float(viol.mean()), "violation_ci": list(stats.bootstrap_ci(viol)),
+                 "frac_L": float(np.mean([e["frac_L"] for e in es])),
+                 "frac_R": float(np.mean([e["frac_R"] for e in es])),
+                 "distinct_plans": len({e["policies"] for e in es}), "buckets": len({e["bucket"] for e in es}),
+                 "active": sorted({e["active"] for e in es}),
+                 "per_minibatch": [{k: v for k, v in e.items() if k != "policies"} for e in es]}
+    pairs = {}
+    for a, b in (("hilore_exposure_on", "adacc_style"), ("hilore_exposure_on", "hilore_exposure_off"),
+                 ("oracle", "adacc_style"), ("hilore_exposure_on", "optimal_hr")):
+      d = stats.summary(stats.paired_gain_pct(arms[a]["round_times_s"], arms[b]["round_times_s"]))
+      pairs[f"{a} vs {b}"] = {"gain_pct": d["mean"], "ci_low": d["ci_low"], "ci_high": d["ci_high"]}
+    oracle_gap = arms["oracle"]["gain_vs_gc_pct"] - arms["adacc_style"]["gain_vs_gc_pct"]
+    closed = ((arms["hilore_exposure_on"]["gain_vs_gc_pct"] - arms["adacc_style"]["gain_vs_gc_pct"]) / oracle_gap
+              if abs(oracle_gap) > 1e-9 else float("nan"))
 
   progress("risk prediction on the held-out minibatches")
   scores = risk_scores(on, hooks, cal, held, units)

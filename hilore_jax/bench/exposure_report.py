@@ -60,6 +60,8 @@ def report(res: dict) -> str:
   lines += ["", "| paired comparison | gain % [95% CI] |", "|---|---|"]
   for k, v in res["pairs"].items():
     lines.append(f"| {k} | {v['gain_pct']:+.1f} [{v['ci_low']:+.1f}, {v['ci_high']:+.1f}] |")
+  if not res["arms"]:
+    lines.append("(not run: bench_exposure.arms=false)")
   lines += ["", "Share of the oracle's gain over static risk that exposure-on recovers: "
             f"{res['oracle_gap_closed']:.2f}", "", "Targets (issue 13): " + "; ".join(
                 f"{k}: {'met' if ok else 'MISSED'}" for k, ok in targets(res).items()) + ".",
@@ -89,10 +91,12 @@ def report(res: dict) -> str:
 def targets(res: dict) -> dict[str, bool]:
   """The issue's targets, read off the figures (never tuned: the regime and arms are fixed in the config)."""
   arms, run = res["arms"], res["risk"]["run-time score"]
+  within = {"within-unit rho >= 0.85 (CI low >= 0.7)": run["within_median"] >= 0.85 and run["within_ci_low"] >= 0.7}
+  if not arms:
+    return within
   on, static = arms["hilore_exposure_on"], arms["adacc_style"]
   vs_static = res["pairs"]["hilore_exposure_on vs adacc_style"]
-  return {"within-unit rho >= 0.85 (CI low >= 0.7)": run["within_median"] >= 0.85 and run["within_ci_low"] >= 0.7,
-          "exposure-on violation rate <= 5%": on["violation_rate"] <= 0.05,
+  return {**within, "exposure-on violation rate <= 5%": on["violation_rate"] <= 0.05,
           "exposure-on >= 3 points faster than static at <= its violation rate":
               vs_static["ci_low"] >= 3 and on["violation_rate"] <= static["violation_rate"],
           ">= half of the oracle's gain over static": res["oracle_gap_closed"] >= 0.5}

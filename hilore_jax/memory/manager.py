@@ -168,7 +168,8 @@ class MemoryManager:
     bucket takes each unit's largest calibration score."""
     cal = self.state.calibration
     levels = self.state.buckets[bucket]
-    risk = bucketing.level_risk(levels, cal.predicted_error) if levels else np.asarray(cal.score_max)
+    risk = bucketing.level_risk(levels, cal.predicted_error) if levels else np.asarray(
+        cal.score_max or cal.predicted_error)  # a given calibration may carry no per-batch maxima
     return cal.coherence * risk
 
   def _risks(self, bucket: int) -> tuple[dict, dict]:
@@ -245,9 +246,8 @@ class MemoryManager:
     t0 = time.perf_counter()
     self._unit_list(minibatches[0])
     keys = [()] * len(minibatches)
-    if self.method == "hilore":
-      scores = self.unit_scores(minibatches)
-      keys = self.bucket_levels(scores)
+    if self.method == "hilore" and self.mc.buckets > 1:  # exposure off (one bucket): nothing to score
+      keys = self.bucket_levels(self.unit_scores(minibatches))
     fit_s, chosen = 0.0, []
     for key in keys:
       bucket = 0
@@ -272,7 +272,8 @@ class MemoryManager:
   def step(self, params, minibatches: list[dict], step: int) -> list[Allocation]:
     """Set up (or refresh) when due, then allocate this step's minibatches."""
     mc = self.mc
-    stale = self.state is not None and self.method == "hilore" and not self.state.calibration.profile
+    stale = (self.state is not None and self.method == "hilore" and mc.buckets > 1
+             and not self.state.calibration.profile)
     if stale:
       log.warning("memory: the checkpoint's hilore calibration predates per-unit exposure: recalibrating")
     if self.state is None or stale or (mc.refresh_every and step - self.state.calibrated_at >= mc.refresh_every):
