@@ -119,7 +119,7 @@ def arm_managers(cfg: Config, hooks) -> dict[str, MemoryManager]:
 # ----------------------------------------------------------------------------- risk prediction
 
 
-def risk_scores(manager: MemoryManager, hooks, cal: list[Record], held: list[Record], units) -> dict[str, np.ndarray]:
+def risk_scores(manager: MemoryManager, hooks, held: list[Record], units) -> dict[str, np.ndarray]:
   """[M, U] scores of the held-out minibatches: the run-time score and its ablations (susceptibility is one factor
   per unit, so it cannot change a within-unit ranking), the old scalar, simple baselines, and the score with the
   forward's own per-token errors (not available at run time)."""
@@ -284,7 +284,7 @@ def run(cfg: Config, out_dir: str, progress=print) -> dict:
               if abs(oracle_gap) > 1e-9 else float("nan"))
 
   progress("risk prediction on the held-out minibatches")
-  scores = risk_scores(on, hooks, cal, held, units)
+  scores = risk_scores(on, hooks, held, units)
   risk = {name: spearman_summary(s, err_MU, be.bootstrap) for name, s in scores.items()}
   by_kind = {}
   rho_U = within_unit_spearman(scores["run-time score"], err_MU)
