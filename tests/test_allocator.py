@@ -34,6 +34,8 @@ def test_exact_solver_is_optimal():
     delta = float(rng.uniform(0, 0.02))
     best = _brute(units, budget, delta).time_s
     assert allocator.exact(allocator.per_unit(units), budget, delta).time_s == pytest.approx(best)
+    loose = allocator.exact(allocator.per_unit(units), budget, delta, mip_gap=0.05)  # within its proven gap
+    assert loose.bytes <= budget and loose.risk <= delta + 1e-12 and loose.time_s <= best * 1.05 + 1e-12
 
 
 def test_greedy_equals_exact_on_uniform_instances():

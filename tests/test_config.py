@@ -33,6 +33,7 @@ def dataclasses_frozen_error():
     ("memory.lowp_format=int2", r"memory.lowp_format must be one of \['int8', 'fp8_e4m3'"),
     ("memory.exposure.kll=false", r"unknown config key 'memory.exposure.kll'"),
     ("memory.budget_ratio=0.9", r"budget_ratio must be >= 1.0"),
+    ("memory.mip_gap=1.5", r"memory.mip_gap must be in \[0, 1\)"),
     ("rollout.num_generations=1", r"num_generations must be > 1"),
     ("train.steps=ten", r"train.steps must be an integer"),
     ("model.num_key_value_heads=3", r"num_attention_heads .* multiple of num_key_value_heads"),

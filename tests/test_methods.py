@@ -142,9 +142,11 @@ def test_adacc_and_hilore_compress_within_the_risk_budget(tiny_cfg):
     assert L not in safe.choice and safe.time_s >= plan.time_s
     # which budget binds: here both (more bytes or more risk would each buy a faster plan)
     _, ops = _units(tiny_cfg)
-    assert methods.active_constraint(method, us, ops, extra, plan, risk_of=risk, delta=2.5e-6, group_size=8) == "both"
+    plan_at = lambda d0: lambda a, d=None: methods.plan(method, us, ops, a, risk_of=risk, group_size=8,
+                                                        delta=d0 if d is None else d)
+    assert methods.active_constraint(method, us, extra, plan, plan_at(2.5e-6)) == "both"
     free = methods.plan(method, us, ops, extra, risk_of=risk, delta=1.0, group_size=8)
-    assert methods.active_constraint(method, us, ops, extra, free, risk_of=risk, delta=1.0, group_size=8) == "memory"
+    assert methods.active_constraint(method, us, extra, free, plan_at(1.0)) == "memory"
     greedy = methods.plan(method, us, ops, extra, risk_of=risk, delta=2.5e-6, group_size=8, solver="greedy")
     assert greedy.time_s >= plan.time_s - 1e-9 and greedy.risk <= 2.5e-6  # the exact solver is never slower
   with pytest.raises(ValueError, match="unknown memory.policy"):

@@ -51,6 +51,7 @@ class MemoryManager:
     self._gaps: dict[int, float] = {}
     self._active: dict[int, str] = {}
     self._units: dict[tuple[int, int], list[profile.Unit]] = {}
+    self._plans: dict[tuple, methods.Plan] = {}  # solved plans by (risks, allowance, delta, solver)
     self._shape: tuple[int, int] | None = None
     self.lowp_ids = calibration.lowp_units(self.num_layers)
     if mc.offload:
@@ -114,6 +115,7 @@ class MemoryManager:
   def load_state(self, state: ManagerState | dict, reason: str = "restored from checkpoint"):
     self.state = state if isinstance(state, ManagerState) else ManagerState.from_json(state)
     self._units.clear()  # their measured times come from this profile
+    self._plans.clear()
     self._cache.invalidate(reason)
 
   # ------------------------------------------------------------------ per step
@@ -187,11 +189,20 @@ class MemoryManager:
     risk_of, sens = self._risks(bucket)
     cal = self.state.calibration
     return dict(risk_of=risk_of, delta=cal.delta if cal else 0.0, fmt=self.mc.lowp_format, allow_o=self.mc.offload,
-                sensitivity=sens, group_size=self.mc.group_size, solver=solver or self.mc.solver)
+                sensitivity=sens, group_size=self.mc.group_size, solver=solver or self.mc.solver,
+                mip_gap=self.mc.mip_gap)
 
-  def _plan(self, bucket: int, allowance: int, solver: str | None = None) -> methods.Plan:
-    return methods.plan(self.method, self._units[self._shape], self.state.profile["ops"], max(allowance, 0),
-                        **self._plan_kw(bucket, solver))
+  def _plan(self, bucket: int, allowance: int, solver: str | None = None, delta: float | None = None) -> methods.Plan:
+    """The method's plan for a bucket and byte allowance; memoised, since the budget fit, the exact-vs-greedy gap
+    and the active-constraint check ask for the same solves, and buckets with equal risks share them."""
+    kw = self._plan_kw(bucket, solver)
+    if delta is not None:
+      kw["delta"] = delta
+    key = (self._shape, tuple(sorted(kw["risk_of"].items())), max(allowance, 0), kw["delta"], kw["solver"])
+    if key not in self._plans:
+      self._plans[key] = methods.plan(self.method, self._units[self._shape], self.state.profile["ops"],
+                                      max(allowance, 0), **kw)
+    return self._plans[key]
 
   def _solve_bucket(self, bucket: int) -> methods.Plan:
     st = self.state
@@ -206,8 +217,8 @@ class MemoryManager:
       self._gaps[bucket] = (greedy.time_s - exact.time_s) / max(exact.time_s, 1e-12)
       log.info("%s bucket %d: greedy is %.2f%% slower than the exact solution", self.method, bucket,
                100 * self._gaps[bucket])
-    self._active[bucket] = methods.active_constraint(self.method, self._units[self._shape], st.profile["ops"],
-                                                     allowance, plan, **self._plan_kw(bucket))
+    self._active[bucket] = methods.active_constraint(self.method, self._units[self._shape], allowance, plan,
+                                                     lambda a, d=None: self._plan(bucket, a, delta=d))
     return plan
 
   def policies(self, plan: methods.Plan) -> tuple[model.LayerPolicy, ...]:

@@ -122,12 +122,13 @@ def layer_groups(unit_list, op_s, risk_of: dict, allow_l: bool, allow_o: bool) -
 
 def plan(method: str, unit_list: Sequence[Unit], op_s: dict, extra_bytes: int, *, risk_of: dict | None = None,
          delta: float = 0.0, fmt: str = "int8", allow_o: bool = False, sensitivity: dict | None = None,
-         group_size: int = 64, solver: str = "exact") -> Plan:
+         group_size: int = 64, solver: str = "exact", mip_gap: float = 1e-4) -> Plan:
   """The method's plan for `extra_bytes` of activation memory on top of full checkpointing.
 
   risk_of: predicted relative gradient error of each (layer, kind) as L (hilore: at this bucket's exposure;
   adacc_style: static), summed over a plan's L units against the budget delta. sensitivity: measured error per
-  (layer, kind) (greedy_bits). solver: exact (the MILP, every solved method) or greedy (the run-time fast path).
+  (layer, kind) (greedy_bits). solver: exact (the MILP, every solved method, to a proven relative gap mip_gap)
+  or greedy (the run-time fast path).
   """
   if method not in METHODS:
     raise ValueError(f"unknown memory.policy {method!r}; choose one of {list(METHODS)}")
@@ -146,8 +147,9 @@ def plan(method: str, unit_list: Sequence[Unit], op_s: dict, extra_bytes: int, *
                         method.endswith("_gc"))
   risk_of = {} if method == "optimal_hr" else (risk_of or {})
   groups = layer_groups(unit_list, op_s, risk_of, allow_l=method != "optimal_hr", allow_o=allow_o)
-  solve = allocator.exact if solver == "exact" else allocator.greedy
-  return _plan(solve(groups, extra_bytes, delta).choice, unit_list, op_s, risk_of, fmt)
+  found = (allocator.exact(groups, extra_bytes, delta, mip_gap) if solver == "exact" else
+           allocator.greedy(groups, extra_bytes, delta))
+  return _plan(found.choice, unit_list, op_s, risk_of, fmt)
 
 
 def _code_bytes(u: Unit, f: str, group_size: int) -> int:
@@ -231,15 +233,14 @@ def _greedy_bits(unit_list, op_s, extra_bytes, sensitivity, code_bytes, with_gc:
   return Plan(tuple(choice), tuple(formats), int(used), t, risk)
 
 
-def active_constraint(method: str, unit_list, op_s, extra_bytes: int, chosen: Plan, **kw) -> str:
+def active_constraint(method: str, unit_list, extra_bytes: int, chosen: Plan, plan_for) -> str:
   """Which budget binds the chosen plan: memory if more bytes would give a faster plan, risk if a looser risk
-  budget would (solved methods); both, or none."""
+  budget would (solved methods); both, or none. plan_for(extra_bytes, delta=None): the method's plan (delta None:
+  its own risk budget)."""
   if method in ("none", "gc"):
     return "none"
   total = sum(max(u.bytes_h, u.bytes_l or 0) for u in unit_list)
   faster = lambda p: p.time_s < chosen.time_s * (1 - 1e-6) - 1e-12
-  mem = faster(plan(method, unit_list, op_s, max(total * 4, extra_bytes + 1), **kw))
-  risk = False
-  if method in ("adacc_style", "hilore"):
-    risk = faster(plan(method, unit_list, op_s, extra_bytes, **{**kw, "delta": float("inf")}))
+  mem = faster(plan_for(max(total * 4, extra_bytes + 1)))
+  risk = method in ("adacc_style", "hilore") and faster(plan_for(extra_bytes, float("inf")))
   return "both" if mem and risk else "memory" if mem else "risk" if risk else "none"
