@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hilore_jax import engine, model, train_step
-from hilore_jax.bench import stats
+from hilore_jax.bench import flops, stats
 from hilore_jax.bench.exposure_report import plot, report, spearman_summary, within_unit_spearman
 from hilore_jax.config import Config, ExposureSwitches
 from hilore_jax.errors import ConfigError
@@ -228,13 +228,14 @@ def run(cfg: Config, out_dir: str, progress=print) -> dict:
         step = trainer.stepper.get(dataclasses.replace(spec, policies=key), r.batch, count=False)
         grads_cache[key] = calibration.relative_error(step.grad(r.params, train_step.step_inputs(r.batch))[0], exact)
       per_arm[name].append({"policies": a.policies, "plan_risk": float(a.plan.risk), "err": grads_cache[key],
+                            "predicted_s": float(a.plan.time_s), "step": r.step, "pass": r.pass_,
                             "bucket": a.bucket, "active": a.active_constraint,
                             **{k: a.metrics[f"alloc/{k}"] for k in ("frac_H", "frac_L", "frac_R")}})
     if (i + 1) % 5 == 0:
       progress(f"measured {i + 1}/{len(held)} held-out minibatches")
   err_MU = np.array(err_MU)
 
-  arms, pairs, closed = {}, {}, float("nan")
+  arms, pairs, closed = {}, {}, {}
   if names:
     # step time of every distinct plan (and GC), interleaved rounds; each arm's time is its plans' sum over the
     # held-out minibatches, paired with GC's within a round
@@ -254,6 +255,13 @@ def run(cfg: Config, out_dir: str, progress=print) -> dict:
       rounds.append(t)
     progress(f"timed {len(distinct)} distinct plans x {be.reps} rounds")
 
+    # the deterministic side of speed: matmul FLOPs of each plan's gradient program from its jaxpr (recompute
+    # included, dead code removed; CPU step times here vary more than the plans differ) and the cost model's
+    # rerun + codec seconds (what the solver minimises), both against GC and No-GC
+    none_pols = model.uniform(L, model.NO_REMAT)
+    fl = {p: flops.program_flops(lambda q, b, p=p: hooks.gradient(q, b, p), params, held[0].batch)
+          for p in distinct + [none_pols]}
+    gc_s = on.gc_plan().time_s
     tokens = float(sum(np.prod(r.batch["prompt_ids"].shape) + np.prod(r.batch["tokens"].shape) for r in held))
     arms = {}
     for a in ARMS:
@@ -261,11 +269,15 @@ def run(cfg: Config, out_dir: str, progress=print) -> dict:
       times = np.array([sum(t[e["policies"]] for e in es) for t in rounds])
       gc_times = np.array([t[gc_pols] * len(es) for t in rounds])
       gain = stats.summary(stats.paired_gain_pct(times, gc_times))
+      f_arm = float(np.mean([fl[e["policies"]] for e in es]))
+      pred_s = float(np.mean([e["predicted_s"] for e in es]))
       errs = np.array([e["err"] for e in es])
       viol = (errs > tol).astype(float)
       arms[a] = {"tokens_per_s": tokens / float(np.median(times)), "gain_vs_gc_pct": gain["mean"],
                  "gain_ci_low": gain["ci_low"], "gain_ci_high": gain["ci_high"],
-                 "round_times_s": times.tolist(),
+                 "round_times_s": times.tolist(), "gflops_per_minibatch": f_arm / 1e9,
+                 "recompute_removed_pct": 100 * (fl[gc_pols] - f_arm) / max(fl[gc_pols] - fl[none_pols], 1.0),
+                 "predicted_rerun_s": pred_s, "predicted_removed_pct": 100 * (gc_s - pred_s) / max(gc_s, 1e-12),
                  "peak_bytes": int(max(steps[e["policies"]].peak_bytes for e in es)),
                  "err_mean": float(errs.mean()), "err_max": float(errs.max()),
                  "violation_rate": float(viol.mean()), "violation_ci": list(stats.bootstrap_ci(viol)),
@@ -273,15 +285,21 @@ def run(cfg: Config, out_dir: str, progress=print) -> dict:
                  "frac_R": float(np.mean([e["frac_R"] for e in es])),
                  "distinct_plans": len({e["policies"] for e in es}), "buckets": len({e["bucket"] for e in es}),
                  "active": sorted({e["active"] for e in es}),
-                 "per_minibatch": [{k: v for k, v in e.items() if k != "policies"} for e in es]}
+                 "per_minibatch": [{**{k: v for k, v in e.items() if k != "policies"},
+                                    "plan": [dataclasses.asdict(q) for q in e["policies"]]} for e in es]}
     pairs = {}
     for a, b in (("hilore_exposure_on", "adacc_style"), ("hilore_exposure_on", "hilore_exposure_off"),
                  ("oracle", "adacc_style"), ("hilore_exposure_on", "optimal_hr")):
       d = stats.summary(stats.paired_gain_pct(arms[a]["round_times_s"], arms[b]["round_times_s"]))
-      pairs[f"{a} vs {b}"] = {"gain_pct": d["mean"], "ci_low": d["ci_low"], "ci_high": d["ci_high"]}
-    oracle_gap = arms["oracle"]["gain_vs_gc_pct"] - arms["adacc_style"]["gain_vs_gc_pct"]
-    closed = ((arms["hilore_exposure_on"]["gain_vs_gc_pct"] - arms["adacc_style"]["gain_vs_gc_pct"]) / oracle_gap
-              if abs(oracle_gap) > 1e-9 else float("nan"))
+      pairs[f"{a} vs {b}"] = {"gain_pct": d["mean"], "ci_low": d["ci_low"], "ci_high": d["ci_high"],
+                              "recompute_removed_points": arms[a]["recompute_removed_pct"] -
+                              arms[b]["recompute_removed_pct"]}
+    gap_of = lambda key: (arms["oracle"][key] - arms["adacc_style"][key],
+                          arms["hilore_exposure_on"][key] - arms["adacc_style"][key])
+    closed = {}
+    for key in ("gain_vs_gc_pct", "recompute_removed_pct"):
+      oracle_gap, on_gain = gap_of(key)
+      closed[key] = on_gain / oracle_gap if oracle_gap > 1e-9 else float("nan")  # no gain to close: undefined
 
   progress("risk prediction on the held-out minibatches")
   scores = risk_scores(on, hooks, held, units)

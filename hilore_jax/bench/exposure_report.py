@@ -48,22 +48,34 @@ def report(res: dict) -> str:
            f"(rollouts {mb['held_out_steps']}). Regime: No-GC peak {rg['none_over_gc']:.2f}x GC's, budget "
            f"{rg['budget_bytes'] / 2**20:.1f} MiB (memory binds: {rg['memory_binds']}); every unit L "
            f"{rg['all_L_error']:.2e} vs tolerance {tol:.0e} (risk binds: {rg['risk_binds']}).", "",
-           "## Ablation (every arm: same exact solver, budget rule and budget fit)", "",
-           "| arm | gain vs GC % [95% CI] | peak MiB | grad err mean / max | violation rate [CI] | L / R share | "
-           "plans | buckets | active |", "|---|---|---:|---|---|---|---:|---:|---|"]
+           "## Ablation (every arm: the same MILP solver, to a proven relative gap of "
+           f"{res['config']['memory'].get('mip_gap', 1e-4):g}, the same budget rule and budget fit)", "",
+           "Recompute removed: share of GC's extra matmul FLOPs over No-GC that the arm's plans remove (jaxpr count, "
+           "mean over minibatches; deterministic). Predicted: the same from the cost model's rerun + codec seconds "
+           "(what the solver minimises). Measured: paired step-time gain over GC in interleaved rounds.", "",
+           "| arm | recompute removed (FLOPs) | predicted | measured gain vs GC % [95% CI] | peak MiB | "
+           "grad err mean / max | violation rate [CI] | L / R share | plans | buckets | active |",
+           "|---|---:|---:|---|---:|---|---|---|---:|---:|---|"]
   for a, r in res["arms"].items():
-    lines.append(f"| {a} | {r['gain_vs_gc_pct']:+.1f} [{r['gain_ci_low']:+.1f}, {r['gain_ci_high']:+.1f}] | "
+    lines.append(f"| {a} | {r['recompute_removed_pct']:.1f}% | {r['predicted_removed_pct']:.1f}% | "
+                 f"{r['gain_vs_gc_pct']:+.1f} [{r['gain_ci_low']:+.1f}, {r['gain_ci_high']:+.1f}] | "
                  f"{r['peak_bytes'] / 2**20:.2f} | {r['err_mean']:.2e} / {r['err_max']:.2e} | "
                  f"{r['violation_rate']:.3f} [{r['violation_ci'][0]:.3f}, {r['violation_ci'][1]:.3f}] | "
                  f"{r['frac_L']:.2f} / {r['frac_R']:.2f} | {r['distinct_plans']} | {r['buckets']} | "
                  f"{', '.join(r['active'])} |")
-  lines += ["", "| paired comparison | gain % [95% CI] |", "|---|---|"]
+  lines += ["", "| paired comparison | measured gain % [95% CI] | recompute removed, difference (points) |",
+            "|---|---|---:|"]
   for k, v in res["pairs"].items():
-    lines.append(f"| {k} | {v['gain_pct']:+.1f} [{v['ci_low']:+.1f}, {v['ci_high']:+.1f}] |")
+    lines.append(f"| {k} | {v['gain_pct']:+.1f} [{v['ci_low']:+.1f}, {v['ci_high']:+.1f}] | "
+                 f"{v['recompute_removed_points']:+.1f} |")
   if not res["arms"]:
     lines.append("(not run: bench_exposure.arms=false)")
-  lines += ["", "Share of the oracle's gain over static risk that exposure-on recovers: "
-            f"{res['oracle_gap_closed']:.2f}", "", "Targets (issue 13): " + "; ".join(
+  closed = res["oracle_gap_closed"]
+  if closed:
+    lines += ["", "Share of the oracle's gain over static risk that exposure-on recovers: "
+              f"{closed['recompute_removed_pct']:.2f} (recompute FLOPs), {closed['gain_vs_gc_pct']:.2f} (measured "
+              "time)"]
+  lines += ["", "Targets (issue 13): " + "; ".join(
                 f"{k}: {'met' if ok else 'MISSED'}" for k, ok in targets(res).items()) + ".",
             "", "## Risk prediction on held-out minibatches", "",
             "Within unit: Spearman rho of the score against the unit's measured error across held-out minibatches, "
@@ -96,10 +108,14 @@ def targets(res: dict) -> dict[str, bool]:
     return within
   on, static = arms["hilore_exposure_on"], arms["adacc_style"]
   vs_static = res["pairs"]["hilore_exposure_on vs adacc_style"]
+  no_worse = on["violation_rate"] <= static["violation_rate"]
+  closed = res["oracle_gap_closed"]
   return {**within, "exposure-on violation rate <= 5%": on["violation_rate"] <= 0.05,
-          "exposure-on >= 3 points faster than static at <= its violation rate":
-              vs_static["ci_low"] >= 3 and on["violation_rate"] <= static["violation_rate"],
-          ">= half of the oracle's gain over static": res["oracle_gap_closed"] >= 0.5}
+          "exposure-on >= 3 points faster than static at <= its violation rate (measured, CI low)":
+              vs_static["ci_low"] >= 3 and no_worse,
+          "the same in recompute FLOPs removed": vs_static["recompute_removed_points"] >= 3 and no_worse,
+          ">= half of the oracle's gain over static (FLOPs)": closed["recompute_removed_pct"] >= 0.5,
+          ">= half of the oracle's gain over static (measured)": closed["gain_vs_gc_pct"] >= 0.5}
 
 
 def plot(res: dict, path: str):

@@ -208,7 +208,7 @@ class MemoryManager:
     st = self.state
     if bucket in st.fallback_gc:
       self._active[bucket] = "none"
-      return methods.plan("gc", self._units[self._shape], st.profile["ops"], 0)
+      return self.gc_plan()
     allowance = max(st.allowance.get(str(bucket), st.budget_bytes - st.gc_bytes), 0)
     plan = self._plan(bucket, allowance)
     if self.method in methods.SOLVED:  # the greedy fast path against the exact MILP, once per bucket: logged
@@ -220,6 +220,10 @@ class MemoryManager:
     self._active[bucket] = methods.active_constraint(self.method, self._units[self._shape], allowance, plan,
                                                      lambda a, d=None: self._plan(bucket, a, delta=d))
     return plan
+
+  def gc_plan(self) -> methods.Plan:
+    """Full checkpointing under the last allocated shape's cost model: what every plan's rerun time is against."""
+    return methods.plan("gc", self._units[self._shape], self.state.profile["ops"], 0)
 
   def policies(self, plan: methods.Plan) -> tuple[model.LayerPolicy, ...]:
     return methods.policies(plan, self._units[self._shape], self.num_layers, self.mc.group_size, self.method)
