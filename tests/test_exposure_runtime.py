@@ -137,3 +137,27 @@ def test_calibration_skips_minibatches_without_a_gradient(setup):
   m.setup(params, [dead, _batch(rng, adv)], 0)
   cal = m.state.calibration
   assert cal.calib_batches == 1 and cal.delta > 0 and np.isfinite(cal.unit_errors).all()
+
+
+def test_arm_comparison_and_where_it_varies_by_hand():
+  from hilore_jax.bench import exposure_report as rep
+
+  arm = lambda t, flops_pct, gain: {"round_times_s": [t, t], "recompute_removed_pct": flops_pct, "gain_vs_gc_pct": gain}
+  arms = {"optimal_hr": arm(1.0, 10.0, 0.0), "adacc_style": arm(2.0, 20.0, 1.0),
+          "hilore_exposure_off": arm(2.0, 21.0, 1.0), "hilore_exposure_on": arm(1.6, 23.0, 2.0),
+          "oracle": arm(1.0, 26.0, 5.0)}
+  pairs, closed = rep.compare_arms(arms)
+  on_static = pairs["hilore_exposure_on vs adacc_style"]
+  assert on_static["gain_pct"] == pytest.approx(25.0)  # 2.0 / 1.6 - 1
+  assert on_static["recompute_removed_points"] == pytest.approx(3.0)
+  assert closed["recompute_removed_pct"] == pytest.approx(0.5) and closed["gain_vs_gc_pct"] == pytest.approx(0.25)
+  arms["oracle"]["recompute_removed_pct"] = 15.0  # the oracle gains nothing over static: nothing to close
+  assert np.isnan(rep.compare_arms(arms)[1]["recompute_removed_pct"])
+
+  err_MU = np.array([[1.0, 4.0], [2.0, 2.0], [3.0, 0.0]])  # unit means 2 and 2; minibatch means 2.5, 2, 1.5
+  v = rep.where_it_varies([{"clip": 0.3, "len": 5}, {"clip": 0.2, "len": 5}, {"clip": 0.1, "len": 5}], [0, 1, 1],
+                          err_MU)
+  assert v["clip"]["spearman_vs_mean_unit_error"] == pytest.approx(1.0) and v["clip"]["min"] == pytest.approx(0.1)
+  assert v["len"]["spearman_vs_mean_unit_error"] is None  # constant: no rank correlation
+  assert v["pass"]["second_pass_share"] == pytest.approx(2 / 3)
+  assert v["unit_error_spread_p10_p90"] == pytest.approx([np.quantile([0.5, 2, 1, 1, 1.5, 0], q) for q in (0.1, 0.9)])

@@ -20,7 +20,8 @@ import numpy as np
 
 from hilore_jax import engine, model, train_step
 from hilore_jax.bench import flops, stats
-from hilore_jax.bench.exposure_report import plot, report, spearman_summary, within_unit_spearman
+from hilore_jax.bench.exposure_report import (compare_arms, plot, report, spearman_summary, where_it_varies,
+                                               within_unit_spearman)
 from hilore_jax.config import Config, ExposureSwitches
 from hilore_jax.errors import ConfigError
 from hilore_jax.memory import MemoryManager, calibration
@@ -287,19 +288,7 @@ def run(cfg: Config, out_dir: str, progress=print) -> dict:
                  "active": sorted({e["active"] for e in es}),
                  "per_minibatch": [{**{k: v for k, v in e.items() if k != "policies"},
                                     "plan": [dataclasses.asdict(q) for q in e["policies"]]} for e in es]}
-    pairs = {}
-    for a, b in (("hilore_exposure_on", "adacc_style"), ("hilore_exposure_on", "hilore_exposure_off"),
-                 ("oracle", "adacc_style"), ("hilore_exposure_on", "optimal_hr")):
-      d = stats.summary(stats.paired_gain_pct(arms[a]["round_times_s"], arms[b]["round_times_s"]))
-      pairs[f"{a} vs {b}"] = {"gain_pct": d["mean"], "ci_low": d["ci_low"], "ci_high": d["ci_high"],
-                              "recompute_removed_points": arms[a]["recompute_removed_pct"] -
-                              arms[b]["recompute_removed_pct"]}
-    gap_of = lambda key: (arms["oracle"][key] - arms["adacc_style"][key],
-                          arms["hilore_exposure_on"][key] - arms["adacc_style"][key])
-    closed = {}
-    for key in ("gain_vs_gc_pct", "recompute_removed_pct"):
-      oracle_gap, on_gain = gap_of(key)
-      closed[key] = on_gain / oracle_gap if oracle_gap > 1e-9 else float("nan")  # no gain to close: undefined
+    pairs, closed = compare_arms(arms)
 
   progress("risk prediction on the held-out minibatches")
   scores = risk_scores(on, hooks, held, units)
@@ -310,17 +299,7 @@ def run(cfg: Config, out_dir: str, progress=print) -> dict:
     idx = [i for i, (_, k) in enumerate(units) if k == kind]
     by_kind[kind] = float(np.nanmedian(rho_U[idx])) if np.isfinite(rho_U[idx]).any() else float("nan")
 
-  # where exposure varies: each minibatch's descriptors against its mean unit error
-  from scipy.stats import spearmanr
-
-  describe = {k: [r.describe[k] for r in held] for k in held[0].describe}
-  mean_err = err_MU.mean(1)
-  varies = {k: {"min": float(np.min(v)), "max": float(np.max(v)),
-                "spearman_vs_mean_unit_error": float(spearmanr(v, mean_err).statistic) if np.ptp(v) > 0 else None}
-            for k, v in describe.items()}
-  varies["pass"] = {"second_pass_share": float(np.mean([r.pass_ > 0 for r in held]))}
-  spread = err_MU / np.maximum(err_MU.mean(0, keepdims=True), 1e-30)
-  varies["unit_error_spread_p10_p90"] = [float(np.quantile(spread, 0.1)), float(np.quantile(spread, 0.9))]
+  varies = where_it_varies([r.describe for r in held], [r.pass_ for r in held], err_MU)
 
   counts = {"calibration": len(cal), "held_out": len(held), "held_out_zero_gradient_skipped": skipped,
             "calib_steps": sorted({r.step for r in cal}), "held_out_steps": sorted({r.step for r in held})}

@@ -41,6 +41,48 @@ def spearman_summary(score_MU, err_MU, n_boot: int, seed: int = 0) -> dict:
           if defined.any() else float("nan"), "pooled": pooled}
 
 
+PAIRS = (("hilore_exposure_on", "adacc_style"), ("hilore_exposure_on", "hilore_exposure_off"),
+         ("oracle", "adacc_style"), ("hilore_exposure_on", "optimal_hr"))
+
+
+def compare_arms(arms: dict) -> tuple[dict, dict]:
+  """(pairs, closed): paired measured gains with CIs and recompute-removed differences for the issue's comparisons,
+  and the share of the oracle's gain over static risk that exposure-on recovers (in measured time and in FLOPs;
+  undefined where the oracle gains nothing)."""
+  from hilore_jax.bench import stats
+
+  pairs = {}
+  for a, b in PAIRS:
+    d = stats.summary(stats.paired_gain_pct(arms[a]["round_times_s"], arms[b]["round_times_s"]))
+    pairs[f"{a} vs {b}"] = {"gain_pct": d["mean"], "ci_low": d["ci_low"], "ci_high": d["ci_high"],
+                            "recompute_removed_points": arms[a]["recompute_removed_pct"] -
+                            arms[b]["recompute_removed_pct"]}
+  closed = {}
+  for key in ("gain_vs_gc_pct", "recompute_removed_pct"):
+    oracle_gap = arms["oracle"][key] - arms["adacc_style"][key]
+    on_gain = arms["hilore_exposure_on"][key] - arms["adacc_style"][key]
+    closed[key] = on_gain / oracle_gap if oracle_gap > 1e-9 else float("nan")
+  return pairs, closed
+
+
+def where_it_varies(describe: list[dict], passes: list[int], err_MU) -> dict:
+  """Each batch descriptor's range and its Spearman rho against the minibatch's mean unit error; the share of
+  second passes; the 10th-90th percentile of a unit's error relative to its own mean."""
+  from scipy.stats import spearmanr
+
+  err_MU = np.asarray(err_MU, float)
+  mean_err = err_MU.mean(1)
+  out = {}
+  for k in describe[0]:
+    v = [d[k] for d in describe]
+    out[k] = {"min": float(np.min(v)), "max": float(np.max(v)),
+              "spearman_vs_mean_unit_error": float(spearmanr(v, mean_err).statistic) if np.ptp(v) > 0 else None}
+  out["pass"] = {"second_pass_share": float(np.mean([p > 0 for p in passes]))}
+  spread = err_MU / np.maximum(err_MU.mean(0, keepdims=True), 1e-30)
+  out["unit_error_spread_p10_p90"] = [float(np.quantile(spread, 0.1)), float(np.quantile(spread, 0.9))]
+  return out
+
+
 def report(res: dict) -> str:
   rg, mb, tol = res["regime"], res["minibatches"], res["regime"]["tolerance"]
   lines = [f"# Run-time exposure on real rollouts ({res['backend']}, jax {res['jax']})", "",
