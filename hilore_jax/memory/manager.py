@@ -217,8 +217,10 @@ class MemoryManager:
       self._gaps[bucket] = (greedy.time_s - exact.time_s) / max(exact.time_s, 1e-12)
       log.info("%s bucket %d: greedy is %.2f%% slower than the exact solution", self.method, bucket,
                100 * self._gaps[bucket])
+    gap = self.mc.mip_gap if self.mc.solver == "exact" else 0.0
     self._active[bucket] = methods.active_constraint(self.method, self._units[self._shape], allowance, plan,
-                                                     lambda a, d=None: self._plan(bucket, a, delta=d))
+                                                     lambda a, d=None: self._plan(bucket, a, delta=d),
+                                                     rtol=max(1e-6, gap))  # a gap-sized win is solver noise
     return plan
 
   def gc_plan(self) -> methods.Plan:

@@ -233,14 +233,14 @@ def _greedy_bits(unit_list, op_s, extra_bytes, sensitivity, code_bytes, with_gc:
   return Plan(tuple(choice), tuple(formats), int(used), t, risk)
 
 
-def active_constraint(method: str, unit_list, extra_bytes: int, chosen: Plan, plan_for) -> str:
+def active_constraint(method: str, unit_list, extra_bytes: int, chosen: Plan, plan_for, rtol: float = 1e-6) -> str:
   """Which budget binds the chosen plan: memory if more bytes would give a faster plan, risk if a looser risk
   budget would (solved methods); both, or none. plan_for(extra_bytes, delta=None): the method's plan (delta None:
-  its own risk budget)."""
+  its own risk budget); rtol: how much faster counts (at least the solver's proven gap, or noise would decide)."""
   if method in ("none", "gc"):
     return "none"
   total = sum(max(u.bytes_h, u.bytes_l or 0) for u in unit_list)
-  faster = lambda p: p.time_s < chosen.time_s * (1 - 1e-6) - 1e-12
+  faster = lambda p: p.time_s < chosen.time_s * (1 - rtol) - 1e-12
   mem = faster(plan_for(max(total * 4, extra_bytes + 1)))
   risk = method in ("adacc_style", "hilore") and faster(plan_for(extra_bytes, float("inf")))
   return "both" if mem and risk else "memory" if mem else "risk" if risk else "none"
