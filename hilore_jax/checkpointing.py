@@ -161,5 +161,12 @@ class Checkpointer:
     self.manager.close()
 
 
-def abstract_with_shardings(tree, shardings):
-  return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+def run_tree(train, ref=None, replay=None) -> dict:
+  """The one layout of a run's checkpoint: the train state, the KL's reference params and the replay buffer (each
+  present only when the run has it); a tree of arrays, of their shardings or of abstract arrays alike."""
+  tree = {"train": train}
+  if ref is not None:
+    tree["ref"] = ref
+  if replay is not None:
+    tree["replay"] = replay
+  return tree

@@ -1,14 +1,13 @@
-"""What every entry point shares: the config from a YAML file plus dotted overrides, logging, and one-line
-messages for expected errors (a HiloreError never ends in a traceback)."""
+"""What every entry point shares: its argument parser (--config, dotted overrides, the entry's own flags), the
+config from a YAML file plus overrides, logging, and one-line messages for expected errors (a HiloreError never ends
+in a traceback)."""
 
 from __future__ import annotations
 
+import argparse
 import logging
-import os
 import sys
-from typing import Callable
-
-import yaml
+from typing import Any, Callable, Sequence
 
 from hilore_jax import config as config_lib
 from hilore_jax.errors import ConfigError, HiloreError
@@ -16,18 +15,7 @@ from hilore_jax.errors import ConfigError, HiloreError
 
 def load_config(path: str | None, overrides: list[str] = ()) -> config_lib.Config:
   """YAML file (may be None) + dotted overrides -> validated Config."""
-  d = {}
-  if path:
-    if not os.path.isfile(path):
-      raise ConfigError(f"--config {path}: no such file")
-    try:
-      with open(path) as f:
-        d = yaml.safe_load(f) or {}
-    except yaml.YAMLError as e:
-      raise ConfigError(f"{path}: not valid YAML ({e})") from None
-    if not isinstance(d, dict):
-      raise ConfigError(f"{path}: the top level must be a mapping")
-  return config_lib.from_dict(d, overrides)
+  return config_lib.load(path, overrides)
 
 
 def setup_logging(level: int = logging.INFO):
@@ -42,3 +30,35 @@ def run(main: Callable[[], object]):
     return main()
   except HiloreError as e:
     sys.exit(f"{e.kind}: {e}")
+
+
+Arg = tuple[tuple, dict]  # (positional, keyword) arguments of one ArgumentParser.add_argument call
+
+
+def arg(*names, **kw) -> Arg:
+  """One command-line argument of an entry point, as ArgumentParser.add_argument takes it."""
+  return names, kw
+
+
+def main(description: str, body: Callable[[argparse.Namespace], Any], argv: Sequence[str] | None = None, *,
+         args: Sequence[Arg] = (), config: bool = True, level: int = logging.WARNING):
+  """An entry point: parse `--config FILE` and dotted overrides (when `config`) and `args`, set up logging, run
+  body(namespace) with one-line errors."""
+  ap = argparse.ArgumentParser(description=description)
+  if config:
+    ap.add_argument("--config", help="YAML config file")
+  for names, kw in args:
+    ap.add_argument(*names, **kw)
+  if config:
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=20 out_dir=/tmp/run")
+  ns = ap.parse_args(argv)
+  setup_logging(level)
+  return run(lambda: body(ns))
+
+
+def int_list(flag: str, text: str) -> list[int]:
+  """'4,8,16' -> [4, 8, 16]; ConfigError naming the flag otherwise."""
+  try:
+    return [int(x) for x in text.split(",")]
+  except ValueError:
+    raise ConfigError(f"{flag} must be comma-separated integers, got {text!r}") from None

@@ -1,7 +1,10 @@
 """The sharded train state and its compiled steps: one set-up shared by the trainer and the bench.
 
-`Stepper` is the one owner of compilation: every train step (and every probe compile the memory manager asks
-for through its hooks) is compiled here, once per StepSpec, ahead of time with explicit shardings and donation.
+Where programs are compiled: `Stepper` compiles (ahead of time, with explicit shardings and donation), counts and
+logs the train step (a gradient and an update program per StepSpec and batch signature, the memory manager's probe
+compiles included) and the log-prob forward (old and reference log-probs). Besides it: `memory_hooks`' gradient
+program (calibration's exact and probe gradients), the sampler's decode loop (rl/sampler.py), the warm-start step
+(rl/sft.py) and the memory manager's exposure scorer (memory/manager.py).
 """
 
 from __future__ import annotations
@@ -16,11 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hilore_jax import logra, model, optim, sharding, train_step
-from hilore_jax.config import Config, KLControlConfig
+from hilore_jax import model, optim, sharding
+from hilore_jax.config import Config
 from hilore_jax.memory import exposure
 from hilore_jax.memory.hooks import StepHooks
-from hilore_jax.train_step import StepSpec
+from hilore_jax.optim import logra
+from hilore_jax.optim.config import KLControlConfig
+from hilore_jax.rl import train_step
+from hilore_jax.rl.train_step import StepSpec
+from hilore_jax.rl.update_batch import UpdateBatch
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +78,8 @@ class Step:
   optimization barriers that order remat) hoists recomputation into the forward and keeps most of what remat
   frees. peak_bytes is the step's memory beyond the state (params and optimizer state, arguments of both programs
   and the same for every remat policy): the larger program's temp plus the gradients that live between them. With
-  KL control the update program also takes the minibatch's log-prob inputs (`kl_keys`) and its temp includes the
-  KL's forward and JVP on them, so the max stays honest.
+  KL control the update program also takes the minibatch's sequences and its temp includes the KL's forward and JVP
+  on them, so the max stays honest.
   """
 
   grad: Any
@@ -80,7 +87,7 @@ class Step:
   grad_temp_bytes: int
   update_temp_bytes: int
   grad_bytes: int
-  kl_keys: tuple[str, ...] = ()
+  kl_control: bool = False  # the update program also takes the batch's sequences (predicted-KL step control)
 
   @property
   def peak_bytes(self) -> int:
@@ -95,16 +102,17 @@ class Step:
     """XLA's estimate of the bytes both programs read and write."""
     return _flops(self.grad, "bytes accessed") + _flops(self.update, "bytes accessed")
 
-  def __call__(self, state: dict, batch: dict):
-    grads, metrics = self.grad(state["params"], train_step.step_inputs(batch))
-    if self.kl_keys:
-      state, m = self.update(state, grads, {k: batch[k] for k in self.kl_keys})
+  def __call__(self, state: dict, batch: UpdateBatch):
+    grads, metrics = self.grad(state["params"], batch)
+    if self.kl_control:
+      state, m = self.update(state, grads, batch.sequences())
     else:
       state, m = self.update(state, grads)
     return state, {**metrics, **m}
 
 
-def _abstract(tree, shardings):
+def abstract(tree, shardings):
+  """ShapeDtypeStructs of tree's arrays carrying these shardings (what AOT lowering and orbax restores take)."""
   return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
@@ -118,16 +126,35 @@ class Stepper:
   def __init__(self, mesh, optimizer, state, state_shardings, kl_control: KLControlConfig | None = None):
     self.mesh, self.optimizer, self.state_shardings = mesh, optimizer, state_shardings
     self.kl = kl_control if kl_control is not None and kl_control.target > 0 else None
-    self.state_abstract = _abstract(state, state_shardings)
+    self.state_abstract = abstract(state, state_shardings)
     self._compiled: dict[tuple, Step] = {}
     self._probed: dict[tuple, Step] = {}  # compiled only to read their memory; promoted (not recompiled) if run
     self._updates: dict[Any, Any] = {}
+    self._forwards: dict[Any, Any] = {}
     self.compile_count = 0
     self.compile_log: list[dict] = []
     self.probe_compiles = 0  # compiled to measure memory (the GC reference, budget probes)
 
-  def update_program(self, spec: StepSpec, batch: dict):
-    """The update program; with KL control keyed by the spec without its policies and the log-prob inputs' shapes."""
+  def batch_shardings(self, batch: UpdateBatch):
+    """Every present field of a batch split over the mesh's batch axes."""
+    return jax.tree.map(lambda _: sharding.batch_sharding(self.mesh), batch)
+
+  def logprobs(self, spec: StepSpec, params, batch: UpdateBatch) -> jax.Array:
+    """log pi(completion token) [B, N] of params on batch's sequences (forward only, as the gradient program
+    slices rows): the old and the reference log-probs. One program per spec (without policies) and shape."""
+    seqs = batch.sequences()
+    spec = dataclasses.replace(spec, policies=())  # a forward keeps nothing for backward: no remat to choose
+    key = (spec, seqs.signature())
+    if key not in self._forwards:
+      batch_sh = self.batch_shardings(seqs)
+      fn = jax.jit(lambda p, b: train_step.sequence_logprobs(spec, p, b),
+                   in_shardings=(self.state_shardings["params"], batch_sh),
+                   out_shardings=sharding.batch_sharding(self.mesh))
+      self._forwards[key] = fn.lower(self.state_abstract["params"], abstract(seqs, batch_sh)).compile()
+    return self._forwards[key](params, seqs)
+
+  def update_program(self, spec: StepSpec, batch: UpdateBatch):
+    """The update program; with KL control keyed by the spec without its policies and the sequences' shapes."""
     param_sh, metrics_sh = self.state_shardings["params"], sharding.replicated(self.mesh)
     if self.kl is None:
       if None not in self._updates:
@@ -137,41 +164,41 @@ class Stepper:
         self._updates[None] = fn.lower(self.state_abstract, self.state_abstract["params"]).compile()
       return self._updates[None]
     spec = dataclasses.replace(spec, policies=())  # the KL's forward has no backward: no remat to choose
-    kl_batch = {k: batch[k] for k in train_step.LOGPROB_KEYS}
-    key = (spec, tuple((k, v.shape, str(v.dtype)) for k, v in kl_batch.items()))
+    kl_batch = batch.sequences()
+    key = (spec, kl_batch.signature())
     if key not in self._updates:
-      batch_sh = {k: sharding.batch_sharding(self.mesh) for k in kl_batch}
+      batch_sh = self.batch_shardings(kl_batch)
       fn = jax.jit(lambda s, g, b: train_step.update_step(s, g, self.optimizer, b, spec, self.kl),
                    in_shardings=(self.state_shardings, param_sh, batch_sh),
                    out_shardings=(self.state_shardings, metrics_sh), donate_argnums=0)
       self._updates[key] = fn.lower(self.state_abstract, self.state_abstract["params"],
-                                    _abstract(kl_batch, batch_sh)).compile()
+                                    abstract(kl_batch, batch_sh)).compile()
     return self._updates[key]
 
-  def _compile(self, spec: StepSpec, batch: dict) -> Step:
-    batch_sh = {k: sharding.batch_sharding(self.mesh) for k in batch}
+  def _compile(self, spec: StepSpec, batch: UpdateBatch) -> Step:
+    batch_sh = self.batch_shardings(batch)
     param_sh, metrics_sh = self.state_shardings["params"], sharding.replicated(self.mesh)
     metrics_sh = {**{k: metrics_sh for k in train_step.SCALAR_METRICS},
                   train_step.TOKEN_LOGP: sharding.batch_sharding(self.mesh)}
     fn = jax.jit(lambda p, b: train_step.gradient_step(p, b, spec), in_shardings=(param_sh, batch_sh),
                  out_shardings=(param_sh, metrics_sh))
-    grad = fn.lower(self.state_abstract["params"], _abstract(batch, batch_sh)).compile()
+    grad = fn.lower(self.state_abstract["params"], abstract(batch, batch_sh)).compile()
     update = self.update_program(spec, batch)
     grad_temp, grad_out = _memory(grad)
     update_temp, _ = _memory(update)
-    return Step(grad, update, grad_temp, update_temp, grad_out, train_step.LOGPROB_KEYS if self.kl else ())
+    return Step(grad, update, grad_temp, update_temp, grad_out, self.kl is not None)
 
-  def with_update_of(self, step: Step, spec: StepSpec, batch: dict) -> Step:
+  def with_update_of(self, step: Step, spec: StepSpec, batch: UpdateBatch) -> Step:
     """step's gradient program with this stepper's update program (another optimizer's; the gradient program does
     not depend on it): to measure optimizers without recompiling the gradient."""
     update = self.update_program(spec, batch)
     return dataclasses.replace(step, update=update, update_temp_bytes=_memory(update)[0],
-                               kl_keys=train_step.LOGPROB_KEYS if self.kl else ())
+                               kl_control=self.kl is not None)
 
-  def get(self, spec: StepSpec, batch: dict, reason: str = "", count: bool = True) -> Step:
-    """The compiled step; count=False compiles only to measure (a probe), counted as a compile if it later runs."""
-    batch = train_step.step_inputs(batch)
-    key = (spec, tuple((k, v.shape, str(v.dtype)) for k, v in sorted(batch.items())))
+  def get(self, spec: StepSpec, batch: UpdateBatch, reason: str = "", count: bool = True) -> Step:
+    """The compiled step; count=False compiles only to measure (a probe), counted as a compile if it later runs.
+    The key is the spec and the batch's signature (which fields it carries, their shapes)."""
+    key = (spec, batch.signature())
     if key in self._probed:
       if not count:
         return self._probed[key]
@@ -191,12 +218,12 @@ class Stepper:
   def _count(self, reason: str, seconds: float, key):
     self.compile_count += 1
     entry = {"count": self.compile_count, "reason": reason or "first use", "seconds": seconds,
-             "peak_bytes": self._compiled[key].peak_bytes}
+             "peak_bytes": self._compiled[key].peak_bytes, "batch": ", ".join(f"{n}{list(sh)}" for n, sh, _ in key[1])}
     self.compile_log.append(entry)
-    log.info("compiled train step #%d (%s) in %.1fs, peak %d bytes", entry["count"], entry["reason"],
-             entry["seconds"], entry["peak_bytes"])
+    log.info("compiled train step #%d (%s) in %.1fs, peak %d bytes, batch %s", entry["count"], entry["reason"],
+             entry["seconds"], entry["peak_bytes"], entry["batch"])
 
-  def __call__(self, spec: StepSpec, state, batch: dict, reason: str = ""):
+  def __call__(self, spec: StepSpec, state, batch: UpdateBatch, reason: str = ""):
     return self.get(spec, batch, reason)(state, batch)
 
 
@@ -214,11 +241,12 @@ def model_config(cfg: Config) -> model.ModelConfig:
 
 @dataclasses.dataclass
 class Engine:
-  """Mesh, optimizer, sharded state and the step compiler of one run."""
+  """Mesh, optimizer (and its learning-rate schedule), state shardings and the step compiler of one run; the state
+  itself belongs to the caller (the steps donate it, so a copy here would point at deleted buffers)."""
 
   mesh: Any
   optimizer: optax.GradientTransformation
-  state: dict
+  lr_schedule: optax.Schedule
   state_shardings: dict
   stepper: Stepper
 
@@ -228,10 +256,12 @@ class Engine:
 
 
 def build(cfg: Config, model_cfg: model.ModelConfig, total_updates: int, host_params: dict | None = None,
-          rng: jax.Array | None = None) -> Engine:
-  """The run's engine: params from host_params (a loaded checkpoint) or initialised from rng, created sharded."""
+          rng: jax.Array | None = None) -> tuple[Engine, dict]:
+  """(the run's engine, its sharded train state): params from host_params (a loaded checkpoint) or initialised
+  from rng, created sharded."""
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
-  optimizer = optim.make_optimizer(cfg.optimizer, total_updates)
+  lr = optim.schedule(cfg.optimizer, total_updates)
+  optimizer = optim.make_optimizer(cfg.optimizer, total_updates, lr)
   rng = jax.random.PRNGKey(cfg.seed) if rng is None else rng
   init = lambda k: model.init_params(model_cfg, k, cfg.model.init_std)
   params_shape = jax.eval_shape(init, rng)
@@ -240,49 +270,51 @@ def build(cfg: Config, model_cfg: model.ModelConfig, total_updates: int, host_pa
   else:
     make = lambda sh: jax.jit(init, out_shardings=sh)(rng)
   state, state_sh = init_state(mesh, optimizer, params_shape, make)
-  return Engine(mesh, optimizer, state, state_sh, Stepper(mesh, optimizer, state, state_sh, cfg.optimizer.kl_control))
+  stepper = Stepper(mesh, optimizer, state, state_sh, cfg.optimizer.kl_control)
+  return Engine(mesh, optimizer, lr, state_sh, stepper), state
 
 
 # one jitted gradient for the module: specs are static, so repeated specs compile once
-_grad = jax.jit(lambda p, b, s: train_step.grads_and_stats(p, b, s)[0], static_argnums=2)
+_grad = jax.jit(lambda p, b, s, mix: train_step.grads_and_stats(p, b, s, mix)[0], static_argnums=2)
 
 
-def memory_hooks(stepper: Stepper, spec: StepSpec) -> StepHooks:
+def memory_hooks(stepper: Stepper | None, spec: StepSpec) -> StepHooks:
   """This trainer's side of the memory manager: compile probes, gradients, loss coefficients, unit tensors.
 
   Per device: compiled peaks are XLA's per-device figures, so batch_shape gives one device's rows of a microbatch
-  (the batch axis is split over every mesh axis), and unit bytes and the op profile follow from it.
+  (the batch axis is split over every mesh axis), and unit bytes and the op profile follow from it. stepper None:
+  no compile probes (calibration alone).
   """
   cfg = spec.model_cfg
   shards = 1 if stepper is None else sharding.num_batch_shards(stepper.mesh)
   with_policies = lambda pols: dataclasses.replace(spec, policies=tuple(pols))
+  probe_spec = dataclasses.replace(spec, policies=(model.NO_REMAT,) * cfg.num_hidden_layers)
 
-  def token_weights(params, batch, switches):
-    # params None: the policy before the update, which is the one that produced old_logp (ratio 1 on-policy)
-    # unless the batch carries its log-probs as `logp` (replayed rows: old_logp is the stored behaviour's); on
-    # rows flagged on_policy without `logp`, old_logp, and so this logp, is a placeholder (only the KL reads it)
-    if params is None:
-      logp = batch.get("logp", batch.get("old_logp", jnp.zeros(batch["mask"].shape, jnp.float32)))
-    else:
+  def token_weights(params, batch: UpdateBatch, switches, logp=None):
+    # params None: from what the batch carries. The policy before the update produced old_logp (ratio 1 on-policy)
+    # unless `logp` gives the current log-probs (a previous pass's, or replayed rows' whose old_logp is the stored
+    # behaviour's); on rows flagged on_policy without them old_logp, and so this logp, is a placeholder (only the KL
+    # reads it)
+    if params is not None:
       logp, _ = train_step.completion_logprobs(cfg, params, batch, None, spec.logprob_chunk, spec.temperature)
+    elif logp is None:
+      logp = batch.old_logp if batch.old_logp is not None else jnp.zeros(batch.mask.shape, jnp.float32)
     old = train_step.old_logprobs(logp, batch, spec)
-    ref = batch["ref_logp"] if spec.use_ref_logp and "ref_logp" in batch else logp
-    return exposure.token_weights(logp, old, ref, batch["adv"], batch["mask"], spec.loss_cfg, switches)
+    ref = batch.ref_logp if spec.use_ref_logp and batch.ref_logp is not None else logp
+    return exposure.token_weights(logp, old, ref, batch.adv, batch.mask, spec.loss_cfg, switches)
 
-  def unit_tensors(params, batch):
+  def unit_tensors(params, batch: UpdateBatch):
     ids, mask = train_step.sequence_inputs(batch)
-    P, N = batch["prompt_ids"].shape[1], batch["tokens"].shape[1]
     taps: dict = {}
     model.hidden_states(cfg, params, ids, mask, taps=taps)
-    return [{k: v[layer, :, P - 1:P + N - 1] for k, v in taps.items()} for layer in range(cfg.num_hidden_layers)]
+    return [{k: train_step.completion_positions(v[layer], batch) for k, v in taps.items()}
+            for layer in range(cfg.num_hidden_layers)]
 
   return StepHooks(
       model_cfg=cfg,
       compile_peak=lambda pols, batch: stepper.get(with_policies(pols), batch, count=False).peak_bytes,
-      batch_shape=lambda b: (-(-b["tokens"].shape[0] // (spec.microbatches * shards)),
-                             b["prompt_ids"].shape[1] + b["tokens"].shape[1]),
-      gradient=lambda p, b, pols: _grad(p, train_step.step_inputs(b), with_policies(pols)),
-      probe_gradient=lambda p, b, mix, fmt, group: _grad(
-          p, {**train_step.step_inputs(b), "lowp_probe": mix},
-          dataclasses.replace(spec, policies=(model.NO_REMAT,) * cfg.num_hidden_layers, lowp_probe=(fmt, group))),
+      batch_shape=lambda b: (-(-b.rows // (spec.microbatches * shards)), b.prompt_len + b.completion_len),
+      gradient=lambda p, b, pols: _grad(p, b, with_policies(pols), None),
+      probe_gradient=lambda p, b, mix, fmt, group: _grad(p, b, dataclasses.replace(probe_spec, lowp_probe=(fmt, group)),
+                                                         mix),
       token_weights=token_weights, unit_tensors=unit_tensors)

@@ -10,12 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import checkpointing, engine, model, optim, preflight, prompts, rollout, tasks
+from hilore_jax import checkpointing, engine, model, optim, preflight, tasks
 from hilore_jax import config as config_lib
-from hilore_jax.config import Config, SamplingConfig
+from hilore_jax.config import Config
 from hilore_jax.errors import CheckpointError
-from hilore_jax.prompts import Prompter
-from hilore_jax.tasks import Example
+from hilore_jax.rl import rollout
+from hilore_jax.rl.config import SamplingConfig
+from hilore_jax.tasks import Example, prompts
+from hilore_jax.tasks.prompts import Prompter
 
 
 def evaluate(cfg, params, prompter: Prompter, examples: Sequence[Example], reward_fn, *, max_prompt_len: int,
@@ -64,8 +66,8 @@ def restore_params(run_dir: str, config: Config) -> tuple[model.ModelConfig, dic
     opt = optim.make_optimizer(run_config.optimizer, 1)
     train = {"params": params, "opt_state": jax.eval_shape(opt.init, params),
              "step": jax.ShapeDtypeStruct((), jnp.int32)}
-    tree = {"train": train, **({"ref": params} if run_config.grpo.beta > 0 else {})}
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), tree)
+    tree = checkpointing.run_tree(train, params if run_config.grpo.beta > 0 else None)
+    return engine.abstract(tree, jax.tree.map(lambda _: dev, tree))
 
   try:
     found = ckpt.restore_newest(abstract_for)

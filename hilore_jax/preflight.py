@@ -8,10 +8,10 @@ import os
 
 from safetensors import SafetensorError
 
-from hilore_jax import tokenizer as tokenizers
 from hilore_jax.config import Config, ModelSection
 from hilore_jax.errors import CheckpointError, ConfigError, DataError
 from hilore_jax.model import ModelConfig, hf
+from hilore_jax.tasks import tokenizer as tokenizers
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # what a broken checkpoint makes the loaders raise (SafetensorError: a torn or foreign .safetensors file)

@@ -16,18 +16,25 @@ import sys
 log = logging.getLogger(__name__)
 
 CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+# XLA:CPU aborts a collective whose participants have not all arrived within 40 s: N forced CPU devices (or CPU
+# processes) on a machine busy with other work can take that long, so collectives get ten minutes
+CPU_COLLECTIVE_FLAGS = ("--xla_cpu_collective_call_terminate_timeout_seconds=600",
+                        "--xla_cpu_collective_call_warn_stuck_timeout_seconds=120",
+                        "--xla_cpu_collective_timeout_seconds=600")
 
 
 def configure_xla_flags() -> bool:
-  """Add the CPU scheduler flag to XLA_FLAGS unless set; False (with a warning) if a backend already started."""
+  """Add the CPU scheduler and collective-timeout flags to XLA_FLAGS (each unless set); False (with a warning) if a
+  backend already started, so they cannot take effect."""
   flags = os.environ.get("XLA_FLAGS", "")
-  if CPU_SCHEDULER_FLAG.split("=")[0] in flags:
+  missing = [f for f in (CPU_SCHEDULER_FLAG, *CPU_COLLECTIVE_FLAGS) if f.split("=")[0] not in flags]
+  if not missing:
     return True
-  os.environ["XLA_FLAGS"] = (flags + " " + CPU_SCHEDULER_FLAG).strip()
+  os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
   bridge = sys.modules.get("jax._src.xla_bridge")
   if bridge is not None and getattr(bridge, "_backends", None):
-    log.warning("a JAX backend started before hilore_jax was imported: %s is not in effect, so CPU memory "
-                "figures will not track remat; import hilore_jax first", CPU_SCHEDULER_FLAG)
+    log.warning("a JAX backend started before hilore_jax was imported: %s are not in effect, so CPU memory "
+                "figures will not track remat; import hilore_jax first", " ".join(missing))
     return False
   return True
 

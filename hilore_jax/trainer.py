@@ -16,12 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import (checkpointing, engine, evaluation, metrics, model, optim, preflight, prompts, replay, rollout,
-                        runtime, sft, sharding, tasks, train_step, update_batch)
-from hilore_jax.config import Config, MemoryConfig
+from hilore_jax import checkpointing, engine, evaluation, metrics, model, preflight, runtime, sharding, tasks
+from hilore_jax.config import Config
 from hilore_jax.errors import ConfigError, RunExists, TrainingDiverged
 from hilore_jax.memory import MemoryManager
+from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.model import hf
+from hilore_jax.rl import replay, rollout, sft, train_step, update_batch
+from hilore_jax.tasks import prompts
 
 log = logging.getLogger(__name__)
 
@@ -43,19 +45,19 @@ class Trainer:
     self.out_dir = c.out_dir
     preflight.check_paths(c)  # every path the config names, before any work
     self.tokenizer = preflight.load_tokenizer(preflight.tokenizer_key(c), c.tokenizer_path)
-    self.model_cfg = engine.model_config(c)
+    # one read of the checkpoint (its config.json and weights), or the config's shape fields
+    self.model_cfg, host_params = (preflight.load_hf("model.path", c.model.path, c.model) if c.model.path
+                                   else (c.model.shape_config(), None))
     if len(self.tokenizer) > self.model_cfg.vocab_size:
       raise ConfigError(f"tokenizer has {len(self.tokenizer)} tokens but model.vocab_size is "
                         f"{self.model_cfg.vocab_size}")
     self.task = tasks.build_task(c.task)
     self.prompter = prompts.build_prompter(self.tokenizer, c.task, c.tokenizer_path, c.model.path)
     self.last_rollout: rollout.Rollout | None = None
-    self.batch_size = c.rollout.num_prompts * c.rollout.num_generations
     mb = c.minibatch_size
     micro = c.train.microbatch_size or mb
     self.updates_per_step = update_batch.updates_per_step(c)
     total_updates = c.train.steps * self.updates_per_step
-    self.lr_schedule = optim.schedule(c.optimizer, total_updates)
     self.replay = (replay.ReplayBuffer(c.replay, c.rollout.max_prompt_len, c.rollout.max_new_tokens)
                    if c.replay.enabled else None)
     # every update after a rollout's first runs on a policy that has moved since sampling, and a replayed row
@@ -65,32 +67,31 @@ class Trainer:
         use_old_logp=self.updates_per_step > 1 or c.replay.enabled, use_ref_logp=c.grpo.beta > 0,
         temperature=c.rollout.temperature)
     self.rng, init_key = jax.random.split(jax.random.PRNGKey(c.seed))
-    host_params = preflight.load_hf("model.path", c.model.path, c.model)[1] if c.model.path else None
-    self.engine = engine.build(c, self.model_cfg, total_updates, host_params, init_key)
+    self.engine, self.state = engine.build(c, self.model_cfg, total_updates, host_params, init_key)
     n_shards = sharding.num_batch_shards(self.engine.mesh)
     if micro % n_shards:
       raise ConfigError(f"train.microbatch_size ({micro}) must be divisible by the {n_shards} devices of the mesh")
-    self.state, self.state_shardings = self.engine.state, self.engine.state_shardings
-    self.param_shardings = self.engine.param_shardings
-    self.stepper = self.engine.stepper
     self.memory = (MemoryManager(c.memory, engine.memory_hooks(self.stepper, self.spec))
                    if c.memory.policy not in ("none", "gc") else None)
     self.checkpointer = checkpointing.Checkpointer(os.path.join(self.out_dir, "checkpoints"), c.checkpoint.keep)
-    self._logprobs = jax.jit(lambda p, b: train_step.sequence_logprobs(self.spec, p, b))
     self.ref_params = None
     self.start_step = 0
     self.data_position = 0
     self.eval_before: dict = {}
     self.warmstart_losses: list[float] = []
 
+  @property
+  def stepper(self) -> engine.Stepper:
+    return self.engine.stepper
+
   def _checkpoint(self) -> tuple[dict, dict]:
     """(tree, shardings) of a checkpoint: train state, reference params (KL), replay buffer (host arrays)."""
-    tree, sh = {"train": self.state}, {"train": self.state_shardings}
-    if self.ref_params is not None:
-      tree["ref"], sh["ref"] = self.ref_params, self.param_shardings
-    if self.replay is not None:  # the same on every process: replicated
-      tree["replay"] = self.replay.state()
-      sh["replay"] = jax.tree.map(lambda _: sharding.replicated(self.engine.mesh), tree["replay"])
+    eng = self.engine
+    replay_state = self.replay.state() if self.replay is not None else None  # the same on every process
+    tree = checkpointing.run_tree(self.state, self.ref_params, replay_state)
+    rep = sharding.replicated(eng.mesh)
+    sh = checkpointing.run_tree(eng.state_shardings, eng.param_shardings if self.ref_params is not None else None,
+                                jax.tree.map(lambda _: rep, replay_state))
     return tree, sh
 
   def save(self, step: int):
@@ -104,7 +105,7 @@ class Trainer:
     """Restore the newest intact checkpoint (a damaged newer one is reported and skipped); False if none."""
     if self.config.grpo.beta > 0:
       self.ref_params = self.state["params"]  # shape donor; replaced by the restored reference
-    abstract = checkpointing.abstract_with_shardings(*self._checkpoint())
+    abstract = engine.abstract(*self._checkpoint())
     found = self.checkpointer.restore_newest(lambda meta: abstract)
     if found is None:
       self.ref_params = None
@@ -126,11 +127,12 @@ class Trainer:
 
   # --------------------------------------------------------------------------- pieces
 
-  def place_batch(self, batch: dict) -> dict:
+  def place(self, batch):
+    """A host pytree (an UpdateBatch, a dict of arrays) on the mesh in one transfer: rows split over the batch axes
+    where they divide, else replicated."""
     n = sharding.num_batch_shards(self.engine.mesh)
-    sh = sharding.batch_sharding(self.engine.mesh)
-    return {k: jax.device_put(v, sh if v.shape[0] % n == 0 else sharding.replicated(self.engine.mesh))
-            for k, v in batch.items()}
+    split, rep = sharding.batch_sharding(self.engine.mesh), sharding.replicated(self.engine.mesh)
+    return jax.device_put(batch, jax.tree.map(lambda v: split if v.shape[0] % n == 0 else rep, batch))
 
   def evaluate(self, params, rng) -> dict:
     c = self.config
@@ -144,47 +146,39 @@ class Trainer:
     params, self.warmstart_losses = sft.warmstart(
         self.model_cfg, self.state["params"], self.prompter, self.task.train_example, steps=c.train.warmstart_steps,
         batch_size=c.train.warmstart_batch_size, lr=c.train.warmstart_lr, max_prompt_len=c.rollout.max_prompt_len,
-        max_new_tokens=c.rollout.max_new_tokens, place=self.place_batch, progress=progress)
-    params = jax.device_put(params, self.param_shardings)
-    opt_state = jax.jit(self.engine.optimizer.init, out_shardings=self.state_shardings["opt_state"])(params)
+        max_new_tokens=c.rollout.max_new_tokens, place=self.place, progress=progress)
+    params = jax.device_put(params, self.engine.param_shardings)
+    opt_state = jax.jit(self.engine.optimizer.init,
+                        out_shardings=self.engine.state_shardings["opt_state"])(params)
     self.state = {"params": params, "opt_state": opt_state, "step": self.state["step"]}
 
   def build_update_batch(self, roll: rollout.Rollout, rng: np.random.Generator,
-                         step: int = 0) -> tuple[list[dict], dict]:
-    """Placed minibatches of the step's update rows (update_batch.py) and its stats."""
-    minibatches, stats = update_batch.minibatches(self.config, roll, rng, self.replay, step)
-    return [self.place_batch(b) for b in minibatches], stats
+                         step: int = 0) -> tuple[list[update_batch.UpdateBatch], dict]:
+    """The step's update minibatches (rl/update_batch.py), each built on the host and placed in one transfer, and
+    the step's stats."""
+    minibatches, stats = update_batch.minibatches(self.config, roll, rng, self.replay, step, self.spec.use_old_logp)
+    return [self.place(b) for b in minibatches], stats
 
-  def _forward(self, params, b: dict) -> jax.Array:
-    return self._logprobs(params, {k: b[k] for k in train_step.LOGPROB_KEYS})  # same keys: one compilation
-
-  def add_logprobs(self, minibatches: list[dict]) -> list[dict]:
-    """ref_logp on every minibatch; old_logp, from the policy that sampled, on every one an update will see after
-    the rollout's first update, which is on-policy: its rows are flagged on_policy and skip that forward. Replayed
-    rows keep the behaviour log-probs stored with them and are never on_policy."""
-    if self.spec.use_ref_logp:
-      minibatches = [{**b, "ref_logp": self._forward(self.ref_params, b)} for b in minibatches]
-    if not self.spec.use_old_logp:
-      return minibatches
-    out = []
-    for j, b in enumerate(minibatches):
-      rows, n = b["tokens"].shape
-      first = j == 0
-      if "replayed" in b:
-        replayed, b = b["replayed"], {k: v for k, v in b.items() if k != "replayed"}
-        # replayed rows: the behaviour log-probs stored with them; `logp`, the current policy's, is the exposure's
-        # ratio numerator (memory/exposure.py), so that a replayed token outside the clip range has no exposure
-        logp = self._forward(self.state["params"], b)
-        old = jnp.where(replayed[:, None] > 0, b["old_logp"], logp)
-        on_policy = (replayed == 0) & first
-        out.append({**b, "old_logp": old, "logp": logp, "on_policy": on_policy.astype(jnp.int32)})
-        continue
-      if first and self.config.grpo.num_iterations == 1:
-        old = self.place_batch({"old_logp": np.zeros((rows, n), np.float32)})["old_logp"]  # never read
-      else:
-        old = self._forward(self.state["params"], b)
-      out.append({**b, "old_logp": old, "on_policy": self._on_policy(rows, first)})
-    return out
+  def add_logprobs(self, minibatches: list[update_batch.UpdateBatch]) -> tuple[list, list]:
+    """(minibatches with ref_logp and old_logp filled in on the devices, the current policy's log-probs of each
+    minibatch where a forward computed them, else None). old_logp comes from the policy that sampled, which is the
+    current one: every fresh row an update sees after the rollout's first update needs it; replayed rows keep the
+    behaviour log-probs stored with them (their current log-probs are the exposure's ratio numerator)."""
+    later = self.config.grpo.num_iterations > 1
+    out, current = [], []
+    for b in minibatches:
+      if self.spec.use_ref_logp:
+        b = b.replace(ref_logp=self.stepper.logprobs(self.spec, self.ref_params, b))
+      logp = None
+      if update_batch.needs_old_forward(b, later):
+        logp = self.stepper.logprobs(self.spec, self.state["params"], b)
+        if b.replayed is not None:  # replayed rows keep their stored behaviour log-probs
+          b = b.replace(old_logp=jnp.where(b.replayed[:, None] > 0, b.old_logp, logp))
+        else:  # every row: a later pass reads the on-policy rows' too
+          b = b.replace(old_logp=logp)
+      out.append(b)
+      current.append(logp if b.replayed is not None else None)
+    return out, current
 
   def next_rollout(self) -> rollout.Rollout:
     """Sample and score the next prompts of the training stream under the current policy."""
@@ -196,15 +190,12 @@ class Trainer:
                                       c.rollout.num_generations, c.rollout.max_prompt_len, c.rollout.sampling(), key,
                                       self.task.reward)
 
-  def pass_batches(self, minibatches: list[dict], it: int) -> list[dict]:
+  def pass_batches(self, minibatches: list[update_batch.UpdateBatch], it: int) -> list[update_batch.UpdateBatch]:
     """The minibatches of pass `it` over a rollout: on a later pass the first minibatch is off-policy too."""
     if not (self.spec.use_old_logp and it > 0 and minibatches):
       return minibatches
     first = minibatches[0]
-    return [{**first, "on_policy": self._on_policy(len(first["adv"]), False)}, *minibatches[1:]]
-
-  def _on_policy(self, rows: int, value: bool) -> jax.Array:
-    return self.place_batch({"on_policy": np.full(rows, int(value), np.int32)})["on_policy"]
+    return [first.replace(on_policy=jnp.zeros_like(first.on_policy)), *minibatches[1:]]
 
   # --------------------------------------------------------------------------- loop
 
@@ -269,11 +260,11 @@ class Trainer:
     t1 = time.perf_counter()
     shuffle = np.random.default_rng([c.seed, step])
     minibatches, stats = self.build_update_batch(roll, shuffle, step)
-    minibatches = self.add_logprobs(minibatches)
+    minibatches, current_logp = self.add_logprobs(minibatches)
     specs = [self.spec] * len(minibatches)
     alloc_rows, allocations = [], None
     if self.memory is not None and minibatches:
-      allocations = self.memory.step(self.state["params"], minibatches, step)
+      allocations = self.memory.step(self.state["params"], minibatches, step, current_logp)
     # hilore reallocates every later pass: its minibatches are off-policy, and the previous pass's log-probs (an
     # output of that pass's step, no extra forward) tell the exposure which tokens now clip
     per_pass = c.memory.policy == "hilore"
@@ -282,7 +273,7 @@ class Trainer:
       batches = self.pass_batches(minibatches, it)
       if allocations is not None:
         if it > 0 and per_pass:
-          allocations = self.memory.allocate([{**b, "logp": lp} for b, lp in zip(batches, token_logp)])
+          allocations = self.memory.allocate(batches, token_logp)
         specs = [dataclasses.replace(self.spec, policies=a.policies) for a in allocations]
         alloc_rows += [a.metrics for a in allocations]
       token_logp = []
@@ -298,13 +289,13 @@ class Trainer:
     row = {"step": step + 1, "reward/mean": float(roll.rewards.mean()), "reward/std": float(roll.rewards.std()),
            **stats, "completion_len/mean": float(roll.mask.sum(1).mean()),
            "prompts/truncated": roll.truncated_prompts, "data/position": self.data_position,
-           "lr": float(self.lr_schedule(max(int(self.state["step"]) - 1, 0))), "updates": len(step_metrics)}
+           "lr": float(self.engine.lr_schedule(max(int(self.state["step"]) - 1, 0))), "updates": len(step_metrics)}
     row.update(metrics.reduce_updates(step_metrics))
     if not all(np.isfinite(row[k]) for k in ("loss", "grad_norm")):
       raise TrainingDiverged(f"non-finite loss or gradient at step {step + 1} (loss={row['loss']}, "
                              f"grad_norm={row['grad_norm']})")
     row.update(metrics.reduce_allocations(alloc_rows))
-    tokens = sum(int(np.prod(b["prompt_ids"].shape)) + int(np.prod(b["tokens"].shape)) for b in minibatches)
+    tokens = sum(b.rows * (b.prompt_len + b.completion_len) for b in minibatches)
     tokens *= c.grpo.num_iterations
     if peaks:
       row["memory/compiled_bytes"] = max(peaks)

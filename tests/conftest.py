@@ -1,4 +1,4 @@
-"""Shared test fixtures: tiny odd-shaped configs, no network."""
+"""Shared test fixtures: tiny odd-shaped configs, no network, and one compilation cache for the whole session."""
 
 import os
 
@@ -7,6 +7,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
+from hilore_jax import runtime  # noqa: E402
 from hilore_jax.model import ModelConfig  # noqa: E402
 
 
@@ -17,6 +18,11 @@ def tiny_cfg():
                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
 
 
-@pytest.fixture(autouse=True)
-def _cache_dir(tmp_path_factory, monkeypatch):
-  monkeypatch.setenv("HILORE_CACHE", str(tmp_path_factory.getbasetemp() / "hilore_cache"))
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache(tmp_path_factory):
+  """One HILORE_CACHE (profiles, tokenizers, compiled programs) for the session, inherited by every subprocess a
+  test starts: the same tiny programs compile once, not once per Trainer or per process."""
+  root = str(tmp_path_factory.getbasetemp() / "hilore_cache")
+  os.environ["HILORE_CACHE"] = root
+  runtime.enable_compilation_cache()
+  yield root

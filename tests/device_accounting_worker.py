@@ -11,19 +11,23 @@ import os
 import sys
 
 n_dev, data, fsdp, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-import jax  # noqa: E402
+sys.path.insert(0, os.path.dirname(__file__))
+from devices import force_cpu_devices  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", n_dev)
-jax.config.update("jax_cpu_enable_async_dispatch", False)  # 4 fake devices on 2 cores can deadlock otherwise
+force_cpu_devices(n_dev)
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout, not an install
 from trainer_util import tiny_config  # noqa: E402
 
 from hilore_jax.memory import methods, profile  # noqa: E402
 from hilore_jax.memory.manager import Calibration  # noqa: E402
+from hilore_jax.rl.update_batch import UpdateBatch  # noqa: E402
+from hilore_jax import runtime  # noqa: E402
 from hilore_jax.trainer import Trainer  # noqa: E402
+
+runtime.enable_compilation_cache()  # the test session's HILORE_CACHE
 
 assert jax.device_count() == n_dev
 t = Trainer(tiny_config(out + ".run", f"mesh.data={data}", f"mesh.fsdp={fsdp}", "train.warmstart_steps=0",
@@ -32,10 +36,9 @@ t = Trainer(tiny_config(out + ".run", f"mesh.data={data}", f"mesh.fsdp={fsdp}", 
                         "memory.budget_probes=1"))
 rng = np.random.default_rng(0)
 B, P, N = 12, 7, 9
-batch = {"prompt_ids": rng.integers(3, 80, (B, P)).astype(np.int32), "prompt_mask": np.ones((B, P), np.int32),
-         "tokens": rng.integers(3, 80, (B, N)).astype(np.int32), "mask": (rng.random((B, N)) > 0.2).astype(np.int32),
-         "adv": rng.normal(size=B).astype(np.float32)}
-batch = t.place_batch(batch)
+batch = t.place(UpdateBatch(rng.integers(3, 80, (B, P)).astype(np.int32), np.ones((B, P), np.int32),
+                            rng.integers(3, 80, (B, N)).astype(np.int32), (rng.random((B, N)) > 0.2).astype(np.int32),
+                            rng.normal(size=B).astype(np.float32)))
 U = len(t.memory.lowp_ids)
 cal = Calibration([1.0] * U, [1e-3] * U, [1e-3] * U, delta=1e-4, calibration_error=0.0, calibration_level=0.1,
                   level_max=0.1, fit={}, calib_batches=1)

@@ -4,30 +4,35 @@ import os
 import sys
 
 n_dev, data, fsdp, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_dev}"
-import jax  # noqa: E402
+sys.path.insert(0, os.path.dirname(__file__))
+from devices import force_cpu_devices  # noqa: E402
 
-jax.config.update("jax_cpu_enable_async_dispatch", False)  # 4 fake devices on 2 cores can deadlock otherwise
+force_cpu_devices(n_dev)
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout, not an install
 from trainer_util import tiny_config  # noqa: E402
 
-from hilore_jax import train_step  # noqa: E402
+from hilore_jax.rl import train_step  # noqa: E402
+from hilore_jax.rl.update_batch import UpdateBatch  # noqa: E402
+from hilore_jax import runtime  # noqa: E402
 from hilore_jax.trainer import Trainer  # noqa: E402
+
+runtime.enable_compilation_cache()  # the test session's HILORE_CACHE
 
 assert jax.device_count() == n_dev
 t = Trainer(tiny_config(out + ".run", f"mesh.data={data}", f"mesh.fsdp={fsdp}", "train.warmstart_steps=0",
                         "model.hidden_size=32", "train.microbatch_size=4", "grpo.beta=0.1", "grpo.num_iterations=2"))
 rng = np.random.default_rng(0)
 B, P, N = 12, 6, 3
-batch = {"prompt_ids": rng.integers(3, 80, (B, P)).astype(np.int32), "prompt_mask": np.ones((B, P), np.int32),
-         "tokens": rng.integers(3, 80, (B, N)).astype(np.int32), "mask": (rng.random((B, N)) > 0.2).astype(np.int32),
-         "adv": rng.normal(size=B).astype(np.float32), "old_logp": -rng.random((B, N)).astype(np.float32) * 3,
-         "ref_logp": -rng.random((B, N)).astype(np.float32) * 3}
-batch["prompt_mask"][1, :2] = 0
-batch = t.place_batch(batch)
+prompt_mask = np.ones((B, P), np.int32)
+prompt_mask[1, :2] = 0
+batch = UpdateBatch(rng.integers(3, 80, (B, P)).astype(np.int32), prompt_mask,
+                    rng.integers(3, 80, (B, N)).astype(np.int32), (rng.random((B, N)) > 0.2).astype(np.int32),
+                    rng.normal(size=B).astype(np.float32), old_logp=-rng.random((B, N)).astype(np.float32) * 3,
+                    ref_logp=-rng.random((B, N)).astype(np.float32) * 3)
+batch = t.place(batch)
 grads, stats = jax.jit(train_step.grads_and_stats, static_argnums=2)(t.state["params"], batch, t.spec)
 state, metrics = t.stepper(t.spec, t.state, batch)
 wgate = state["params"]["layers"][0]["mlp"]["wgate_DF"]

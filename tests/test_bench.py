@@ -2,18 +2,18 @@ import json
 import math
 import os
 
-from hilore_jax import cli
+from hilore_jax.bench import config as bench_config
 from hilore_jax.bench import run as bench
 
 
 def test_bench_writes_all_outputs_with_every_method_under_budget(tmp_path):
-  cfg = cli.load_config(None, [
+  cfg, bc = bench_config.load(None, [
       "model.vocab_size=37", "model.hidden_size=24", "model.intermediate_size=40", "model.num_hidden_layers=2",
       "model.num_attention_heads=4", "model.num_key_value_heads=2", "memory.group_size=8", "memory.budget_probes=2",
       "bench.batch_size=4", "bench.group_size=2", "bench.seq_len=15", "bench.prompt_len=5", "bench.reps=3",
-      "bench.budget_ratios=[1.3]", "bench.risk_batches=2", "grpo.beta=0.02"])
+      "bench.budget_ratios=[1.3]", "bench.risk_batches=2", "grpo.beta=0.02"], "bench")
   out = str(tmp_path / "bench")
-  result = bench.run(cfg, out, progress=lambda s: None)
+  result = bench.run(cfg, bc, out, progress=lambda s: None)
   assert sorted(os.listdir(out)) == ["frontier.png", "results.json", "results.md", "risk.md"]
   with open(os.path.join(out, "results.json")) as f:
     saved = json.load(f)

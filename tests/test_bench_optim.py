@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from hilore_jax import cli, model
+from hilore_jax import model
+from hilore_jax.bench import config as bench_config
 from hilore_jax.bench import kl_report, optim_memory
 from hilore_jax.errors import DataError
 
@@ -21,8 +22,8 @@ SHAPE = [f"model.hidden_size={HIDDEN}", "model.vocab_size=37", "model.intermedia
 
 
 def test_bench_optim_rows_add_up_and_logra_state_is_small(tmp_path):
-  cfg = cli.load_config(None, SHAPE)
-  result = optim_memory.run(cfg, str(tmp_path), ranks=(3,), memories=("gc",), progress=lambda s: None)
+  cfg, bc = bench_config.load(None, SHAPE, "bench")
+  result = optim_memory.run(cfg, bc, str(tmp_path), ranks=(3,), memories=("gc",), progress=lambda s: None)
   assert sorted(os.listdir(tmp_path)) == ["optim.json", "optim.md"]
   by = {r["optimizer"]: r for r in json.load(open(tmp_path / "optim.json"))["rows"]}
   assert list(by) == ["adamw", "logra r=3", "logra r=3 + kl"]  # hidden/8 = 3 is also the KL arm's rank

@@ -2,9 +2,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import engine, model, train_step
-from hilore_jax.config import GRPOConfig
+from hilore_jax import engine, model
 from hilore_jax.memory import allocator, buckets
+from hilore_jax.rl import train_step
+from hilore_jax.rl.config import GRPOConfig
+from hilore_jax.rl.update_batch import UpdateBatch
 
 
 def test_unit_levels_by_hand():
@@ -51,9 +53,9 @@ def test_second_step_in_the_same_bucket_compiles_nothing(tiny_cfg):
   shardings = jax.tree_util.tree_map(lambda _: sharding.replicated(mesh), state)
   stepper = engine.Stepper(mesh, opt, state, shardings)
   rng = np.random.default_rng(0)
-  batch = lambda: {"prompt_ids": rng.integers(3, 31, (4, 3)).astype(np.int32), "prompt_mask": np.ones((4, 3), np.int32),
-                   "tokens": rng.integers(3, 31, (4, 2)).astype(np.int32), "mask": np.ones((4, 2), np.int32),
-                   "adv": rng.normal(size=4).astype(np.float32)}
+  batch = lambda: UpdateBatch(rng.integers(3, 31, (4, 3)).astype(np.int32), np.ones((4, 3), np.int32),
+                              rng.integers(3, 31, (4, 2)).astype(np.int32), np.ones((4, 2), np.int32),
+                              rng.normal(size=4).astype(np.float32))
   lc = GRPOConfig()
   by_bucket = {0: model.uniform(tiny_cfg.num_hidden_layers, model.FULL_REMAT),
                1: model.uniform(tiny_cfg.num_hidden_layers, model.LayerPolicy(remat=True, lowp=(model.MLP_DOWN_IN,)))}

@@ -3,10 +3,13 @@ import jax
 import numpy as np
 import pytest
 
-from hilore_jax import engine, model, train_step
+from hilore_jax import engine, model
 from hilore_jax.bench import synthetic
-from hilore_jax.config import ExposureSwitches, GRPOConfig
 from hilore_jax.memory import calibration
+from hilore_jax.memory.config import ExposureSwitches
+from hilore_jax.rl import train_step
+from hilore_jax.rl.config import GRPOConfig
+from hilore_jax.rl.update_batch import UpdateBatch
 
 
 def test_risk_metrics_by_hand():
@@ -23,10 +26,10 @@ def grpo_setup(tiny_cfg):
   p = model.init_params(tiny_cfg, jax.random.PRNGKey(0), init_std=0.3)
   rng = np.random.default_rng(0)
   B, P, N = 8, 5, 4
-  batch = {"prompt_ids": rng.integers(3, 31, (B, P)).astype(np.int32), "prompt_mask": np.ones((B, P), np.int32),
-           "tokens": rng.integers(3, 31, (B, N)).astype(np.int32), "mask": np.ones((B, N), np.int32),
-           # two groups of four: the second has zero advantage (all rewards equal)
-           "adv": np.array([1.5, -0.5, -0.5, -0.5, 0, 0, 0, 0], np.float32)}
+  # two groups of four: the second has zero advantage (all rewards equal)
+  batch = UpdateBatch(rng.integers(3, 31, (B, P)).astype(np.int32), np.ones((B, P), np.int32),
+                      rng.integers(3, 31, (B, N)).astype(np.int32), np.ones((B, N), np.int32),
+                      np.array([1.5, -0.5, -0.5, -0.5, 0, 0, 0, 0], np.float32))
   spec = train_step.StepSpec(tiny_cfg, GRPOConfig(), model.uniform(tiny_cfg.num_hidden_layers, model.NO_REMAT))
   return engine.memory_hooks(None, spec), p, batch
 
@@ -82,7 +85,7 @@ def test_coherence_and_set_fit_by_hand():
 def test_zero_advantage_rows_carry_no_exposure(grpo_setup):
   hooks, p, batch = grpo_setup
   units = calibration.lowp_units(3)
-  only_zero = {k: v[4:] for k, v in batch.items()}
+  only_zero = jax.tree.map(lambda v: v[4:], batch)
   assert float(np.abs(np.asarray(calibration.raw_exposure(hooks, p, only_zero, units))).max()) == 0.0
   # with the update-mask/advantage terms ablated the same rows look exposed
   ablated = calibration.raw_exposure(hooks, p, only_zero, units, ExposureSwitches(ratio_clip=False, kl=False))

@@ -10,7 +10,8 @@ import pytest
 from chat_util import GSM8K_ROWS, IM_END, IM_START, build_chat_tokenizer, build_tiny_qwen, write_gsm8k
 
 import hilore_jax
-from hilore_jax import cli, prompts, tasks, tokenizer
+from hilore_jax import cli, tasks
+from hilore_jax.tasks import prompts, tokenizer
 from hilore_jax.trainer import Trainer
 
 torch = pytest.importorskip("torch", reason="the HF export check needs PyTorch")

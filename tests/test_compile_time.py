@@ -2,12 +2,13 @@
 mixed plan unrolls (model/decoder.py says why); the compile-time bench measures what it says."""
 
 import jax
-import pytest
 import jax.numpy as jnp
-from trainer_util import tiny_config
+import pytest
+from trainer_util import TINY
 
 from hilore_jax import model
 from hilore_jax.bench import compile_time
+from hilore_jax.bench import config as bench_config
 
 
 def _eqns(jaxpr) -> int:
@@ -43,8 +44,9 @@ def test_step_size_does_not_grow_with_depth_for_equal_policy_layers(tiny_cfg):
 
 
 def test_bench_compile_rows(tmp_path):
-  cfg = tiny_config(tmp_path, "bench.batch_size=4", "bench.group_size=2", "bench.seq_len=11", "bench.prompt_len=4")
-  rows = compile_time.measure(cfg, depths=(3,), names=("gc", "hilore_mixed"), progress=lambda s: None)
+  cfg, bc = bench_config.load(None, [*TINY, f"out_dir={tmp_path}", "bench.batch_size=4", "bench.group_size=2",
+                                     "bench.seq_len=11", "bench.prompt_len=4"], "bench")
+  rows = compile_time.measure(cfg, bc, depths=(3,), names=("gc", "hilore_mixed"), progress=lambda s: None)
   assert [(r["layers"], r["plan"], r["policy_runs"]) for r in rows] == [(3, "gc", 1), (3, "hilore_mixed", 3)]
   assert all(r["compile_s"] > 0 and r["peak_bytes"] > 0 for r in rows)
   assert "| 3 |" in compile_time.table(rows)

@@ -12,6 +12,8 @@ from trainer_util import TINY
 
 from hilore_jax import runtime
 from hilore_jax.model import ModelConfig, hf, init_params
+from train import bench as bench_main
+from train import bench_exposure as bench_exposure_main
 from train import grpo as grpo_main
 
 GOOD_LINE = json.dumps({"question": "1+2?", "answer": "1+2=3\n#### 3"})
@@ -76,7 +78,9 @@ CASES = {
     "type/logging": (["logging.plot=1"], "config error", r"logging.plot must be true or false"),
     "type/memory": (["memory.buckets=2.5"], "config error", r"memory.buckets must be an integer"),
     "type/memory.exposure": (["memory.exposure.kl=2"], "config error", r"memory.exposure.kl must be true or false"),
-    "type/bench": (["bench.reps=many"], "config error", r"bench.reps must be an integer"),
+    "type/bench": (["bench.reps=many"], "config error", r"bench.reps must be an integer", bench_main),
+    "type/bench_exposure": (["bench_exposure.reps=x"], "config error", r"bench_exposure.reps must be an integer",
+                            bench_exposure_main),
     "type/section": (["train=5"], "config error", r"config section train must be a mapping"),
     # out of range, one per section
     "range/root": (["seed=-1"], "config error", r"seed must be >= 0, got -1"),
@@ -95,8 +99,10 @@ CASES = {
     "range/mesh.devices": (["mesh.fsdp=3"], "config error", r"mesh.fsdp=3 does not divide the \d+ devices"),
     "range/checkpoint": (["checkpoint.keep=0"], "config error", r"checkpoint.keep must be > 0"),
     "range/memory": (["memory.group_size=0"], "config error", r"memory.group_size must be > 0"),
-    "range/bench": (["bench.zero_adv_frac=1.5"], "config error", r"bench.zero_adv_frac must be in"),
+    "range/bench": (["bench.zero_adv_frac=1.5"], "config error", r"bench.zero_adv_frac must be in", bench_main),
     "unknown_key": (["train.stepz=3"], "config error", r"unknown config key 'train.stepz'"),
+    "unknown_key/bench": (["bench.repz=3"], "config error", r"unknown config key 'bench.repz'", bench_main),
+    "bench_section_in_a_run": (["bench.reps=3"], "config error", r"unknown config key 'bench'"),
     # paths
     "path/config": (["--config", "{tmp}/nope.yaml"], "config error", r"--config \S+/nope.yaml: no such file"),
     "path/out_dir": (["out_dir={a_file}"], "config error", r"out_dir \S+/a_file: exists and is not a directory"),
@@ -134,15 +140,17 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cli_error_is_one_line_naming_the_key(case, files, tmp_path, monkeypatch, capsys):
-  overrides, kind, pattern = CASES[case]
+  overrides, kind, pattern, entry = (*CASES[case], grpo_main)[:4]
   monkeypatch.setattr(runtime, "enable_compilation_cache", lambda *a, **k: None)  # process-wide: keep it off
   overrides = [o.format(**files) for o in overrides]
   # a checkpoint brings its own shape: drop the tiny config's shape fields
   base = [a for a in TINY if not a.startswith("model.")] if any(o.startswith("model.path=") for o in overrides) \
       else TINY
   args = [*base, f"out_dir={tmp_path}/run", *overrides]
+  if entry is not grpo_main:
+    args = ["--out", f"{tmp_path}/bench", *args]
   with pytest.raises(SystemExit) as exc:
-    grpo_main.main(args)
+    entry.main(args)
   message = exc.value.code
   assert isinstance(message, str) and "\n" not in message, message
   assert message.startswith(f"{kind}: ") and re.search(pattern, message), message

@@ -1,8 +1,9 @@
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax.config import ExposureSwitches, GRPOConfig
 from hilore_jax.memory import exposure
+from hilore_jax.memory.config import ExposureSwitches
+from hilore_jax.rl.config import GRPOConfig
 
 
 def _inputs():

@@ -7,12 +7,15 @@ import numpy as np
 import optax
 import pytest
 
-from hilore_jax import engine, model, sharding, train_step
+from hilore_jax import engine, model, sharding
 from hilore_jax.bench import exposure as bench_exposure
-from hilore_jax.config import GRPOConfig, MemoryConfig
 from hilore_jax.memory import MemoryManager, buckets
+from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.model import ModelConfig
 from hilore_jax.model import units as U
+from hilore_jax.rl import train_step
+from hilore_jax.rl.config import GRPOConfig
+from hilore_jax.rl.update_batch import UpdateBatch
 
 CFG = ModelConfig(vocab_size=31, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, tie_word_embeddings=False)
@@ -21,9 +24,9 @@ B, P, N = 8, 5, 7
 
 def _batch(rng, adv):
   mask = (np.arange(N)[None] < rng.integers(3, N + 1, B)[:, None]).astype(np.int32)
-  return {"prompt_ids": rng.integers(3, 31, (B, P)).astype(np.int32), "prompt_mask": np.ones((B, P), np.int32),
-          "tokens": (rng.integers(3, 31, (B, N)) * mask).astype(np.int32), "mask": mask,
-          "adv": np.asarray(adv, np.float32), "old_logp": np.full((B, N), -3.0, np.float32) * mask}
+  return UpdateBatch(rng.integers(3, 31, (B, P)).astype(np.int32), np.ones((B, P), np.int32),
+                     (rng.integers(3, 31, (B, N)) * mask).astype(np.int32), mask, np.asarray(adv, np.float32),
+                     old_logp=np.full((B, N), -3.0, np.float32) * mask)
 
 
 @pytest.fixture(scope="module")
@@ -47,18 +50,18 @@ def setup():
 def test_each_minibatch_is_allocated_from_its_own_unit_scores(setup):
   hooks, params, on, mc, rng, adv = setup
   normal = _batch(rng, adv)
-  zero = {**normal, "adv": np.zeros(B, np.float32)}  # every group's rewards equal
+  zero = normal.replace(adv=np.zeros(B, np.float32))  # every group's rewards equal
   # the previous pass moved the log-probs of the rows with A > 0 up by 1: ratio e > 1 + eps clips every one of
   # their tokens (w = 0, beta = 0), exactly as if those rows had no advantage; the other rows keep ratio 1
-  up = (normal["adv"] > 0)[:, None]
-  clipped = {**normal, "logp": normal["old_logp"] + up * normal["mask"]}
-  no_up = {**normal, "adv": np.where(up[:, 0], 0.0, normal["adv"]).astype(np.float32)}
-  scores = on.unit_scores([normal, zero, clipped, no_up])
+  up = (normal.adv > 0)[:, None]
+  clipped_logp = normal.old_logp + up * normal.mask  # the current log-probs, as the previous pass left them
+  no_up = normal.replace(adv=np.where(up[:, 0], 0.0, normal.adv).astype(np.float32))
+  scores = on.unit_scores([normal, zero, normal, no_up], logp=[None, None, clipped_logp, None])
   assert scores.shape == (4, 2 * len(U.LOWP_UNITS))
   assert np.all(scores[0] > 0) and np.all(scores[1] == 0)
   np.testing.assert_allclose(scores[2], scores[3], rtol=1e-5)
   assert np.abs(scores[2] / scores[0] - 1).max() > 0.05  # the clip is visible to the score
-  allocs = on.allocate([normal, zero, clipped])
+  allocs = on.allocate([normal, zero, normal], [None, None, clipped_logp])
   assert allocs[1].bucket != allocs[0].bucket  # no exposure at all: its own bucket
   kappa = on.state.calibration.coherence
   np.testing.assert_array_equal(on.bucket_risk(allocs[1].bucket), 0.0)  # nothing can reach the gradient
@@ -80,7 +83,7 @@ def test_each_minibatch_is_allocated_from_its_own_unit_scores(setup):
   # exposure off: one bucket for all, at each unit's largest calibration score
   off = MemoryManager(dataclasses.replace(mc, buckets=1), hooks)
   off.setup(params, [normal], 0, calibration_state=on.state.calibration)
-  allocs_off = off.allocate([normal, zero, clipped])
+  allocs_off = off.allocate([normal, zero, normal], [None, None, clipped_logp])
   assert {a.bucket for a in allocs_off} == {0}
   np.testing.assert_allclose(off.bucket_risk(0), kappa * np.asarray(on.state.calibration.score_max))
 
@@ -132,7 +135,7 @@ def test_manager_state_round_trips_and_converts_the_scalar_bucket_version(setup)
 
 def test_calibration_skips_minibatches_without_a_gradient(setup):
   hooks, params, _, mc, rng, adv = setup
-  dead = {**_batch(rng, adv), "adv": np.zeros(B, np.float32)}  # every group's rewards equal, no KL: no gradient
+  dead = _batch(rng, adv).replace(adv=np.zeros(B, np.float32))  # every group's rewards equal, no KL: no gradient
   m = MemoryManager(dataclasses.replace(mc, calib_sets=1), hooks)
   m.setup(params, [dead, _batch(rng, adv)], 0)
   cal = m.state.calibration

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hilore_jax import grpo
-from hilore_jax.config import GRPOConfig as LossConfig
+from hilore_jax.rl import grpo
+from hilore_jax.rl.config import GRPOConfig as LossConfig
 
 
 def test_grpo_advantages_by_hand():

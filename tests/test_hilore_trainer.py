@@ -59,9 +59,9 @@ def test_later_passes_are_reallocated_from_the_previous_pass(tmp_path, monkeypat
 
   seen, allocate = [], MemoryManager.allocate
 
-  def spy(self, minibatches):
-    seen.append([b.get("logp") for b in minibatches])
-    return allocate(self, minibatches)
+  def spy(self, minibatches, logp=None):
+    seen.append(list(logp or [None] * len(minibatches)))
+    return allocate(self, minibatches, logp)
 
   monkeypatch.setattr(MemoryManager, "allocate", spy)
   t = Trainer(tiny_config(tmp_path, *HILORE, "memory.budget_ratio=1.02", "train.steps=1", "grpo.num_iterations=2"))

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hilore_jax import kl_control, model
+from hilore_jax import model
 from hilore_jax.model import ModelConfig
+from hilore_jax.rl import kl_control
 
 
 def test_hand_computed_two_token_vocabulary():

@@ -9,9 +9,12 @@ import numpy as np
 import optax
 import pytest
 
-from hilore_jax import engine, kl_control, model, sharding, train_step
-from hilore_jax.config import GRPOConfig, KLControlConfig
+from hilore_jax import engine, model, sharding
 from hilore_jax.model import ModelConfig
+from hilore_jax.optim.config import KLControlConfig
+from hilore_jax.rl import kl_control, train_step
+from hilore_jax.rl.config import GRPOConfig
+from hilore_jax.rl.update_batch import UpdateBatch
 
 CFG = ModelConfig(vocab_size=61, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, tie_word_embeddings=False)
@@ -33,9 +36,9 @@ def _host():
   prompt_mask = np.ones((B, P), np.int32)
   prompt_mask[1, :2] = 0
   mask = (np.arange(N)[None] < np.array([7, 3, 5, 6])[:, None]).astype(np.int32)
-  batch = {"prompt_ids": (rng.integers(1, 61, (B, P)) * prompt_mask).astype(np.int32), "prompt_mask": prompt_mask,
-           "tokens": (rng.integers(1, 61, (B, N)) * mask).astype(np.int32), "mask": mask,
-           "adv": rng.normal(size=B).astype(np.float32)}
+  batch = UpdateBatch((rng.integers(1, 61, (B, P)) * prompt_mask).astype(np.int32), prompt_mask,
+                      (rng.integers(1, 61, (B, N)) * mask).astype(np.int32), mask,
+                      rng.normal(size=B).astype(np.float32))
   return params, batch
 
 
@@ -59,7 +62,7 @@ def _exact_kl(p0, p1, batch) -> float:
   logq0, logq1 = (z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) - z.max(-1, keepdims=True)
                   for z in logits)
   kl_BN = (np.exp(logq0) * (logq0 - logq1)).sum(-1)
-  return float((kl_BN * batch["mask"]).sum() / batch["mask"].sum())
+  return float((kl_BN * batch.mask).sum() / batch.mask.sum())
 
 
 def _delta(a, b):
@@ -69,7 +72,7 @@ def _delta(a, b):
 def test_prediction_matches_realized_and_the_scale_caps_it():
   p0, free, m_free, step = _run(1e9)  # a target never reached: scale 1, the plain update
   _, plain, m_plain, plain_step = _run(0.0)
-  assert step.kl_keys == train_step.LOGPROB_KEYS and not plain_step.kl_keys
+  assert step.kl_control and not plain_step.kl_control
   predicted, realized = float(m_free["kl_control/predicted"]), float(m_free["kl_control/realized"])
   assert float(m_free["kl_control/scale"]) == 1.0
   jax.tree.map(np.testing.assert_array_equal, free, plain)  # s = 1 changes nothing
@@ -91,7 +94,7 @@ def test_prediction_matches_realized_and_the_scale_caps_it():
 def test_control_off_is_the_plain_update_program_bit_for_bit():
   params, batch = _host()
   _, after, metrics, step = _run(0.0)
-  assert not step.kl_keys and "kl_control/scale" not in metrics
+  assert not step.kl_control and "kl_control/scale" not in metrics
   assert engine.Stepper(sharding.make_mesh(), OPT, {}, {}).kl is None  # no kl_control section: off as well
   mesh = sharding.make_mesh()
   state, _ = engine.init_state(mesh, OPT, jax.eval_shape(lambda: params), lambda sh: jax.device_put(params, sh))
@@ -119,7 +122,7 @@ def test_microbatched_kl_is_the_token_weighted_mean():
     fn = jax.jit(lambda p, u, b: train_step.minibatch_kl(kl_control.predicted_kl, spec, p, u, b, 3))
     return float(fn(params, update, b))
 
-  halves = [kl({k: v[i:i + 2] for k, v in batch.items()}, 1) for i in (0, 2)]
+  halves = [kl(jax.tree.map(lambda v: v[i:i + 2], batch), 1) for i in (0, 2)]
   weighted = (10 * halves[0] + 11 * halves[1]) / 21  # 7 + 3 and 5 + 6 completion tokens
   assert abs(np.mean(halves) / weighted - 1) > 1e-3  # an unweighted mean of the slices would be caught
   assert kl(batch, 2) == pytest.approx(weighted, rel=1e-5)

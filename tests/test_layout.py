@@ -7,7 +7,12 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = "hilore_jax"
-CONFIG_MAY_IMPORT = {"hilore_jax.errors", "hilore_jax.grpo", "hilore_jax.model.config", "hilore_jax.model.codec"}
+WINGS = ("model", "memory", "rl", "tasks", "optim", "bench")
+# the root config composes the wings' sections; a wing's config imports only leaf constants and checks
+CONFIG_MAY_IMPORT = {"hilore_jax.errors", "hilore_jax.model.config"} | {f"hilore_jax.{w}.config" for w in WINGS}
+WING_CONFIG_MAY_IMPORT = {"hilore_jax.errors", "hilore_jax.config", "hilore_jax.rl.grpo", "hilore_jax.model.codec",
+                          "hilore_jax.memory.config"}
+ARRAY_LIBRARIES = ("jax", "jaxlib", "optax", "flax", "chex", "orbax")
 
 
 def _module_name(path: str) -> str:
@@ -20,30 +25,54 @@ def _type_checking(node) -> bool:
 
 
 def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
-  """Package modules a module imports (`from a import b` is a.b when that is a module), outside TYPE_CHECKING."""
+  """Modules a module imports, outside TYPE_CHECKING: package modules by name (`from a import b` is a.b when that is
+  a module), anywhere; others by their top-level name, at module level only (an import inside a function runs only
+  when it is called)."""
   out = set()
-  stack = [tree]
+  stack = [(tree, False)]
   while stack:
-    node = stack.pop()
+    node, nested = stack.pop()
     if _type_checking(node):
       continue
     if isinstance(node, ast.Import):
-      out.update(a.name for a in node.names if a.name.split(".")[0] == PKG)
-    elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == PKG:
+      for a in node.names:
+        if a.name.split(".")[0] == PKG:
+          out.add(a.name)
+        elif not nested:
+          out.add(a.name.split(".")[0])
+    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+      if node.module.split(".")[0] != PKG:
+        if not nested:
+          out.add(node.module.split(".")[0])
+        continue
       for a in node.names:
         out.add(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module)
-    stack.extend(ast.iter_child_nodes(node))
+    inner = nested or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+    stack.extend((child, inner) for child in ast.iter_child_nodes(node))
   return out
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(external: bool = False) -> dict[str, set[str]]:
+  """Package module -> the package modules it imports (with external=True, also third-party top-level names)."""
   files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ROOT, PKG)) for f in fs if f.endswith(".py")]
   modules = {_module_name(f) for f in files}
   graph = {}
   for f in files:
     with open(f) as fh:
-      graph[_module_name(f)] = _imports(ast.parse(fh.read()), modules) - {_module_name(f)}
+      deps = _imports(ast.parse(fh.read()), modules) - {_module_name(f)}
+    graph[_module_name(f)] = deps if external else {d for d in deps if d.startswith(PKG)}
   return graph
+
+
+def closure(graph: dict[str, set[str]], mod: str) -> set[str]:
+  """Everything mod imports, directly or through package modules."""
+  seen, stack = set(), [mod]
+  while stack:
+    for dep in graph.get(stack.pop(), ()):
+      if dep not in seen:
+        seen.add(dep)
+        stack.append(dep)
+  return seen
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -78,42 +107,67 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
   return out
 
 
+def _in(mod: str, *wings: str) -> bool:
+  return any(mod == f"{PKG}.{w}" or mod.startswith(f"{PKG}.{w}.") for w in wings)
+
+
 def violations(graph: dict[str, set[str]]) -> list[str]:
-  """Broken rules, one line each."""
+  """Broken rules, one line each (graph may include third-party top-level names: import_graph(external=True))."""
   out = []
   for mod, deps in sorted(graph.items()):
     for dep in sorted(deps):
-      if mod.startswith("hilore_jax.model") and not dep.startswith("hilore_jax.model"):
+      internal = dep.startswith(PKG)
+      if _in(mod, "model") and internal and not _in(dep, "model"):
         out.append(f"{mod} -> {dep}: model/ imports nothing from the package outside itself")
-      if mod == "hilore_jax.grpo":
-        out.append(f"{mod} -> {dep}: grpo.py imports nothing from the package")
-      if mod == "hilore_jax.config" and dep not in CONFIG_MAY_IMPORT:
-        out.append(f"{mod} -> {dep}: config.py imports only leaf types and constants")
-      if mod.startswith("hilore_jax.memory") and (dep in ("hilore_jax.trainer", "hilore_jax.train_step",
-                                                          "hilore_jax.engine") or dep.startswith("hilore_jax.bench")):
+      if mod == "hilore_jax.rl.grpo" and internal:
+        out.append(f"{mod} -> {dep}: rl/grpo.py imports nothing from the package")
+      if mod == "hilore_jax.config" and internal and dep not in CONFIG_MAY_IMPORT:
+        out.append(f"{mod} -> {dep}: config.py only composes the wings' sections")
+      if (mod.endswith(".config") and mod != "hilore_jax.config" and not _in(mod, "model") and internal
+          and dep not in WING_CONFIG_MAY_IMPORT | {mod.rsplit(".", 1)[0]}):
+        out.append(f"{mod} -> {dep}: a wing's config imports only leaf constants and checks")
+      # memory/ reads the GRPO numerics (w_t) but reaches the trainer only through StepHooks
+      if _in(mod, "memory") and (dep in ("hilore_jax.trainer", "hilore_jax.engine") or _in(dep, "bench")
+                                 or (_in(dep, "rl") and dep != "hilore_jax.rl.grpo")):
         out.append(f"{mod} -> {dep}: memory/ reaches the trainer only through StepHooks, and never the bench")
+      if _in(mod, "rl") and (dep in ("hilore_jax.trainer", "hilore_jax.engine") or _in(dep, "memory", "bench")):
+        out.append(f"{mod} -> {dep}: rl/ is the step's pure functions and data: no trainer, engine, memory or bench")
+      if _in(mod, "tasks") and internal and not (_in(dep, "tasks") or dep in ("hilore_jax.errors",
+                                                                              "hilore_jax.runtime")):
+        out.append(f"{mod} -> {dep}: tasks/ imports only itself, errors and runtime")
+      if _in(mod, "tasks") and dep in ARRAY_LIBRARIES:
+        out.append(f"{mod} -> {dep}: tasks/ imports no JAX (data code runs anywhere)")
       if dep == "hilore_jax.trainer" and not mod.startswith(("hilore_jax.bench", "train")):
         out.append(f"{mod} -> {dep}: only bench/ and train/ import the trainer")
-  out += [f"import cycle: {' -> '.join(c)}" for c in _cycles(graph)]
+  internal_graph = {m: {d for d in ds if d.startswith(PKG)} for m, ds in graph.items()}
+  out += [f"import cycle: {' -> '.join(c)}" for c in _cycles(internal_graph)]
   return out
 
 
 def test_the_package_keeps_its_import_rules():
-  graph = import_graph()
-  assert {"hilore_jax.model.decoder", "hilore_jax.memory.manager", "hilore_jax.bench.run"} <= set(graph)
+  graph = import_graph(external=True)
+  assert {"hilore_jax.model.decoder", "hilore_jax.memory.manager", "hilore_jax.bench.run", "hilore_jax.rl.train_step",
+          "hilore_jax.tasks.task", "hilore_jax.optim.optimizer"} <= set(graph)
   assert violations(graph) == []
+  # tasks/ imports no JAX through the package either
+  for mod in (m for m in graph if _in(m, "tasks")):
+    assert not closure(graph, mod) & set(ARRAY_LIBRARIES), mod
 
 
 @pytest.mark.parametrize("edge,rule", [
-    (("hilore_jax.model.decoder", "hilore_jax.grpo"), "model/ imports nothing"),
-    (("hilore_jax.grpo", "hilore_jax.model"), "grpo.py imports nothing"),
-    (("hilore_jax.config", "hilore_jax.tasks"), "config.py imports only leaf"),
-    (("hilore_jax.memory.calibration", "hilore_jax.train_step"), "memory/ reaches the trainer only"),
+    (("hilore_jax.model.decoder", "hilore_jax.rl.grpo"), "model/ imports nothing"),
+    (("hilore_jax.rl.grpo", "hilore_jax.model"), "rl/grpo.py imports nothing"),
+    (("hilore_jax.config", "hilore_jax.tasks.task"), "config.py only composes"),
+    (("hilore_jax.memory.config", "hilore_jax.memory.manager"), "a wing's config imports only leaf"),
+    (("hilore_jax.memory.calibration", "hilore_jax.rl.train_step"), "memory/ reaches the trainer only"),
     (("hilore_jax.memory.manager", "hilore_jax.bench.report"), "memory/ reaches the trainer only"),
+    (("hilore_jax.rl.train_step", "hilore_jax.memory.exposure"), "rl/ is the step's pure functions"),
+    (("hilore_jax.tasks.prompts", "hilore_jax.rl.grpo"), "tasks/ imports only itself"),
+    (("hilore_jax.tasks.verifiers", "jax"), "tasks/ imports no JAX"),
     (("hilore_jax.evaluation", "hilore_jax.trainer"), "only bench/ and train/ import the trainer"),
 ])
 def test_each_rule_catches_a_synthetic_break(edge, rule):
-  graph = import_graph()
+  graph = import_graph(external=True)
   broken = {**graph, edge[0]: graph.get(edge[0], set()) | {edge[1]}}
   assert any(rule in v for v in violations(broken)), edge
 

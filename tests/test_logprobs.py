@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from tolerance import assert_close
 
-from hilore_jax import logprobs
+from hilore_jax.rl import logprobs
 
 
 def _naive(h, w, tgt):

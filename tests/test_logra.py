@@ -10,8 +10,9 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from hilore_jax import logra, model
+from hilore_jax import model
 from hilore_jax.model import ModelConfig
+from hilore_jax.optim import logra
 
 # Odd shapes; matrix views: wq [7, 15], wo (transposed) [7, 15], wdown (transposed) [7, 11], bq [3, 5].
 SHAPES = {"wq_DNH": (7, 3, 5), "wo_NHD": (3, 5, 7), "wdown_FD": (11, 7), "bq_NH": (3, 5), "norm_D": (7,),

@@ -19,7 +19,7 @@ VOLATILE = ("time/", "throughput/", "compile/")
 
 def _launch(tmp_path, out_dir, devices: int, *overrides) -> subprocess.Popen:
   # JAX_NUM_CPU_DEVICES and JAX_CPU_COLLECTIVES_IMPLEMENTATION are jax's own config flags, read from the environment
-  env = {**os.environ, "HILORE_CACHE": str(tmp_path / "cache"), "JAX_NUM_CPU_DEVICES": str(devices),
+  env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices),
          "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo", "JAX_CPU_ENABLE_ASYNC_DISPATCH": "false",
          "JAX_PLATFORMS": "cpu"}
   return subprocess.Popen([sys.executable, "-m", "train.grpo", *RUN, f"out_dir={out_dir}", *overrides], cwd=ROOT,

@@ -9,8 +9,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from hilore_jax import model
-from hilore_jax.config import MemoryConfig
 from hilore_jax.memory import MemoryManager, StepHooks
+from hilore_jax.memory.config import MemoryConfig
 
 D, F, HEADS, LAYERS, B, T = 32, 88, 4, 3, 4, 64
 

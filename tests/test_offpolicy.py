@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 from trainer_util import tiny_config
 
-from hilore_jax import grpo, model, rollout, train_step
-from hilore_jax.config import GRPOConfig
+from hilore_jax import model
 from hilore_jax.model import ModelConfig
+from hilore_jax.rl import grpo, rollout, train_step
+from hilore_jax.rl.config import GRPOConfig
+from hilore_jax.rl.update_batch import UpdateBatch
 from hilore_jax.trainer import Trainer
 
 CFG = ModelConfig(vocab_size=31, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
@@ -22,9 +24,9 @@ B, P, N = 6, 5, 7
 def _batch(seed=0):
   rng = np.random.default_rng(seed)
   mask = (np.arange(N)[None] < rng.integers(2, N + 1, B)[:, None]).astype(np.int32)
-  return {"prompt_ids": rng.integers(1, 31, (B, P)).astype(np.int32), "prompt_mask": np.ones((B, P), np.int32),
-          "tokens": rng.integers(1, 31, (B, N)).astype(np.int32), "mask": mask,
-          "adv": np.array([1.0, -0.5, 2.0, 1.5, 0.5, 1.0], np.float32)}
+  return UpdateBatch(rng.integers(1, 31, (B, P)).astype(np.int32), np.ones((B, P), np.int32),
+                     rng.integers(1, 31, (B, N)).astype(np.int32), mask,
+                     np.array([1.0, -0.5, 2.0, 1.5, 0.5, 1.0], np.float32))
 
 
 def _params(seed):
@@ -41,23 +43,23 @@ def test_on_policy_rows_ignore_old_logp_in_one_compiled_program():
   def expected(p, b):  # (logp, loss with the flagged rows' old = logp and the others' = logp - 0.5, clipped count)
     logp, _ = train_step.completion_logprobs(CFG, p, b)
     old = jnp.where(flags[:, None] > 0, logp, logp - 0.5)
-    loss, stats = grpo.grpo_loss(logp, old, logp, b["adv"], b["mask"], spec.loss_cfg)
-    return logp, loss, stats["clipped_tokens"], grpo.grpo_loss(logp, logp, logp, b["adv"], b["mask"],
+    loss, stats = grpo.grpo_loss(logp, old, logp, b.adv, b.mask, spec.loss_cfg)
+    return logp, loss, stats["clipped_tokens"], grpo.grpo_loss(logp, logp, logp, b.adv, b.mask,
                                                                  spec.loss_cfg)[0]
 
   logp, want_loss, want_clipped, on_policy_loss = expected(params, batch)
   # on-policy rows carry garbage (a placeholder nobody computed); the others a policy ratio e^0.5 > 1 + eps_high
   old = np.where(flags[:, None] > 0, np.nan, np.asarray(logp) - 0.5).astype(np.float32)
   step = jax.jit(lambda p, b: train_step.gradient_step(p, b, spec))
-  grads, m = step(params, {**batch, "old_logp": old, "on_policy": flags})
+  grads, m = step(params, batch.replace(old_logp=old, on_policy=flags))
   np.testing.assert_allclose(m["loss"], want_loss, rtol=1e-5)
-  off_tokens = batch["mask"][3:].sum()  # every off-policy token has A > 0 and ratio 1.65: all clipped
+  off_tokens = batch.mask[3:].sum()  # every off-policy token has A > 0 and ratio 1.65: all clipped
   assert float(want_clipped) == off_tokens
-  np.testing.assert_allclose(m["clipfrac"], off_tokens / batch["mask"].sum(), rtol=1e-6)
-  np.testing.assert_allclose(m["abs_log_ratio"], 0.5 * off_tokens / batch["mask"].sum(), rtol=1e-4)
+  np.testing.assert_allclose(m["clipfrac"], off_tokens / batch.mask.sum(), rtol=1e-6)
+  np.testing.assert_allclose(m["abs_log_ratio"], 0.5 * off_tokens / batch.mask.sum(), rtol=1e-4)
   jax.tree_util.tree_map(lambda g: np.testing.assert_(np.isfinite(np.asarray(g)).all()), grads)
   # the flag is data: all rows on-policy is the single-update step (ratio 1), in the same compiled program
-  _, m1 = step(params, {**batch, "old_logp": old, "on_policy": np.ones(B, np.int32)})
+  _, m1 = step(params, batch.replace(old_logp=old, on_policy=np.ones(B, np.int32)))
   assert float(m1["clipfrac"]) == float(m1["abs_log_ratio"]) == 0.0
   np.testing.assert_allclose(m1["loss"], on_policy_loss, rtol=1e-5)
   assert step._cache_size() == 1
@@ -77,26 +79,25 @@ def test_sequence_logprobs_in_row_slices_equal_one_forward():
 
 def _recording(t: Trainer):
   """Per-update (metrics, on_policy flags) and the number of old/ref log-prob forwards the trainer runs."""
-  seen, calls, keys = [], [], set()
-  get, forward = t.stepper.get, t._logprobs
+  seen, calls = [], []
+  get, forward = t.stepper.get, t.stepper.logprobs
 
   def recording_get(spec, b, **kw):
     step = get(spec, b, **kw)
 
     def grad(params, batch):
       g, m = step.grad(params, batch)
-      seen.append((jax.device_get(m), np.asarray(batch.get("on_policy", np.ones(1)))))
-      keys.update(batch)
+      seen.append((jax.device_get(m), np.asarray(np.ones(1) if batch.on_policy is None else batch.on_policy)))
       return g, m
 
     return dataclasses.replace(step, grad=grad)
 
-  def counting(p, b):
-    calls.append(np.asarray(b["tokens"]))
-    return forward(p, b)
+  def counting(spec, p, b):
+    calls.append(np.asarray(b.tokens))
+    return forward(spec, p, b)
 
-  t.stepper.get, t._logprobs = recording_get, counting
-  return seen, calls, keys
+  t.stepper.get, t.stepper.logprobs = recording_get, counting
+  return seen, calls
 
 
 @pytest.mark.parametrize("iterations", [1, 2])
@@ -106,7 +107,7 @@ def test_later_minibatches_are_off_policy_and_the_first_skips_the_forward(tmp_pa
                           "optimizer.lr=0.05", f"grpo.num_iterations={iterations}"))
   assert t.spec.use_old_logp
   t.task.reward = lambda text, ref: float(ord(text[0]) % 2) if text else 0.0  # varied rewards from a random policy
-  seen, calls, _ = _recording(t)
+  seen, calls = _recording(t)
   t.run_step(0)
   assert len(seen) == 2 * iterations
   # the first update is on-policy: flagged, ratio exactly 1; its old-policy forward is skipped unless a second
@@ -122,9 +123,10 @@ def test_later_minibatches_are_off_policy_and_the_first_skips_the_forward(tmp_pa
 def test_one_update_per_rollout_keeps_the_on_policy_step(tmp_path):
   t = Trainer(tiny_config(tmp_path, "train.minibatch_size=0", "train.warmstart_steps=0"))
   assert t.updates_per_step == 1 and not t.spec.use_old_logp
-  _, calls, _ = _recording(t)
-  minibatches = [t.place_batch(_batch())]
-  assert t.add_logprobs(minibatches) is minibatches and calls == []  # no old_logp, no flag, no forward
+  _, calls = _recording(t)
+  minibatches = [t.place(_batch())]
+  filled, current = t.add_logprobs(minibatches)
+  assert filled[0] is minibatches[0] and current == [None] and calls == []  # no old_logp, no flag, no forward
 
 
 def test_training_logprobs_are_the_samplers_at_temperature(tmp_path):
@@ -139,14 +141,15 @@ def test_training_logprobs_are_the_samplers_at_temperature(tmp_path):
                                     jax.random.PRNGKey(3), t.task.reward)
   mask = roll.mask > 0
   assert mask.sum() > 10
-  batch = {"prompt_ids": roll.prompt_ids, "prompt_mask": roll.prompt_mask, "tokens": roll.tokens, "mask": roll.mask,
-           "adv": np.where(np.arange(len(roll.mask)) % 2, 1.0, -1.0).astype(np.float32)}
-  placed = t.place_batch(batch)
+  batch = UpdateBatch(roll.prompt_ids, roll.prompt_mask, roll.tokens, roll.mask,
+                      np.where(np.arange(len(roll.mask)) % 2, 1.0, -1.0).astype(np.float32))
+  placed = t.place(batch)
   # the old/reference forward the trainer runs
-  np.testing.assert_allclose(np.asarray(t._forward(params, placed))[mask], roll.sample_logprobs[mask], atol=2e-5)
+  np.testing.assert_allclose(np.asarray(t.stepper.logprobs(t.spec, params, placed))[mask], roll.sample_logprobs[mask],
+                             atol=2e-5)
   # and the compiled step: with the sampler's log-probs as old_logp the first ratio is 1 (nothing clipped)
-  off = t.place_batch({**batch, "old_logp": roll.sample_logprobs.astype(np.float32),
-                       "on_policy": np.zeros(len(roll.mask), np.int32)})
+  off = t.place(batch.replace(old_logp=roll.sample_logprobs.astype(np.float32),
+                              on_policy=np.zeros(len(roll.mask), np.int32)))
   _, m = t.stepper.get(t.spec, off).grad(params, off)
   assert float(m["abs_log_ratio"]) < 2e-5 and float(m["clipfrac"]) == 0.0
   ignored = dataclasses.replace(t.spec, temperature=1.0)  # what the trainer computed before

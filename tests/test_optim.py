@@ -8,9 +8,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from trainer_util import tiny_config
 
-from hilore_jax import cli, engine, logra, metrics, model, optim, sharding
-from hilore_jax.config import LograConfig, OptimizerConfig
+from hilore_jax import cli, engine, metrics, model, optim, sharding
 from hilore_jax.model import ModelConfig
+from hilore_jax.optim import logra
+from hilore_jax.optim.config import LograConfig, OptimizerConfig
 from hilore_jax.trainer import Trainer
 
 CFG = ModelConfig(vocab_size=31, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,

@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 from chat_util import CHAT_TEMPLATE, IM_END, IM_START, build_chat_tokenizer, write_generation_config
 
-from hilore_jax import cli, prompts, sft, tasks, tokenizer
-from hilore_jax.config import TaskConfig
+from hilore_jax import cli, tasks
 from hilore_jax.errors import ConfigError
-from hilore_jax.tasks import Example
+from hilore_jax.rl import sft
+from hilore_jax.tasks import Example, prompts, tokenizer
+from hilore_jax.tasks.config import TaskConfig
 
 QUESTION = "Tom has 3 apples and buys 4 more. How many apples?"
 CHAT = TaskConfig(prompt_format="chat", system_prompt="Be brief.")
@@ -116,7 +117,7 @@ def test_warmstart_batches_see_the_same_prompts_and_end_targets_with_the_turn_en
   chat = prompts.build_prompter(tok, CHAT, "tiny")
   ex = Example(QUESTION, "7", target="3 + 4 = 7\n#### 7")
   batch = sft.sft_batch(chat, [ex], 64, 40)
-  np.testing.assert_array_equal(batch["prompt_ids"], chat.encode([ex], 64)[0])
-  n = int(batch["mask"][0].sum())
-  assert batch["tokens"][0, n - 1] == tok.convert_tokens_to_ids(IM_END)
-  assert tok.decode(batch["tokens"][0, :n - 1].tolist()) == ex.target
+  np.testing.assert_array_equal(batch.prompt_ids, chat.encode([ex], 64)[0])
+  n = int(batch.mask[0].sum())
+  assert batch.tokens[0, n - 1] == tok.convert_tokens_to_ids(IM_END)
+  assert tok.decode(batch.tokens[0, :n - 1].tolist()) == ex.target

@@ -10,13 +10,12 @@ import subprocess
 import sys
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from trainer_util import TINY, tiny_config
 
-from hilore_jax import checkpointing, metrics, runtime
+from hilore_jax import checkpointing, engine, metrics, runtime
 from hilore_jax.errors import CheckpointError, DataError
 from hilore_jax.trainer import Trainer
 from train import grpo as grpo_main
@@ -67,22 +66,8 @@ def _kill(proc):
   assert proc.wait() == -signal.SIGKILL, _tail(proc)
 
 
-@pytest.fixture
-def compile_cache():
-  """The CLI's persistent compilation cache, on in this process too, so that every Trainer and subprocess of a
-  test loads the tiny programs the first one compiled instead of compiling them again."""
-  from jax.experimental.compilation_cache import compilation_cache
 
-  before = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
-  compilation_cache.reset_cache()
-  runtime.enable_compilation_cache()
-  yield
-  jax.config.update("jax_compilation_cache_dir", before[0])
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
-  compilation_cache.reset_cache()
-
-
-def test_killed_runs_resume_to_the_uninterrupted_metrics(tmp_path, compile_cache):
+def test_killed_runs_resume_to_the_uninterrupted_metrics(tmp_path):
   steps, rng = 6, random.Random(2024)
   args = [*RUN, f"train.steps={steps}"]
   Trainer(tiny_config(tmp_path / "ref", *args)).train()
@@ -146,7 +131,7 @@ def test_checksums_catch_what_orbax_restores_silently(tmp_path):
   ckpt = checkpointing.Checkpointer(str(tmp_path), keep=2)
   ckpt.save(3, tree, {"step": 3})
   _scribble(tmp_path / "3")
-  abstract = checkpointing.abstract_with_shardings(tree, {k: v.sharding for k, v in tree.items()})
+  abstract = engine.abstract(tree, {k: v.sharding for k, v in tree.items()})
   import orbax.checkpoint as ocp
   raw = ckpt.manager.restore(3, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
   assert not np.array_equal(raw["w_AB"], tree["w_AB"])  # orbax alone hands back damaged weights
@@ -155,7 +140,7 @@ def test_checksums_catch_what_orbax_restores_silently(tmp_path):
   ckpt.close()
 
 
-def test_damaged_latest_checkpoint_falls_back_to_the_newest_good_one(tmp_path, caplog, monkeypatch, compile_cache):
+def test_damaged_latest_checkpoint_falls_back_to_the_newest_good_one(tmp_path, caplog, monkeypatch):
   args = ["train.steps=3", "train.warmstart_steps=0", "grpo.filter_zero_std=false", *RUN, "checkpoint.keep=3"]
   Trainer(tiny_config(tmp_path, *args)).train()
   want = _stable(metrics.read_metrics(tmp_path / "metrics.jsonl"))

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from hilore_jax.replay import STAT_KEYS, ReplayBuffer, ReplayConfig
-from hilore_jax.rollout import Rollout
+from hilore_jax.rl.replay import STAT_KEYS, ReplayBuffer, ReplayConfig
+from hilore_jax.rl.rollout import Rollout
 
 P, N, G = 5, 7, 3  # odd widths catch a transposed [C, P] / [C, N]
 ROW_ID = 1000  # tokens[:, 0] = step * ROW_ID + row: every row is identified by its content

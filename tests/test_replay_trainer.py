@@ -3,14 +3,15 @@ exposure for replayed tokens outside the clip range, the replay/* metrics, and e
 
 import numpy as np
 import pytest
-from test_recovery import compile_cache  # noqa: F401  (a fixture: the Trainers below share compiled programs)
 from trainer_util import tiny_config
 
-from hilore_jax import cli, engine, grpo, metrics, train_step
-from hilore_jax.config import ExposureSwitches
+from hilore_jax import cli, engine, metrics
 from hilore_jax.errors import ConfigError
-from hilore_jax.replay import STAT_KEYS
-from hilore_jax.rollout import Rollout
+from hilore_jax.memory.config import ExposureSwitches
+from hilore_jax.rl import grpo, train_step
+from hilore_jax.rl.replay import STAT_KEYS
+from hilore_jax.rl.rollout import Rollout
+from hilore_jax.rl.update_batch import UpdateBatch
 from hilore_jax.trainer import Trainer
 
 VOLATILE = ("time/", "throughput/", "compile/")
@@ -29,7 +30,13 @@ def _rollout(step: int, rewards) -> Rollout:
 
 
 def _rows(minibatches, key):
-  return np.concatenate([np.asarray(b[key]) for b in minibatches])
+  return np.concatenate([np.asarray(getattr(b, key)) for b in minibatches])
+
+
+def _current(t, params, roll):
+  """The current policy's log-probs of a rollout's rows (the trainer's own forward)."""
+  return np.asarray(t.stepper.logprobs(t.spec, params, t.place(UpdateBatch(roll.prompt_ids, roll.prompt_mask,
+                                                                            roll.tokens, roll.mask))))
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +49,7 @@ def test_replayed_rows_carry_their_behaviour_logprobs_into_the_ratio(trainer):
   t, params = trainer, trainer.state["params"]
   roll0 = _rollout(0, [1, 0, 0, 1, 1, 1, 1, 1, 0, 1, 1, 0])  # group 1 has zero std: never stored
   # behaviour log-probs that differ from the current policy's by known offsets
-  current0 = np.asarray(t._logprobs(params, {"prompt_ids": roll0.prompt_ids, "prompt_mask": roll0.prompt_mask,
-                                             "tokens": roll0.tokens, "mask": roll0.mask}))
+  current0 = _current(t, params, roll0)
   roll0.sample_logprobs = (current0 + np.resize(OFFSETS, current0.shape)).astype(np.float32)
   mbs0, stats0 = t.build_update_batch(roll0, np.random.default_rng(0), 0)
   assert stats0["replay/frac"] == 0 and stats0["replay/size"] == 0
@@ -56,9 +62,9 @@ def test_replayed_rows_carry_their_behaviour_logprobs_into_the_ratio(trainer):
   assert sorted(ids[live & ~replayed]) == list(range(20, 28))
   assert sorted(ids[live & replayed]) == [0, 1, 2, 3, 8, 9, 10, 11]  # distinct rows, none of this step's
   assert stats["replay/frac"] == 0.5 and stats["replay/age_max"] == 1 and stats["rows_updated"] == 16
-  placed = t.add_logprobs(mbs)
+  placed, current = t.add_logprobs(mbs)
   old, on_policy = _rows(placed, "old_logp"), _rows(placed, "on_policy")
-  cur = _rows(placed, "logp")
+  cur = np.concatenate([np.asarray(c) for c in current])
   for r in np.flatnonzero(live & replayed):
     np.testing.assert_array_equal(old[r], roll0.sample_logprobs[ids[r]])  # stored, not recomputed
     assert on_policy[r] == 0
@@ -66,8 +72,7 @@ def test_replayed_rows_carry_their_behaviour_logprobs_into_the_ratio(trainer):
   # the loss's ratio: |log r| summed over the step's tokens is the stored offsets on replayed rows, 0 on fresh ones
   got = 0.0
   for b in placed:
-    b = train_step.step_inputs(b)
-    _, s = train_step.loss_and_stats(params, b, t.spec, *grpo.normalisers(b["mask"]))
+    _, s = train_step.loss_and_stats(params, b, t.spec, *grpo.normalisers(b.mask))
     got += float(s["abs_log_ratio_sum"])
   want = np.abs(np.resize(OFFSETS, current0.shape))[ids[live & replayed]].sum()
   assert want > 1 and got == pytest.approx(want, rel=1e-4, abs=1e-4)
@@ -77,22 +82,22 @@ def test_replayed_token_outside_the_clip_range_has_zero_exposure(trainer):
   t = trainer
   hooks = engine.memory_hooks(t.stepper, t.spec)
   roll0 = _rollout(2, [1, 0, 1, 0, 1, 1, 0, 0, 0, 1, 1, 1])
-  current0 = np.asarray(t._logprobs(t.state["params"], {k: getattr(roll0, k) for k in train_step.LOGPROB_KEYS}))
+  current0 = _current(t, t.state["params"], roll0)
   roll0.sample_logprobs = (current0 + np.resize(OFFSETS, current0.shape)).astype(np.float32)
   t.build_update_batch(roll0, np.random.default_rng(2), 2)
-  mbs = t.add_logprobs(t.build_update_batch(_rollout(3, [1, 0, 0, 0] * 3), np.random.default_rng(3), 3)[0])
+  mbs, current = t.add_logprobs(t.build_update_batch(_rollout(3, [1, 0, 0, 0] * 3), np.random.default_rng(3), 3)[0])
   clipped_seen = kept_seen = 0
-  for b in mbs:
-    w = np.asarray(hooks.token_weights(None, b, ExposureSwitches()))
-    ratio = np.exp(np.asarray(b["logp"]) - np.asarray(b["old_logp"]))
-    adv = np.asarray(b["adv"])[:, None]
-    on = np.asarray(b["mask"]) > 0
+  for b, logp in zip(mbs, current):
+    w = np.asarray(hooks.token_weights(None, b, ExposureSwitches(), logp))
+    ratio = np.exp(np.asarray(logp) - np.asarray(b.old_logp))
+    adv = np.asarray(b.adv)[:, None]
+    on = np.asarray(b.mask) > 0
     outside = on & (((adv > 0) & (ratio > 1.2)) | ((adv < 0) & (ratio < 0.8)))
     assert np.all(w[outside] == 0) and np.all(w[on & ~outside & (adv != 0)] > 0)
     clipped_seen += outside.sum()
     kept_seen += (on & ~outside & (adv != 0)).sum()
     # without the current log-probs the ratio would be taken as 1 and the same tokens exposed
-    w_blind = np.asarray(hooks.token_weights(None, {k: v for k, v in b.items() if k != "logp"}, ExposureSwitches()))
+    w_blind = np.asarray(hooks.token_weights(None, b, ExposureSwitches()))
     assert np.all(w_blind[outside] > 0)
   assert clipped_seen > 0 and kept_seen > 0
 
@@ -110,7 +115,7 @@ def test_config_section_is_validated():
   assert not c.replay.enabled and c.replay.group_size == 4
 
 
-def test_resume_with_a_nonempty_buffer_reproduces_the_metrics(tmp_path, compile_cache):  # noqa: F811
+def test_resume_with_a_nonempty_buffer_reproduces_the_metrics(tmp_path):
   common = ["train.steps=4", "checkpoint.every=2", "replay.enabled=true", "replay.share=0.5", "replay.tau_max=2",
             "rollout.num_prompts=5", "train.minibatch_size=10", "eval.at_start=false", "eval.at_end=false"]
   Trainer(tiny_config(tmp_path / "a", *common)).train()
@@ -130,5 +135,6 @@ def test_replay_off_keeps_the_batch_and_step_program(tmp_path):
   t = Trainer(tiny_config(tmp_path, "train.minibatch_size=0", "train.warmstart_steps=0"))
   mbs, stats = t.build_update_batch(_rollout(0, [1, 0, 0, 1] * 3), np.random.default_rng(0), 0)
   assert t.replay is None and not any(k.startswith("replay/") for k in stats)
-  assert len(mbs) == 1 and set(mbs[0]) == {"prompt_ids", "prompt_mask", "tokens", "mask", "adv"}
+  assert len(mbs) == 1 and [n for n, _, _ in mbs[0].signature()] == ["prompt_ids", "prompt_mask", "tokens", "mask",
+                                                                     "adv"]
   assert not t.spec.use_old_logp  # one update per rollout: the on-policy program, as before replay existed

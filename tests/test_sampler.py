@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 from tolerance import assert_close, max_abs
 
-from hilore_jax import model, sampler
-from hilore_jax.config import SamplingConfig
+from hilore_jax import model
+from hilore_jax.rl import sampler
+from hilore_jax.rl.config import SamplingConfig
 
 EOS, PAD = 1, 0
 

@@ -8,8 +8,9 @@ from decimal import Decimal
 
 import pytest
 
-from hilore_jax import tasks, verifiers
-from hilore_jax.config import ArithmeticSpec
+from hilore_jax.tasks import task as tasks
+from hilore_jax.tasks import verifiers
+from hilore_jax.tasks.config import ArithmeticSpec
 
 SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k", "test.jsonl")
 SAMPLE = os.path.join(os.path.dirname(__file__), "data", "gsm8k_sample.jsonl")

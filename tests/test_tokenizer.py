@@ -1,6 +1,6 @@
 import os
 
-from hilore_jax import tokenizer
+from hilore_jax.tasks import tokenizer
 
 
 def test_char_tokenizer_roundtrip_from_local_dir():

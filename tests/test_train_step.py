@@ -6,9 +6,11 @@ import optax
 import pytest
 from tolerance import assert_close, assert_trees_close
 
-from hilore_jax import engine, model, sharding, train_step
-from hilore_jax.config import GRPOConfig
+from hilore_jax import engine, model, sharding
 from hilore_jax.model import ModelConfig
+from hilore_jax.rl import train_step
+from hilore_jax.rl.config import GRPOConfig
+from hilore_jax.rl.update_batch import UpdateBatch
 
 CFG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=87, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2)
@@ -17,9 +19,8 @@ B, P, N = 4, 7, 121
 
 def _batch(rng=np.random.default_rng(0)):
   mask = (np.arange(N)[None] < rng.integers(N // 2, N + 1, B)[:, None]).astype(np.int32)
-  return {"prompt_ids": rng.integers(1, 61, (B, P)).astype(np.int32), "prompt_mask": np.ones((B, P), np.int32),
-          "tokens": (rng.integers(1, 61, (B, N)) * mask).astype(np.int32), "mask": mask,
-          "adv": rng.normal(size=B).astype(np.float32)}
+  return UpdateBatch(rng.integers(1, 61, (B, P)).astype(np.int32), np.ones((B, P), np.int32),
+                     (rng.integers(1, 61, (B, N)) * mask).astype(np.int32), mask, rng.normal(size=B).astype(np.float32))
 
 
 def _state(optimizer, mesh):
@@ -91,5 +92,5 @@ def test_token_logp_output_is_the_forward_in_every_microbatch_split():
   for spec in (spec1, spec2):
     params = _state(optax.sgd(0.1), sharding.make_mesh())[0]["params"]
     _, m = jax.jit(lambda p, b: train_step.gradient_step(p, b, spec))(params, batch)
-    assert m[train_step.TOKEN_LOGP].shape == batch["tokens"].shape
+    assert m[train_step.TOKEN_LOGP].shape == batch.tokens.shape
     np.testing.assert_allclose(np.asarray(m[train_step.TOKEN_LOGP]), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -62,20 +62,20 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
 
 def test_zero_std_filtering_and_minibatch_padding(tmp_path):
   t = Trainer(tiny_config(tmp_path, "train.minibatch_size=4"))
-  from hilore_jax.rollout import Rollout
+  from hilore_jax.rl.rollout import Rollout
   B, P, N = 12, 6, 3
   rewards = np.array([1, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1], np.float32)  # group 2 has zero std
   roll = Rollout(np.ones((B, P), np.int32), np.ones((B, P), np.int32), np.ones((B, N), np.int32),
                  np.ones((B, N), np.int32), np.zeros((B, N)), [""] * B, rewards)
   mbs, stats = t.build_update_batch(roll, np.random.default_rng(0))
   assert stats["frac_reward_zero_std"] == pytest.approx(1 / 3) and stats["rows_updated"] == 8
-  assert len(mbs) == 2 and all(b["tokens"].shape == (4, N) for b in mbs)
+  assert len(mbs) == 2 and all(b.tokens.shape == (4, N) for b in mbs)
   t2 = Trainer(tiny_config(tmp_path / "nofilter", "train.minibatch_size=4", "grpo.filter_zero_std=false"))
   mbs, stats = t2.build_update_batch(roll, np.random.default_rng(0))
   assert stats["rows_updated"] == 12 and len(mbs) == 3
   t3 = Trainer(tiny_config(tmp_path / "pad", "train.minibatch_size=6"))
   mbs, _ = t3.build_update_batch(roll, np.random.default_rng(0))  # 8 live rows -> 2 minibatches of 6, 4 padded
-  live = sum(float(np.asarray(b["mask"]).sum()) for b in mbs)
+  live = sum(float(np.asarray(b.mask).sum()) for b in mbs)
   assert len(mbs) == 2 and live == 8 * N
 
 
@@ -89,7 +89,7 @@ def test_cli_end_to_end_writes_everything(tmp_path):
   args = [a for a in TINY if not a.startswith(("logging.plot", "checkpoint.export_hf"))]
   proc = subprocess.run([sys.executable, "-m", "train.grpo", "--config", os.path.join(root, "configs", "tiny.yaml"),
                          *args, "train.steps=3", "checkpoint.every=2", f"out_dir={out}"],
-                        capture_output=True, text=True, cwd=root, env={**os.environ, "HILORE_CACHE": str(tmp_path)})
+                        capture_output=True, text=True, cwd=root)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = metrics.read_metrics(out / "metrics.jsonl")
   required = ["step", "reward/mean", "reward/std", "frac_reward_zero_std", "kl", "clipfrac", "entropy",
@@ -109,8 +109,7 @@ def test_cli_end_to_end_writes_everything(tmp_path):
   evals = []
   for ckpt in (f"--checkpoint={out}", f"checkpoint={out / 'hf'}"):
     proc = subprocess.run([sys.executable, "-m", "train.eval", "--config", os.path.join(root, "configs", "tiny.yaml"),
-                           *args, ckpt], capture_output=True, text=True, cwd=root,
-                          env={**os.environ, "HILORE_CACHE": str(tmp_path)})
+                           *args, ckpt], capture_output=True, text=True, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     evals.append(json.loads(proc.stdout))
   assert evals[0]["eval/accuracy"] == evals[1]["eval/accuracy"] == summary["eval_after"]["eval/accuracy"]

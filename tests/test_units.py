@@ -1,8 +1,8 @@
 import os
 
 import jax
-import pytest
 import jax.numpy as jnp
+import pytest
 
 from hilore_jax import model
 from hilore_jax.memory import profile as units

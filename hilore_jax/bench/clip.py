@@ -10,9 +10,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from hilore_jax import engine, model, optim, sharding, train_step
+from hilore_jax import engine, model, optim, sharding
+from hilore_jax.bench import synthetic
+from hilore_jax.bench.config import BenchConfig
 from hilore_jax.config import Config
+from hilore_jax.rl import train_step
 
 MIB = 2 ** 20
 
@@ -24,16 +28,12 @@ def plans(layers: int) -> dict[str, tuple[model.LayerPolicy, ...]]:
           "mixed": tuple(model.FULL_REMAT if i % 2 else keep_gate for i in range(layers))}
 
 
-def abstract_batch(cfg: Config) -> dict:
+def abstract_batch(cfg: Config, b: BenchConfig):
   """The bench minibatch's shapes (prompt + completion ids and masks, advantages, reference log-probs)."""
-  b, n = cfg.bench, cfg.bench.seq_len - cfg.bench.prompt_len
-  i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-  out = {"prompt_ids": i32(b.batch_size, b.prompt_len), "prompt_mask": i32(b.batch_size, b.prompt_len),
-         "tokens": i32(b.batch_size, n), "mask": i32(b.batch_size, n),
-         "adv": jax.ShapeDtypeStruct((b.batch_size,), jnp.float32)}
+  host = synthetic.token_batch(2, np.random.default_rng(0), b.batch_size, b.prompt_len, b.seq_len - b.prompt_len)
   if cfg.grpo.beta > 0:
-    out["ref_logp"] = jax.ShapeDtypeStruct((b.batch_size, n), jnp.float32)
-  return out
+    host = host.replace(ref_logp=np.zeros(host.tokens.shape, np.float32))
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host)
 
 
 def _state(params, optimizer):
@@ -45,11 +45,11 @@ def _temp(compiled) -> int:
   return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
-def clip_rows(cfg: Config, progress=print) -> list[dict]:
+def clip_rows(cfg: Config, bc: BenchConfig, progress=print) -> list[dict]:
   """Per plan: fused temp without and with clipping, and the split step's parts and peak (bytes)."""
   mcfg = engine.model_config(cfg)
   params = jax.eval_shape(lambda k: model.init_params(mcfg, k), jax.random.PRNGKey(0))
-  batch = abstract_batch(cfg)
+  batch = abstract_batch(cfg, bc)
   clip = optim.make_optimizer(cfg.optimizer, 1000)
   no_clip = optim.make_optimizer(dataclasses.replace(cfg.optimizer, max_grad_norm=0.0), 1000)
   mesh = sharding.make_mesh(1, 1)

@@ -14,8 +14,11 @@ import time
 import jax
 import numpy as np
 
-from hilore_jax import engine, model, sharding, train_step
+from hilore_jax import engine, model, sharding
+from hilore_jax.bench import synthetic
+from hilore_jax.bench.config import BenchConfig
 from hilore_jax.config import Config
+from hilore_jax.rl import train_step
 
 DEPTHS = (4, 8, 16, 32)
 KEEP = model.LayerPolicy(remat=True, save=(model.MLP_GATE, model.Q))  # H: two matmul outputs kept
@@ -31,24 +34,21 @@ def plans(num_layers: int) -> dict[str, tuple[model.LayerPolicy, ...]]:
           "per_layer": tuple(cycle[i % 3] for i in range(num_layers))}
 
 
-def _batch(cfg: Config, mcfg: model.ModelConfig, mesh) -> dict:
-  bc, rng = cfg.bench, np.random.default_rng(cfg.seed)
-  B, P, N = bc.batch_size, bc.prompt_len, bc.seq_len - bc.prompt_len
-  host = {"prompt_ids": rng.integers(0, mcfg.vocab_size, (B, P)).astype(np.int32),
-          "prompt_mask": np.ones((B, P), np.int32), "tokens": rng.integers(0, mcfg.vocab_size, (B, N)).astype(np.int32),
-          "mask": np.ones((B, N), np.int32), "adv": rng.normal(size=B).astype(np.float32)}
-  return {k: jax.device_put(v, sharding.batch_sharding(mesh)) for k, v in host.items()}
+def _batch(cfg: Config, bc: BenchConfig, mcfg: model.ModelConfig, mesh):
+  host = synthetic.token_batch(mcfg.vocab_size, np.random.default_rng(cfg.seed), bc.batch_size, bc.prompt_len,
+                               bc.seq_len - bc.prompt_len)
+  return jax.device_put(host, sharding.batch_sharding(mesh))
 
 
-def measure(cfg: Config, depths=DEPTHS, names=("gc", "hilore_mixed"), progress=print) -> list[dict]:
+def measure(cfg: Config, bc: BenchConfig, depths=DEPTHS, names=("gc", "hilore_mixed"), progress=print) -> list[dict]:
   """One row per (depth, plan): compile seconds of the gradient program (the update program is compiled first and
   does not depend on the plan), the number of policy runs, and the compiled peak bytes."""
   rows = []
   for depth in depths:
     mcfg = engine.model_config(cfg).replace(num_hidden_layers=depth)
-    eng = engine.build(cfg, mcfg, 10)
-    batch = _batch(cfg, mcfg, eng.mesh)
-    grpo = dataclasses.replace(cfg.grpo, max_completion_len=cfg.bench.seq_len - cfg.bench.prompt_len)
+    eng, _ = engine.build(cfg, mcfg, 10)
+    batch = _batch(cfg, bc, mcfg, eng.mesh)
+    grpo = dataclasses.replace(cfg.grpo, max_completion_len=bc.seq_len - bc.prompt_len)
     eng.stepper.update_program(train_step.StepSpec(mcfg, grpo, plans(depth)["gc"], 1, cfg.train.logprob_chunk), batch)
     for name in names:
       pols = plans(depth)[name]

@@ -18,13 +18,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import engine, model, train_step
+from hilore_jax import engine, model
 from hilore_jax.bench import flops, stats
 from hilore_jax.bench.exposure_report import (compare_arms, plot, report, spearman_summary, where_it_varies,
                                                within_unit_spearman)
-from hilore_jax.config import Config, ExposureSwitches
+from hilore_jax.bench.config import ExposureBenchConfig
+from hilore_jax.config import Config
 from hilore_jax.errors import ConfigError
 from hilore_jax.memory import MemoryManager, calibration
+from hilore_jax.memory.config import ExposureSwitches
+from hilore_jax.rl import train_step
 
 log = logging.getLogger(__name__)
 ARMS = ("optimal_hr", "adacc_style", "hilore_exposure_off", "hilore_exposure_on", "oracle")
@@ -32,15 +35,16 @@ ARMS = ("optimal_hr", "adacc_style", "hilore_exposure_off", "hilore_exposure_on"
 
 @dataclasses.dataclass
 class Record:
-  """One minibatch as an update saw it: the policy's params then, the batch (with the previous pass's per-token
-  log-probs as `logp` when off-policy), and what describes it."""
+  """One minibatch as an update saw it: the policy's params then, the batch (host arrays), the previous pass's
+  per-token log-probs when off-policy (`logp`, else None), and what describes it."""
 
   step: int
   pass_: int
   index: int
   params: Any
-  batch: dict
+  batch: Any
   describe: dict
+  logp: np.ndarray | None = None
 
 
 def collect(trainer, steps: int, progress=print) -> list[Record]:
@@ -59,7 +63,7 @@ def collect(trainer, steps: int, progress=print) -> list[Record]:
     if not minibatches:  # every group's rewards equal and filtered out: nothing to update
       progress(f"rollout {step + 1}/{steps}: no update rows (every group zero-std and grpo.filter_zero_std)")
       continue
-    minibatches = trainer.add_logprobs(minibatches)
+    minibatches, _ = trainer.add_logprobs(minibatches)
     prev = None
     for it in range(c.grpo.num_iterations):
       cur = []
@@ -67,14 +71,12 @@ def collect(trainer, steps: int, progress=print) -> list[Record]:
         params = jax.tree_util.tree_map(jnp.copy, trainer.state["params"])  # the step donates the state
         trainer.state, m = trainer.stepper(trainer.spec, trainer.state, b)
         cur.append(m.pop(train_step.TOKEN_LOGP))
-        rec = {k: np.asarray(v) for k, v in b.items()}
-        if prev is not None:
-          rec["logp"] = np.asarray(prev[j])
-        mask = rec["mask"]
+        rec = jax.device_get(b)
+        mask = rec.mask
         records.append(Record(step, it, j, params, rec, {
-            "zero_adv_share": float(np.mean(rec["adv"] == 0)), "clipfrac": float(m["clipfrac"]),
+            "zero_adv_share": float(np.mean(rec.adv == 0)), "clipfrac": float(m["clipfrac"]),
             "completion_len_mean": float(mask.sum(1).mean()), "completion_len_max": int(mask.sum(1).max()),
-            "reward_mean": float(roll.rewards.mean())}))
+            "reward_mean": float(roll.rewards.mean())}, None if prev is None else np.asarray(prev[j])))
       prev = cur
     progress(f"rollout {step + 1}/{steps}: reward {float(roll.rewards.mean()):.3f}, completion length "
              f"{float(roll.mask.sum(1).mean()):.1f} (max {int(roll.mask.sum(1).max())} of {roll.mask.shape[1]})")
@@ -100,14 +102,14 @@ class OracleManager(MemoryManager):
 
   measured: np.ndarray | None = None
 
-  def unit_scores(self, minibatches, profile_UT=None, susceptibility_U=None):
+  def unit_scores(self, minibatches, profile_UT=None, susceptibility_U=None, logp=None):
     if profile_UT is not None:
-      return super().unit_scores(minibatches, profile_UT, susceptibility_U)
+      return super().unit_scores(minibatches, profile_UT, susceptibility_U, logp)
     return np.atleast_2d(self.measured)
 
 
-def arm_managers(cfg: Config, hooks) -> dict[str, MemoryManager]:
-  mc = dataclasses.replace(cfg.memory, budget_ratio=cfg.bench_exposure.budget_ratio, budget_bytes=None)
+def arm_managers(cfg: Config, be: ExposureBenchConfig, hooks) -> dict[str, MemoryManager]:
+  mc = dataclasses.replace(cfg.memory, budget_ratio=be.budget_ratio, budget_bytes=None)
   if mc.buckets <= 1:
     raise ConfigError("memory.buckets must be > 1 for the exposure-on arm (1 is the exposure-off arm)")
   return {"optimal_hr": MemoryManager(dataclasses.replace(mc, policy="optimal_hr"), hooks),
@@ -127,18 +129,18 @@ def risk_scores(manager: MemoryManager, hooks, held: list[Record], units) -> dic
   c = manager.state.calibration
   sus, prof = np.asarray(c.susceptibility), np.asarray(c.profile, np.float32)
   batches = [r.batch for r in held]
-  out = {"run-time score": manager.unit_scores(batches)}
+  out = {"run-time score": manager.unit_scores(batches, logp=[r.logp for r in held])}
   for a in ("ratio_clip", "update_mask", "kl", "activation"):
     sw = ExposureSwitches(**{a: False})
-    fn = jax.jit(lambda b, sw=sw: calibration.runtime_raw(hooks, b, prof, sw))
-    out[f"without {a}"] = np.stack([np.asarray(fn(b)) for b in batches]) * sus
-  w = jax.jit(lambda b: hooks.token_weights(None, b, ExposureSwitches()))
-  conc = [float(jnp.sqrt(jnp.sum(x * x)) / jnp.maximum(jnp.sum(x), 1e-30)) for x in (w(b) for b in batches)]
+    fn = jax.jit(lambda b, lp, sw=sw: calibration.runtime_raw(hooks, b, prof, sw, lp))
+    out[f"without {a}"] = np.stack([np.asarray(fn(r.batch, r.logp)) for r in held]) * sus
+  w = jax.jit(lambda b, lp: hooks.token_weights(None, b, ExposureSwitches(), lp))
+  conc = [float(jnp.sqrt(jnp.sum(x * x)) / jnp.maximum(jnp.sum(x), 1e-30)) for x in (w(r.batch, r.logp) for r in held)]
   U = len(units)
   out["previous run-time scalar (||w||2/||w||1, every unit)"] = np.repeat(np.array(conc)[:, None], U, 1)
-  out["baseline: advantage only (sum |A|)"] = np.repeat(np.array([np.abs(b["adv"]).sum() for b in batches])[:, None],
+  out["baseline: advantage only (sum |A|)"] = np.repeat(np.array([np.abs(b.adv).sum() for b in batches])[:, None],
                                                         U, 1)
-  out["baseline: completion tokens"] = np.repeat(np.array([b["mask"].sum() for b in batches], float)[:, None], U, 1)
+  out["baseline: completion tokens"] = np.repeat(np.array([b.mask.sum() for b in batches], float)[:, None], U, 1)
   out["baseline: static per unit"] = np.tile(np.asarray(c.static_error), (len(batches), 1))
   fwd = jax.jit(lambda p, b: calibration.raw_exposure(hooks, p, b, units, ExposureSwitches(), manager.mc.group_size,
                                                       manager.mc.lowp_format))
@@ -151,20 +153,18 @@ def risk_scores(manager: MemoryManager, hooks, held: list[Record], units) -> dic
 
 
 def _time_grad(step, params, batch, calls: int = 3) -> float:
-  inputs = train_step.step_inputs(batch)
   ts = []
   for _ in range(calls):
     t0 = time.perf_counter()
-    jax.block_until_ready(step.grad(params, inputs))
+    jax.block_until_ready(step.grad(params, batch))
     ts.append(time.perf_counter() - t0)
   return float(np.median(ts))
 
 
-def run(cfg: Config, out_dir: str, progress=print) -> dict:
+def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> dict:
   """Collect, calibrate, allocate every held-out minibatch under every arm, measure; write the report."""
   from hilore_jax.trainer import Trainer
 
-  be = cfg.bench_exposure
   if cfg.grpo.num_iterations < 2:
     raise ConfigError("bench_exposure needs grpo.num_iterations >= 2 (off-policy passes, where ratios clip)")
   os.makedirs(out_dir, exist_ok=True)
@@ -179,7 +179,7 @@ def run(cfg: Config, out_dir: str, progress=print) -> dict:
   units = calibration.lowp_units(trainer.model_cfg.num_hidden_layers)
   mc, tol = cfg.memory, cfg.memory.grad_err_tolerance
 
-  managers = arm_managers(cfg, hooks)
+  managers = arm_managers(cfg, be, hooks)
   on = managers["hilore_exposure_on"]
   on.setup(cal[0].params, [r.batch for r in cal], 0)
   for m in managers.values():
@@ -223,11 +223,11 @@ def run(cfg: Config, out_dir: str, progress=print) -> dict:
     managers["oracle"].measured = err_U
     grads_cache.clear()
     for name in names:
-      a = managers[name].allocate([r.batch])[0]
+      a = managers[name].allocate([r.batch], [r.logp])[0]
       key = a.policies
       if key not in grads_cache:  # the arm's own compiled gradient program (its budget fit compiled it)
         step = trainer.stepper.get(dataclasses.replace(spec, policies=key), r.batch, count=False)
-        grads_cache[key] = calibration.relative_error(step.grad(r.params, train_step.step_inputs(r.batch))[0], exact)
+        grads_cache[key] = calibration.relative_error(step.grad(r.params, r.batch)[0], exact)
       per_arm[name].append({"policies": a.policies, "plan_risk": float(a.plan.risk), "err": grads_cache[key],
                             "predicted_s": float(a.plan.time_s), "step": r.step, "pass": r.pass_,
                             "bucket": a.bucket, "active": a.active_constraint,
@@ -263,7 +263,7 @@ def run(cfg: Config, out_dir: str, progress=print) -> dict:
     fl = {p: flops.program_flops(lambda q, b, p=p: hooks.gradient(q, b, p), params, held[0].batch)
           for p in distinct + [none_pols]}
     gc_s = on.gc_plan().time_s
-    tokens = float(sum(np.prod(r.batch["prompt_ids"].shape) + np.prod(r.batch["tokens"].shape) for r in held))
+    tokens = float(sum(r.batch.rows * (r.batch.prompt_len + r.batch.completion_len) for r in held))
     arms = {}
     for a in ARMS:
       es = per_arm[a]
@@ -303,7 +303,8 @@ def run(cfg: Config, out_dir: str, progress=print) -> dict:
 
   counts = {"calibration": len(cal), "held_out": len(held), "held_out_zero_gradient_skipped": skipped,
             "calib_steps": sorted({r.step for r in cal}), "held_out_steps": sorted({r.step for r in held})}
-  result = {"config": cfg.to_dict(), "regime": regime, "minibatches": counts,
+  result = {"config": {**cfg.to_dict(), "bench_exposure": dataclasses.asdict(be)}, "regime": regime,
+            "minibatches": counts,
             "calibration": {"delta": cal_state.delta, "coherence": cal_state.coherence,
                             "calibration_error": cal_state.calibration_error},
             "arms": arms, "pairs": pairs, "oracle_gap_closed": closed, "risk": risk, "risk_by_kind": by_kind,

@@ -11,6 +11,7 @@ import math
 from typing import Callable
 
 import jax
+
 # dead-code elimination of a jaxpr has no public API; without it a checkpointed layer's backward still lists the
 # forward ops whose outputs only an L code replaces (XLA drops them), so L plans would count as full recompute
 from jax._src.interpreters import partial_eval as pe

@@ -18,10 +18,13 @@ import jax
 import numpy as np
 import optax
 
-from hilore_jax import engine, logra, model, train_step
+from hilore_jax import engine, model
 from hilore_jax.bench import synthetic
+from hilore_jax.bench.config import BenchConfig
 from hilore_jax.config import Config
 from hilore_jax.memory import MemoryManager
+from hilore_jax.optim import logra
+from hilore_jax.rl import train_step
 
 MiB = 2**20
 
@@ -56,9 +59,9 @@ def _arms(cfg: Config, ranks, hidden: int) -> list[tuple[str, Config]]:
   return [(name, dataclasses.replace(cfg, optimizer=o)) for name, o in arms]
 
 
-def run(cfg: Config, out_dir: str, ranks=(), memories=("gc", "hilore"), progress=print) -> dict:
+def run(cfg: Config, bc: BenchConfig, out_dir: str, ranks=(), memories=("gc", "hilore"), progress=print) -> dict:
   """Every (optimizer, memory policy) pair's bytes; writes optim.json and optim.md into out_dir."""
-  bc, mcfg = cfg.bench, engine.model_config(cfg)
+  mcfg = engine.model_config(cfg)
   D = mcfg.hidden_size
   ranks = tuple(ranks) or tuple(sorted({max(1, D // 16), max(1, D // 8), max(1, D // 4)}))
   os.makedirs(out_dir, exist_ok=True)
@@ -67,26 +70,26 @@ def run(cfg: Config, out_dir: str, ranks=(), memories=("gc", "hilore"), progress
                              model.uniform(mcfg.num_hidden_layers, model.FULL_REMAT), 1, cfg.train.logprob_chunk,
                              use_old_logp=True, use_ref_logp=cfg.grpo.beta > 0)
   arms = _arms(cfg, ranks, D)
-  base = engine.build(arms[0][1], mcfg, 10_000)
+  base, base_state = engine.build(arms[0][1], mcfg, 10_000)
   rng = np.random.default_rng(cfg.seed)
   K = cfg.memory.calib_batches if "hilore" in memories else 0
-  batches = [synthetic.grpo_batch(mcfg, base.state["params"], rng, bc.batch_size, bc.prompt_len, completion,
+  batches = [synthetic.grpo_batch(mcfg, base_state["params"], rng, bc.batch_size, bc.prompt_len, completion,
                                   bc.group_size, bc.zero_adv_frac, bc.logp_noise) for _ in range(1 + K)]
   if not spec.use_ref_logp:
-    batches = [{k: v for k, v in b.items() if k != "ref_logp"} for b in batches]
+    batches = [b.replace(ref_logp=None) for b in batches]
   policies = {"gc": spec.policies}
   if "hilore" in memories:
     progress(f"optim bench: HiLoRe plan (calibration on {K} batches, budget {cfg.memory.budget_ratio}x GC)")
     mm = MemoryManager(dataclasses.replace(cfg.memory, policy="hilore"), engine.memory_hooks(base.stepper, spec))
-    mm.setup(base.state["params"], batches, 0)
+    mm.setup(base_state["params"], batches, 0)
     policies["hilore"] = mm.allocate(batches[:1])[0].policies
   batch = batches[0]
   specs = {mem: dataclasses.replace(spec, policies=policies[mem]) for mem in memories}
   grad_steps = {mem: base.stepper.get(specs[mem], batch, reason=f"optim bench {mem}") for mem in memories}
   rows = []
   for name, acfg in arms:
-    eng = base if acfg is arms[0][1] else engine.build(acfg, mcfg, 10_000)
-    params, opt_state = eng.state["params"], eng.state["opt_state"]
+    eng, state = (base, base_state) if acfg is arms[0][1] else engine.build(acfg, mcfg, 10_000)
+    params, opt_state = state["params"], state["opt_state"]
     ship = logra.sketch_bytes(opt_state) if acfg.optimizer.kind == "logra" else {}
     for mem in memories:
       step = eng.stepper.with_update_of(grad_steps[mem], specs[mem], batch)

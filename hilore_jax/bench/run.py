@@ -13,10 +13,12 @@ import time
 import jax
 import numpy as np
 
-from hilore_jax import engine, model, sharding, train_step
+from hilore_jax import engine, model, sharding
 from hilore_jax.bench import flops, report, stats, synthetic
+from hilore_jax.bench.config import BenchConfig
 from hilore_jax.config import Config
 from hilore_jax.memory import MemoryManager, calibration, methods
+from hilore_jax.rl import train_step
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +56,12 @@ def _median_s(fn, reps: int = 50) -> float:
   return float(np.median(times))
 
 
-def run(cfg: Config, out_dir: str, progress=print) -> dict:
+def run(cfg: Config, bc: BenchConfig, out_dir: str, progress=print) -> dict:
   """Run the benchmark and write results.json, results.md, frontier.png and risk.md into out_dir."""
-  bc, mcfg = cfg.bench, engine.model_config(cfg)
+  mcfg = engine.model_config(cfg)
   os.makedirs(out_dir, exist_ok=True)
-  eng = engine.build(cfg, mcfg, 10_000)
-  mesh, state, stepper = eng.mesh, eng.state, eng.stepper
+  eng, state = engine.build(cfg, mcfg, 10_000)
+  mesh, stepper = eng.mesh, eng.stepper
   completion = bc.seq_len - bc.prompt_len
   grpo_cfg = dataclasses.replace(cfg.grpo, max_completion_len=completion)
   spec = train_step.StepSpec(mcfg, grpo_cfg, model.uniform(mcfg.num_hidden_layers, model.NO_REMAT), 1,
@@ -71,9 +73,9 @@ def run(cfg: Config, out_dir: str, progress=print) -> dict:
   batches = [synthetic.grpo_batch(mcfg, state["params"], rng, bc.batch_size, bc.prompt_len, completion, bc.group_size,
                                   bc.zero_adv_frac, bc.logp_noise) for _ in range(1 + K + bc.risk_batches)]
   if not spec.use_ref_logp:
-    batches = [{k: v for k, v in b.items() if k != "ref_logp"} for b in batches]
+    batches = [b.replace(ref_logp=None) for b in batches]
   sh = sharding.batch_sharding(mesh)
-  batches = [{k: jax.device_put(v, sh) for k, v in b.items()} for b in batches]
+  batches = [jax.device_put(b, sh) for b in batches]
   batch, cal_batches, risk_batches = batches[0], batches[1:1 + K], batches[1 + K:]
   params = state["params"]
   # the reference: full checkpointing at full float32 precision, whatever the model's compute dtype; errors are
@@ -159,7 +161,8 @@ def run(cfg: Config, out_dir: str, progress=print) -> dict:
     if f_gc is not None and f_none is not None and f_gc > f_none:
       e.row["recompute_removed_pct"] = 100 * (f_gc - e.row["flops"]) / (f_gc - f_none)
 
-  result = {"machine": machine(), "config": cfg.to_dict(), "rows": [e.row for e in entries], "regime": regime,
+  result = {"machine": machine(), "config": {**cfg.to_dict(), "bench": dataclasses.asdict(bc)},
+            "rows": [e.row for e in entries], "regime": regime,
             "calibration": dataclasses.asdict(calib) if calib else None, "risk": risk_rows, "risk_fit": risk_fit}
   report.write_outputs(result, out_dir)
   return result

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hilore_jax import model
-from hilore_jax.config import ExposureSwitches
 from hilore_jax.memory import exposure
+from hilore_jax.memory.config import ExposureSwitches
 from hilore_jax.memory.hooks import StepHooks
 from hilore_jax.model import codec
 from hilore_jax.model import units as U
@@ -32,7 +32,7 @@ def lowp_units(num_layers: int) -> list[tuple[int, str]]:
   return [(layer, kind) for layer in range(num_layers) for kind in U.LOWP_UNITS]
 
 
-def token_errors(hooks: StepHooks, params, batch: dict, units: Sequence[tuple[int, str]], group_size: int,
+def token_errors(hooks: StepHooks, params, batch, units: Sequence[tuple[int, str]], group_size: int,
                  fmt: str = "int8") -> jax.Array:
   """[U, B, N] norm of each unit's L reconstruction error per token, at the positions whose log-probs count."""
   taps = hooks.unit_tensors(params, batch)
@@ -45,7 +45,7 @@ def token_errors(hooks: StepHooks, params, batch: dict, units: Sequence[tuple[in
   return jnp.stack(out)
 
 
-def raw_exposure(hooks: StepHooks, params, batch: dict, units, switches=ExposureSwitches(), group_size: int = 64,
+def raw_exposure(hooks: StepHooks, params, batch, units, switches=ExposureSwitches(), group_size: int = 64,
                  fmt: str = "int8") -> jax.Array:
   """[U] exposure without susceptibility, from the forward quantities of this batch."""
   w = hooks.token_weights(params, batch, switches)
@@ -53,19 +53,20 @@ def raw_exposure(hooks: StepHooks, params, batch: dict, units, switches=Exposure
   return exposure.unit_exposure(w, err, jnp.ones(len(units)), dataclasses.replace(switches, susceptibility=False))
 
 
-def error_profile(hooks: StepHooks, params, batches: Sequence[dict], units, group_size: int,
+def error_profile(hooks: StepHooks, params, batches: Sequence, units, group_size: int,
                   fmt: str = "int8") -> np.ndarray:
   """[U, T] RMS L reconstruction error of each unit at each completion position, pooled over the batches (the
   run-time score's stand-in for the per-token errors only a forward pass would show)."""
   fn = jax.jit(lambda p, b: token_errors(hooks, p, b, units, group_size, fmt))
   err = jnp.concatenate([fn(params, b) for b in batches], axis=1)
-  mask = jnp.concatenate([jnp.asarray(b["mask"]) for b in batches], axis=0)
+  mask = jnp.concatenate([jnp.asarray(b.mask) for b in batches], axis=0)
   return np.asarray(exposure.position_profile(err, mask))
 
 
-def runtime_raw(hooks: StepHooks, batch: dict, profile_UT, switches=ExposureSwitches()) -> jax.Array:
-  """[U] the run-time exposure score without susceptibility, from what the batch carries (no forward pass)."""
-  w = hooks.token_weights(None, batch, switches)
+def runtime_raw(hooks: StepHooks, batch, profile_UT, switches=ExposureSwitches(), logp=None) -> jax.Array:
+  """[U] the run-time exposure score without susceptibility, from what the batch carries (no forward pass) and the
+  current log-probs where known."""
+  w = hooks.token_weights(None, batch, switches, logp)
   profile_UT = jnp.asarray(profile_UT, jnp.float32)
   return exposure.runtime_scores(w, profile_UT, jnp.ones(profile_UT.shape[0]),
                                  dataclasses.replace(switches, susceptibility=False))
@@ -94,14 +95,14 @@ def cosine(g, exact) -> float:
   return float(dot / jnp.maximum(norm(g) * norm(exact), 1e-30))
 
 
-def exact_gradient(hooks: StepHooks, params, batch: dict):
+def exact_gradient(hooks: StepHooks, params, batch):
   """The reference gradient: full checkpointing (no low-precision code anywhere, and the configuration that fits
   whenever training does) with float32 matmuls at full precision (on H100/H200 "default" means TF32)."""
   with jax.default_matmul_precision("highest"):
     return hooks.gradient(params, batch, model.uniform(hooks.model_cfg.num_hidden_layers, model.FULL_REMAT))
 
 
-def gradient_error(hooks: StepHooks, params, batch: dict, policies, exact=None) -> float:
+def gradient_error(hooks: StepHooks, params, batch, policies, exact=None) -> float:
   """||g - g_exact|| / ||g_exact|| with g under `policies` and g_exact the reference (exact_gradient)."""
   exact = exact_gradient(hooks, params, batch) if exact is None else exact
   return relative_error(hooks.gradient(params, batch, tuple(policies)), exact)
@@ -116,7 +117,7 @@ def probe_mix(num_layers: int, units, chosen) -> np.ndarray:
   return mix
 
 
-def set_errors(hooks: StepHooks, params, batch: dict, units, sets, group_size: int, fmt: str = "int8",
+def set_errors(hooks: StepHooks, params, batch, units, sets, group_size: int, fmt: str = "int8",
                exact=None) -> np.ndarray:
   """[len(sets)] relative gradient error with exactly each set (indices into units) L, measured."""
   exact = exact_gradient(hooks, params, batch) if exact is None else exact
@@ -125,7 +126,7 @@ def set_errors(hooks: StepHooks, params, batch: dict, units, sets, group_size: i
                                   exact) for s in sets])
 
 
-def measure_unit_errors(hooks: StepHooks, params, batch: dict, units, group_size: int,
+def measure_unit_errors(hooks: StepHooks, params, batch, units, group_size: int,
                         fmt: str = "int8", exact=None) -> np.ndarray:
   """[U] true relative gradient error ||g_u - g|| / ||g|| when only unit u is L (one probe gradient each)."""
   return set_errors(hooks, params, batch, units, [[i] for i in range(len(units))], group_size, fmt, exact)
@@ -203,7 +204,7 @@ def lowp_policies(num_layers: int, chosen: Sequence[tuple[int, str]], group_size
   return tuple(pols)
 
 
-def calibrate_delta(hooks: StepHooks, params, batches: Sequence[dict], units, risk: np.ndarray, tolerance: float,
+def calibrate_delta(hooks: StepHooks, params, batches: Sequence, units, risk: np.ndarray, tolerance: float,
                     group_size: int, fmt: str = "int8", max_halvings: int = 8, exact=None) -> tuple[float, float]:
   """Largest risk budget delta (from the tolerance, halving) whose lowest-risk L set (risk: each unit's predicted
   error, coherence included) measures under the tolerance on every calibration batch. Returns (delta, its
@@ -233,7 +234,7 @@ def calibrate_delta(hooks: StepHooks, params, batches: Sequence[dict], units, ri
 ABLATIONS = ("ratio_clip", "update_mask", "kl", "activation", "susceptibility")
 
 
-def risk_report(hooks: StepHooks, params, cal_batches: Sequence[dict], eval_batches: Sequence[dict], units,
+def risk_report(hooks: StepHooks, params, cal_batches: Sequence, eval_batches: Sequence, units,
                 group_size: int, fmt: str = "int8", err_cal=None, err_ev=None) -> dict[str, dict[str, float]]:
   """How well each score predicts the measured per-unit error on held-out batches (pooled over batches and units,
   so mostly fixed per-unit differences; bench/exposure.py reports the within-unit figures):
@@ -264,7 +265,7 @@ def risk_report(hooks: StepHooks, params, cal_batches: Sequence[dict], eval_batc
       np.stack([np.asarray(recon(params, b)) for b in eval_batches]).ravel(), err_ev.ravel())
   rows["baseline: static type/layer"] = risk_metrics(np.tile(err_cal.mean(0), len(eval_batches)), err_ev.ravel())
   rows["baseline: advantage only"] = risk_metrics(
-      np.repeat([np.abs(b["adv"]).sum() for b in eval_batches], len(units)), err_ev.ravel())
+      np.repeat([np.abs(np.asarray(b.adv)).sum() for b in eval_batches], len(units)), err_ev.ravel())
   return rows
 
 

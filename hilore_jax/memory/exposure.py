@@ -19,8 +19,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from hilore_jax import grpo
-from hilore_jax.config import ExposureSwitches
+from hilore_jax.memory.config import ExposureSwitches
+from hilore_jax.rl import grpo
 
 
 def token_weights(logp, old_logp, ref_logp, adv_B, mask_BT, lc,

@@ -8,7 +8,6 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from hilore_jax.config import ExposureSwitches
 from hilore_jax.model import LayerPolicy, ModelConfig
 
 Policies = Sequence[LayerPolicy]
@@ -26,19 +25,22 @@ class StepHooks:
   gradient(params, batch, policies): the parameter gradient under these policies (calibrated methods).
   probe_gradient(params, batch, mix [layers, units], format, group size): the gradient with every unit read in
     backward as exact + mix * (decoded - exact): one compiled program for any set of L units (calibration).
-  token_weights(params, batch, switches): |w_t| [B, N], the loss coefficient of every completion token; params
-    None means from what the batch carries alone (no forward pass).
+  token_weights(params, batch, switches, logp=None): |w_t| [B, N], the loss coefficient of every completion token;
+    params None means from what the batch carries alone (no forward pass), with logp [B, N] the current policy's
+    log-probs where known.
   unit_tensors(params, batch): per layer, the L-capable units' activations [B, N, ...] at the positions whose
     log-probs enter the loss (for per-token reconstruction errors).
+  Batches are the trainer's own; calibration reads only their completion mask `batch.mask` [B, N] besides what
+  these callables read.
   """
 
   model_cfg: ModelConfig
-  compile_peak: Callable[[Policies, dict], int]
-  batch_shape: Callable[[dict], tuple[int, int]]
-  gradient: Callable[[Any, dict, Policies], Any] | None = None
-  token_weights: Callable[[Any, dict, ExposureSwitches], jax.Array] | None = None
-  unit_tensors: Callable[[Any, dict], list[dict[str, jax.Array]]] | None = None
-  probe_gradient: Callable[[Any, dict, Any, str, int], Any] | None = None
+  compile_peak: Callable[[Policies, Any], int]
+  batch_shape: Callable[[Any], tuple[int, int]]
+  gradient: Callable[[Any, Any, Policies], Any] | None = None
+  token_weights: Callable[..., jax.Array] | None = None
+  unit_tensors: Callable[[Any, Any], list[dict[str, jax.Array]]] | None = None
+  probe_gradient: Callable[[Any, Any, Any, str, int], Any] | None = None
 
   @property
   def calibrates(self) -> bool:

@@ -18,11 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from hilore_jax import model
-from hilore_jax.config import MemoryConfig
-from hilore_jax.memory import budget as budgets
 from hilore_jax.memory import buckets as bucketing
+from hilore_jax.memory import budget as budgets
 from hilore_jax.memory import calibration, exposure, methods, profile
 from hilore_jax.memory.buckets import AllocationCache
+from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.memory.hooks import StepHooks
 from hilore_jax.memory.state import Calibration, ManagerState
 
@@ -58,12 +58,12 @@ class MemoryManager:
       methods.require_offload("memory.offload=true")
     sw = mc.exposure
     if hooks.token_weights is not None:
-      score = lambda b, prof, sus: exposure.runtime_scores(hooks.token_weights(None, b, sw), prof, sus, sw)
-      self._scores = jax.jit(jax.vmap(score, in_axes=(0, None, None)))
+      score = lambda b, lp, prof, sus: exposure.runtime_scores(hooks.token_weights(None, b, sw, lp), prof, sus, sw)
+      self._scores = jax.jit(jax.vmap(score, in_axes=(0, 0, None, None)))
 
   # ------------------------------------------------------------------ set-up
 
-  def setup(self, params, batches: list[dict], step: int, calibration_state: Calibration | None = None):
+  def setup(self, params, batches: list, step: int, calibration_state: Calibration | None = None):
     """Budget from the GC step, unit profile, and (for calibrated methods) risk calibration on K batches (or a
     given calibration, another manager's, to compare methods on one calibration)."""
     mc, cfg, batch = self.mc, self.hooks.model_cfg, batches[0]
@@ -79,7 +79,7 @@ class MemoryManager:
              f", calibration on {cal.calib_batches} minibatches: delta {cal.delta:.3g} (measured "
              f"{cal.calibration_error:.3g}), coherence {cal.coherence:.2f}, fit {cal.fit}")
 
-  def _calibrate(self, params, batches: list[dict]) -> Calibration:
+  def _calibrate(self, params, batches: list) -> Calibration:
     mc, hooks = self.mc, self.hooks
     if not hooks.calibrates:
       raise ValueError(f"memory.policy={self.method} calibrates risk: StepHooks needs gradient, token_weights and "
@@ -120,18 +120,20 @@ class MemoryManager:
 
   # ------------------------------------------------------------------ per step
 
-  def unit_scores(self, minibatches: list[dict], profile_UT=None, susceptibility_U=None) -> np.ndarray:
+  def unit_scores(self, minibatches: list, profile_UT=None, susceptibility_U=None, logp=None) -> np.ndarray:
     """[M, U] run-time exposure of every unit in every minibatch, in one jitted call and one host read (no
-    forward pass): from advantages, masks, old / reference log-probs and, where a minibatch carries them, the
-    current log-probs (`logp`: a previous pass's or a replayed row's), whose ratio decides which tokens clip."""
+    forward pass): from advantages, masks, old / reference log-probs and, where given, the current log-probs
+    (`logp`, one [B, N] per minibatch or None: a previous pass's, or replayed rows'), whose ratio decides which
+    tokens clip; a minibatch without them is on its old policy."""
     cal = self.state.calibration if self.state else None
     prof = np.asarray(cal.profile if profile_UT is None else profile_UT, np.float32)
     sus = np.asarray(cal.susceptibility if susceptibility_U is None else susceptibility_U, np.float32)
-    if any("logp" in b for b in minibatches):  # one stacked batch: a minibatch without it is on its old policy
-      minibatches = [b if "logp" in b else {**b, "logp": b["old_logp"]} for b in minibatches]
-    keys = set.intersection(*(set(b) for b in minibatches)) - {"lowp_probe", "replayed"}
-    stacked = {k: jnp.stack([jnp.asarray(b[k]) for b in minibatches]) for k in keys}
-    return np.asarray(jax.device_get(self._scores(stacked, prof, sus)), np.float64)
+    logp = [None] * len(minibatches) if logp is None else logp
+    current = [b.old_logp if lp is None else lp for b, lp in zip(minibatches, logp)]
+    if any(lp is None for lp in current):  # no old log-probs either: on-policy rows alone, ratio 1
+      current = [jnp.zeros(b.mask.shape, jnp.float32) if lp is None else lp for b, lp in zip(minibatches, current)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack([jnp.asarray(x) for x in xs]), *minibatches)
+    return np.asarray(jax.device_get(self._scores(stacked, jnp.stack(current), prof, sus)), np.float64)
 
   def _unit_list(self, batch: dict) -> list[profile.Unit]:
     shape = self.hooks.batch_shape(batch)
@@ -257,14 +259,15 @@ class MemoryManager:
     st.verified = sorted(set(st.verified) | {bucket})
     self._cache.invalidate("allowance fitted", bucket)
 
-  def allocate(self, minibatches: list[dict]) -> list[Allocation]:
+  def allocate(self, minibatches: list, logp=None) -> list[Allocation]:
     """Every minibatch's bucket, plan and policies, in order; a new bucket is fitted first (its probe compiles
-    are not counted as scheduling time). Exposure levels come from one jitted call."""
+    are not counted as scheduling time). Exposure levels come from one jitted call; logp: the minibatches'
+    current log-probs where known (unit_scores)."""
     t0 = time.perf_counter()
     self._unit_list(minibatches[0])
     keys = [()] * len(minibatches)
     if self.method == "hilore" and self.mc.buckets > 1:  # exposure off (one bucket): nothing to score
-      keys = self.bucket_levels(self.unit_scores(minibatches))
+      keys = self.bucket_levels(self.unit_scores(minibatches, logp=logp))
     fit_s, chosen = 0.0, []
     for key in keys:
       bucket = 0
@@ -286,7 +289,7 @@ class MemoryManager:
       out.append(Allocation(bucket, plan, self.policies(plan), metrics, self._active.get(bucket, "none")))
     return out
 
-  def step(self, params, minibatches: list[dict], step: int) -> list[Allocation]:
+  def step(self, params, minibatches: list, step: int, logp=None) -> list[Allocation]:
     """Set up (or refresh) when due, then allocate this step's minibatches."""
     mc = self.mc
     stale = (self.state is not None and self.method == "hilore" and mc.buckets > 1
@@ -295,7 +298,7 @@ class MemoryManager:
       log.warning("memory: the checkpoint's hilore calibration predates per-unit exposure: recalibrating")
     if self.state is None or stale or (mc.refresh_every and step - self.state.calibrated_at >= mc.refresh_every):
       self.setup(params, minibatches, step)
-    return self.allocate(minibatches)
+    return self.allocate(minibatches, logp)
 
   def state_json(self) -> Any:
     return None if self.state is None else self.state.to_json()

@@ -9,10 +9,10 @@ from typing import Sequence
 import numpy as np
 
 from hilore_jax import model
-from hilore_jax.config import MEMORY_POLICIES
 from hilore_jax.errors import OffloadUnsupported
 from hilore_jax.memory import allocator, costmodel
 from hilore_jax.memory.allocator import H, L, O, R
+from hilore_jax.memory.config import MEMORY_POLICIES
 from hilore_jax.memory.profile import Unit
 from hilore_jax.model import codec
 from hilore_jax.model import units as U

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from hilore_jax.model import lowp
-from hilore_jax.model.attention import attention_context, attention_probs, fused_attention
 from hilore_jax.model import units as U
+from hilore_jax.model.attention import attention_context, attention_probs, fused_attention
 from hilore_jax.model.config import ModelConfig
 from hilore_jax.model.policy import NO_REMAT, LayerPolicy, Residual, remat, saved_residuals, uniform
 

@@ -18,6 +18,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from hilore_jax.model import codec
+
 # the attention math itself lives with the kernels; this module adds only what backward reads from codes
 from hilore_jax.model.attention import attention_context as context
 from hilore_jax.model.attention import attention_probs as probs

@@ -8,11 +8,11 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from hilore_jax import sampler
-from hilore_jax.config import SamplingConfig
 from hilore_jax.model import ModelConfig
-from hilore_jax.prompts import Prompter
+from hilore_jax.rl import sampler
+from hilore_jax.rl.config import SamplingConfig
 from hilore_jax.tasks import Example
+from hilore_jax.tasks.prompts import Prompter
 
 
 @dataclasses.dataclass

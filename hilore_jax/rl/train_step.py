@@ -1,6 +1,6 @@
-"""The GRPO actor update as pure functions: chunked log-probs, the loss, microbatched gradients (the gradient
-program) and clipping + optimizer, optionally with predicted-KL step control (the update program). `engine.py`
-compiles them."""
+"""The GRPO actor update as pure functions of an `UpdateBatch`: chunked log-probs, the loss, microbatched gradients
+(the gradient program) and clipping + optimizer, optionally with predicted-KL step control (the update program).
+`engine.Stepper` compiles them."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from hilore_jax import grpo, kl_control, logprobs, model
-from hilore_jax.config import GRPOConfig, KLControlConfig
+from hilore_jax import model
 from hilore_jax.model import LayerPolicy, ModelConfig
+from hilore_jax.optim.config import KLControlConfig
+from hilore_jax.rl import grpo, kl_control, logprobs
+from hilore_jax.rl.config import GRPOConfig
+from hilore_jax.rl.update_batch import UpdateBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,102 +28,90 @@ class StepSpec:
   microbatches: int = 1
   logprob_chunk: int = 128
   # False: one update per rollout, old = stop_gradient(logp) (ratio == 1). True: the batch carries old_logp [B, N]
-  # and, optionally, on_policy [B] int32: rows flagged 1 use stop_gradient(logp) instead (a runtime flag, so the
-  # first update of a rollout, provably on-policy, needs no old-policy forward and no second compilation)
+  # and on_policy [B] int32: rows flagged 1 use stop_gradient(logp) instead (a runtime flag, so the first update of
+  # a rollout, provably on-policy, needs no old-policy forward and no second compilation)
   use_old_logp: bool = False
   use_ref_logp: bool = False
   # log-probs of softmax(logits / T), the distribution rollouts were sampled from; the sampler's top-k/top-p
   # truncation is not applied here (as in TRL and verl)
   temperature: float = 1.0
-  # (format, group size): every unit read in backward as exact + mix * (decoded - exact), the mix [L, units] from
-  # batch["lowp_probe"] (risk calibration: one program measures any set of L units)
+  # (format, group size): every unit read in backward as exact + mix * (decoded - exact), the mix [L, units] an
+  # argument of the gradient program (risk calibration: one program measures any set of L units)
   lowp_probe: tuple[str, int] | None = None
 
 
-def sequence_inputs(batch: dict) -> tuple[jax.Array, jax.Array]:
+def sequence_inputs(batch: UpdateBatch) -> tuple[jax.Array, jax.Array]:
   """Prompt (left-padded) + completion (right-padded) ids and attention mask [B, P+N]."""
-  ids = jnp.concatenate([batch["prompt_ids"], batch["tokens"]], axis=1)
-  mask = jnp.concatenate([batch["prompt_mask"], batch["mask"]], axis=1)
+  ids = jnp.concatenate([batch.prompt_ids, batch.tokens], axis=1)
+  mask = jnp.concatenate([batch.prompt_mask, batch.mask], axis=1)
   return ids, mask
 
 
-def completion_logprobs(cfg: ModelConfig, params, batch: dict, policies=None, chunk: int = 128,
+def completion_positions(x_BT, batch: UpdateBatch):
+  """x at the positions that predict the completion tokens (position t predicts token t+1: completion token j is
+  predicted at P - 1 + j), [B, N, ...] of a [B, P+N, ...] array."""
+  P, N = batch.prompt_len, batch.completion_len
+  return x_BT[:, P - 1:P + N - 1]
+
+
+def completion_logprobs(cfg: ModelConfig, params, batch: UpdateBatch, policies=None, chunk: int = 128,
                         temperature: float = 1.0, probe=None):
   """(log pi(completion token), entropy) [B, N] with chunked log-softmax over the vocabulary."""
   ids, mask = sequence_inputs(batch)
-  P, N = batch["prompt_ids"].shape[1], batch["tokens"].shape[1]
   h = model.hidden_states(cfg, params, ids, mask, layer_policies=policies, probe=probe)
-  # position t predicts token t+1: completion token j is predicted at P - 1 + j
-  return logprobs.token_logprobs(h[:, P - 1:P + N - 1], model.lm_head_weight(cfg, params), batch["tokens"], chunk,
-                                 temperature)
+  return logprobs.token_logprobs(completion_positions(h, batch), model.lm_head_weight(cfg, params), batch.tokens,
+                                 chunk, temperature)
 
 
-LOGPROB_KEYS = ("prompt_ids", "prompt_mask", "tokens", "mask")
-# batch keys for the memory manager alone, which the step never reads: logp [B, N], the current policy's log-probs
-# where they differ from old_logp (replayed rows), for the exposure's importance ratio
-EXPOSURE_KEYS = ("logp",)
-
-
-def step_inputs(batch: dict) -> dict:
-  """The batch without the keys the step never reads (one compiled program whether or not they are there)."""
-  return {k: v for k, v in batch.items() if k not in EXPOSURE_KEYS}
-
-
-def sequence_logprobs(spec: StepSpec, params, batch: dict) -> jax.Array:
+def sequence_logprobs(spec: StepSpec, params, batch: UpdateBatch) -> jax.Array:
   """log pi(completion token) [B, N] at spec's temperature, forward only, spec.microbatches row slices at a time
   (as the gradient program holds them): the old and reference log-probs."""
-  A = spec.microbatches
-  B, N = batch["tokens"].shape
-  split = {k: batch[k].reshape(A, B // A, *batch[k].shape[1:]) for k in LOGPROB_KEYS}
+  B, N = batch.tokens.shape
   logp = jax.lax.map(lambda b: completion_logprobs(spec.model_cfg, params, b, None, spec.logprob_chunk,
-                                                   spec.temperature)[0], split)
+                                                   spec.temperature)[0], batch.sequences().split(spec.microbatches))
   return logp.reshape(B, N)
 
 
-def old_logprobs(logp: jax.Array, batch: dict, spec: StepSpec) -> jax.Array:
+def old_logprobs(logp: jax.Array, batch: UpdateBatch, spec: StepSpec) -> jax.Array:
   """The ratio's denominator: batch's old_logp, or stop_gradient(logp) on rows flagged on_policy (or always)."""
   current = jax.lax.stop_gradient(logp)
   if not spec.use_old_logp:
     return current
-  if "on_policy" not in batch:
-    return batch["old_logp"]
-  return jnp.where(batch["on_policy"][:, None] > 0, current, batch["old_logp"])
+  if batch.on_policy is None:
+    return batch.old_logp
+  return jnp.where(batch.on_policy[:, None] > 0, current, batch.old_logp)
 
 
-def loss_and_stats(params, batch: dict, spec: StepSpec, num_seqs, num_tokens):
-  probe = (*spec.lowp_probe, batch["lowp_probe"]) if spec.lowp_probe else None
+def loss_and_stats(params, batch: UpdateBatch, spec: StepSpec, num_seqs, num_tokens, probe_mix=None):
+  probe = (*spec.lowp_probe, probe_mix) if spec.lowp_probe else None
   logp, entropy = completion_logprobs(spec.model_cfg, params, batch, spec.policies, spec.logprob_chunk,
                                       spec.temperature, probe)
   old = old_logprobs(logp, batch, spec)
-  ref = batch["ref_logp"] if spec.use_ref_logp else jax.lax.stop_gradient(logp)
-  loss, stats = grpo.grpo_loss(logp, old, ref, batch["adv"], batch["mask"], spec.loss_cfg, num_seqs, num_tokens)
-  stats["entropy_sum"] = jnp.sum(jnp.where(batch["mask"] > 0, entropy, 0.0))
+  ref = batch.ref_logp if spec.use_ref_logp else jax.lax.stop_gradient(logp)
+  loss, stats = grpo.grpo_loss(logp, old, ref, batch.adv, batch.mask, spec.loss_cfg, num_seqs, num_tokens)
+  stats["entropy_sum"] = jnp.sum(jnp.where(batch.mask > 0, entropy, 0.0))
   stats["loss"] = loss
   # per token, for the next pass's exposure (its ratio and clip state) without another forward
   stats["token_logp"] = jax.lax.stop_gradient(logp)
   return loss, stats
 
 
-def grads_and_stats(params, batch: dict, spec: StepSpec):
-  """Gradient of the minibatch loss, accumulated over spec.microbatches slices (normalisers are global)."""
-  num_seqs, num_tokens = grpo.normalisers(batch["mask"])
+def grads_and_stats(params, batch: UpdateBatch, spec: StepSpec, probe_mix=None):
+  """Gradient of the minibatch loss, accumulated over spec.microbatches slices (normalisers are global); probe_mix
+  [L, units] (with spec.lowp_probe) is per layer, not per row: every microbatch reads all of it."""
+  num_seqs, num_tokens = grpo.normalisers(batch.mask)
   grad_fn = jax.grad(loss_and_stats, has_aux=True)
   if spec.microbatches == 1:
-    return grad_fn(params, batch, spec, num_seqs, num_tokens)
-  A = spec.microbatches
-  batch = dict(batch)
-  probe = batch.pop("lowp_probe", None)  # per layer, not per row: every microbatch reads all of it
-  split = jax.tree_util.tree_map(lambda x: x.reshape(A, x.shape[0] // A, *x.shape[1:]), batch)
+    return grad_fn(params, batch, spec, num_seqs, num_tokens, probe_mix)
+  split = batch.split(spec.microbatches)
 
   def body(acc, mb):
-    mb = mb if probe is None else {**mb, "lowp_probe": probe}
-    g, s = grad_fn(params, mb, spec, num_seqs, num_tokens)
+    g, s = grad_fn(params, mb, spec, num_seqs, num_tokens, probe_mix)
     logp = s.pop("token_logp")  # per row: stacked, not summed
     return jax.tree_util.tree_map(jnp.add, acc, (g, s)), logp
 
   first = jax.tree_util.tree_map(lambda x: x[0], split)
-  first = first if probe is None else {**first, "lowp_probe": probe}
-  shapes = jax.eval_shape(lambda p, b: grad_fn(p, b, spec, num_seqs, num_tokens), params, first)
+  shapes = jax.eval_shape(lambda p, b: grad_fn(p, b, spec, num_seqs, num_tokens, probe_mix), params, first)
   shapes[1].pop("token_logp")
   zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
   (grads, stats), logp = jax.lax.scan(body, zeros, split)
@@ -140,38 +131,36 @@ TOKEN_LOGP = "token_logp"  # the gradient program's per-token log-probs [B, N] (
 SCALAR_METRICS = ("loss", "clipfrac", "kl", "entropy", "tokens", "abs_log_ratio")
 
 
-def gradient_step(params, batch: dict, spec: StepSpec):
+def gradient_step(params, batch: UpdateBatch, spec: StepSpec):
   """The gradient program: (grads, metrics) of one minibatch under spec's remat policies."""
   grads, stats = grads_and_stats(params, batch, spec)
   return grads, step_metrics(stats)
 
 
-def kl_functions(spec: StepSpec, batch: dict):
+def kl_functions(spec: StepSpec, batch: UpdateBatch):
   """(hidden_fn, head_fn) for kl_control: final hidden states at the positions predicting the completion tokens,
   and the lm head divided by spec's temperature, so the KL is that of the distribution rollouts sample from (the
   one GRPO's ratio is taken under). No remat: the KL's forward and JVP have no backward."""
   ids, mask = sequence_inputs(batch)
-  P, N = batch["prompt_ids"].shape[1], batch["tokens"].shape[1]
-  hidden_fn = lambda p: model.hidden_states(spec.model_cfg, p, ids, mask)[:, P - 1:P + N - 1]
+  hidden_fn = lambda p: completion_positions(model.hidden_states(spec.model_cfg, p, ids, mask), batch)
   if spec.temperature == 1.0:
     return hidden_fn, lambda p: model.lm_head_weight(spec.model_cfg, p)
   return hidden_fn, lambda p: model.lm_head_weight(spec.model_cfg, p) / spec.temperature
 
 
-def minibatch_kl(kl_fn, spec: StepSpec, params, updates, batch: dict, chunk: int) -> jax.Array:
+def minibatch_kl(kl_fn, spec: StepSpec, params, updates, batch: UpdateBatch, chunk: int) -> jax.Array:
   """kl_fn's mean over the minibatch's completion tokens, spec.microbatches row slices at a time (as the gradient
   program holds them): each slice's mean weighted by its token count."""
-  A = spec.microbatches
-  split = {k: batch[k].reshape(A, batch[k].shape[0] // A, *batch[k].shape[1:]) for k in LOGPROB_KEYS}
 
   def one(b):
     hidden_fn, head_fn = kl_functions(spec, b)
-    return kl_fn(hidden_fn, head_fn, params, updates, b["mask"], chunk) * jnp.sum(b["mask"]).astype(jnp.float32)
+    return kl_fn(hidden_fn, head_fn, params, updates, b.mask, chunk) * jnp.sum(b.mask).astype(jnp.float32)
 
-  return jnp.sum(jax.lax.map(one, split)) / jnp.maximum(jnp.sum(batch["mask"]).astype(jnp.float32), 1.0)
+  split = batch.sequences().split(spec.microbatches)
+  return jnp.sum(jax.lax.map(one, split)) / jnp.maximum(jnp.sum(batch.mask).astype(jnp.float32), 1.0)
 
 
-def update_step(state: dict, grads, optimizer: optax.GradientTransformation, batch: dict | None = None,
+def update_step(state: dict, grads, optimizer: optax.GradientTransformation, batch: UpdateBatch | None = None,
                 spec: StepSpec | None = None, kl: KLControlConfig | None = None):
   """The update program: clipping and the optimizer on finished gradients -> (new state, metrics).
 
@@ -191,7 +180,7 @@ def update_step(state: dict, grads, optimizer: optax.GradientTransformation, bat
   return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
 
-def train_step(state: dict, batch: dict, spec: StepSpec, optimizer: optax.GradientTransformation,
+def train_step(state: dict, batch: UpdateBatch, spec: StepSpec, optimizer: optax.GradientTransformation,
                kl: KLControlConfig | None = None):
   """One optimizer update on a minibatch -> (new state, metrics), as one function (what the two programs compute).
 

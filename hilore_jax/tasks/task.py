@@ -10,9 +10,9 @@ import math
 import random
 from typing import Any, Callable, Iterator, Sequence
 
-from hilore_jax import verifiers
-from hilore_jax.config import ArithmeticSpec, TaskConfig
 from hilore_jax.errors import DataError
+from hilore_jax.tasks import verifiers
+from hilore_jax.tasks.config import ArithmeticSpec, TaskConfig
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from hilore_jax import model
-from hilore_jax.config import SamplingConfig
 from hilore_jax.model import ModelConfig
+from hilore_jax.rl.config import SamplingConfig
 
 
 def process_logits(logits_BV: jax.Array, sc: SamplingConfig) -> jax.Array:

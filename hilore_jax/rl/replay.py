@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hilore_jax.config import ReplayConfig
+from hilore_jax.rl.config import ReplayConfig
 
 BATCH_KEYS = ("prompt_ids", "prompt_mask", "tokens", "mask", "adv", "old_logp")
 # stored field -> (trailing width, dtype): the one table the storage, state() and from_state() derive from.

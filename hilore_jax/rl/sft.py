@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hilore_jax import train_step
 from hilore_jax.model import ModelConfig
-from hilore_jax.prompts import Prompter
+from hilore_jax.rl import train_step
+from hilore_jax.rl.update_batch import UpdateBatch
 from hilore_jax.tasks import Example
+from hilore_jax.tasks.prompts import Prompter
 
 
 def encode_targets(prompter: Prompter, examples: Sequence[Example], max_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -30,18 +31,24 @@ def encode_targets(prompter: Prompter, examples: Sequence[Example], max_len: int
   return ids, mask
 
 
-def sft_batch(prompter: Prompter, examples, max_prompt_len: int, max_new_tokens: int) -> dict:
+def sft_batch(prompter: Prompter, examples, max_prompt_len: int, max_new_tokens: int) -> UpdateBatch:
   """Prompts exactly as the rollouts encode them, gold completions after them."""
   p_ids, p_mask, _ = prompter.encode(examples, max_prompt_len)
   t_ids, t_mask = encode_targets(prompter, examples, max_new_tokens)
-  return {"prompt_ids": p_ids, "prompt_mask": p_mask, "tokens": t_ids, "mask": t_mask}
+  return UpdateBatch(p_ids, p_mask, t_ids, t_mask)
+
+
+@functools.lru_cache(maxsize=8)
+def _optimizer(lr: float, steps: int) -> optax.GradientTransformation:
+  # one object per setting, so the jitted step (static in it) compiles once per process, not once per trainer
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(optax.cosine_decay_schedule(lr, steps, 0.1)))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "optimizer"), donate_argnums=(1, 2))
 def _sft_step(cfg: ModelConfig, params, opt_state, batch, optimizer):
   def loss_fn(p):
     logp, _ = train_step.completion_logprobs(cfg, p, batch)
-    m = batch["mask"].astype(jnp.float32)
+    m = batch.mask.astype(jnp.float32)
     return -jnp.sum(logp * m) / jnp.maximum(m.sum(), 1.0)
 
   loss, grads = jax.value_and_grad(loss_fn)(params)
@@ -53,7 +60,7 @@ def warmstart(cfg: ModelConfig, params, prompter: Prompter, example_at: Callable
               batch_size: int, lr: float, max_prompt_len: int, max_new_tokens: int, place=lambda b: b,
               progress=None) -> tuple[dict, list[float]]:
   """Run `steps` supervised steps on the task's training stream (positions from 10**9, apart from GRPO's)."""
-  optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(optax.cosine_decay_schedule(lr, steps, 0.1)))
+  optimizer = _optimizer(lr, steps)
   opt_state = optimizer.init(params)
   params = jax.tree_util.tree_map(jnp.copy, params)  # the caller's params are not donated
   losses = []

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import optax
 
-from hilore_jax import logra
-from hilore_jax.config import OptimizerConfig
+from hilore_jax.optim import logra
+from hilore_jax.optim.config import OptimizerConfig
 
 # LoGRA leaves that stay dense AdamW besides every leaf with < 2 dims (norms, 1-D biases): embeddings and the lm
 # head (rows are tokens: one shared subspace does not fit them) and the attention biases, [N, H] by shape but one
@@ -24,10 +24,12 @@ def schedule(oc: OptimizerConfig, total_updates: int) -> optax.Schedule:
   return optax.constant_schedule(oc.lr)
 
 
-def make_optimizer(oc: OptimizerConfig, total_updates: int) -> optax.GradientTransformation:
-  """chain(clip_by_global_norm, adamw | logra): one schedule, betas, eps and weight decay (on every leaf) for both."""
+def make_optimizer(oc: OptimizerConfig, total_updates: int,
+                   lr: optax.Schedule | None = None) -> optax.GradientTransformation:
+  """chain(clip_by_global_norm, adamw | logra): one schedule (lr, or built from oc), betas, eps and weight decay (on
+  every leaf) for both."""
   parts = [optax.clip_by_global_norm(oc.max_grad_norm)] if oc.max_grad_norm > 0 else []
-  lr = schedule(oc, total_updates)
+  lr = schedule(oc, total_updates) if lr is None else lr
   if oc.kind == "logra":
     lc = oc.logra
     parts.append(logra.logra(lr, lc.rank, lc.refresh_every, oc.b1, oc.b2, oc.eps, oc.weight_decay, lc.scale, lc.seed,

@@ -1,5 +1,8 @@
 """GRPO numerics as pure functions: advantages, clipped surrogate, KL estimators, aggregation, w_t.
 
+The advantage functions use array methods only, so numpy rewards give numpy advantages on the host (the update
+batch is built there) and jax arrays give jax arrays.
+
 Imports nothing from the package: the settings arrive as `lc`, any object with the loss fields of
 config.GRPOConfig (loss_agg, eps_low, eps_high, dual_clip, beta, kl_estimator, max_completion_len), validated there.
 """
@@ -22,14 +25,15 @@ STD_EPS = 1e-4
 
 
 def _std(x, axis=None, keepdims=False):
-  return jnp.std(x, axis=axis, ddof=1, keepdims=keepdims)  # unbiased, as TRL and DeepSeekMath
+  return x.std(axis=axis, ddof=1, keepdims=keepdims)  # unbiased, as TRL and DeepSeekMath
 
 
 def _scaled(adv_PG: jax.Array, rewards_PG: jax.Array, std_scale: str) -> jax.Array:
+  # times the reciprocal: what XLA makes of a division by a broadcast value, so numpy (the host) and jax agree bitwise
   if std_scale == "group":
-    return adv_PG / (_std(rewards_PG, axis=1, keepdims=True) + STD_EPS)
+    return adv_PG * (1.0 / (_std(rewards_PG, axis=1, keepdims=True) + STD_EPS))
   if std_scale == "batch":
-    return adv_PG / (_std(rewards_PG) + STD_EPS)
+    return adv_PG * (1.0 / (_std(rewards_PG) + STD_EPS))
   if std_scale == "none":
     return adv_PG
   raise ValueError(f"std_scale must be one of {list(STD_SCALES)}, got {std_scale!r}")
@@ -64,7 +68,7 @@ def advantages(name: str, rewards_PG: jax.Array, std_scale: str = "group") -> ja
 
 def zero_std_groups(rewards_PG: jax.Array) -> jax.Array:
   """[P] True where every completion of a prompt got the same reward (no learning signal)."""
-  return jnp.all(rewards_PG == rewards_PG[:, :1], axis=1)
+  return (rewards_PG == rewards_PG[:, :1]).all(axis=1)
 
 
 # ----------------------------------------------------------------------------- per-token terms

@@ -11,9 +11,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from hilore_jax.config import TaskConfig
 from hilore_jax.errors import ConfigError
-from hilore_jax.tasks import Example
+from hilore_jax.tasks.config import TaskConfig
+from hilore_jax.tasks.task import Example
 
 _PROBE = "HILORE_PROBE_REPLY"  # a plain-word assistant reply: templates pass it through unchanged
 

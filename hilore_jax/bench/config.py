@@ -1,0 +1,76 @@
+"""The benchmarks' own sections (bench.*, bench_exposure.*): kept out of the trainer's Config, read beside it from
+the same YAML file by `load` (the rest of the file is an ordinary trainer config)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from hilore_jax import config as config_lib
+from hilore_jax.errors import ConfigError, check_choice, check_positive, check_range
+from hilore_jax.memory.config import MEMORY_POLICIES
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+  """`python -m train.bench`: the actor update of every method on synthetic GRPO minibatches."""
+
+  batch_size: int = 8  # rows per minibatch (groups x group_size)
+  group_size: int = 4  # responses per prompt
+  seq_len: int = 256  # prompt + completion tokens
+  prompt_len: int = 64
+  budget_ratios: tuple[float, ...] = (1.00, 1.05, 1.10)
+  methods: tuple[str, ...] = MEMORY_POLICIES
+  reps: int = 9  # timed steps per method (interleaved; medians)
+  zero_adv_frac: float = 0.25  # share of groups whose rewards are all equal
+  logp_noise: float = 0.3  # old log-probs = current + N(0, this): some ratios clip
+  risk_batches: int = 4  # held-out batches for the risk-prediction table
+  risk_sets: int = 8  # random L sets whose measured error validates the set-risk model on the held-out batches
+  unit_risk_table: bool = True  # per-unit risk-prediction table (risk.md): one probe gradient per unit and batch
+
+  def __post_init__(self):
+    for k in ("batch_size", "group_size", "seq_len", "prompt_len", "reps"):
+      check_positive(f"bench.{k}", getattr(self, k))
+    if self.batch_size % self.group_size:
+      raise ConfigError(f"bench.batch_size ({self.batch_size}) must be a multiple of bench.group_size "
+                        f"({self.group_size})")
+    if not 0 < self.prompt_len < self.seq_len:
+      raise ConfigError(f"bench.prompt_len must be in (0, bench.seq_len={self.seq_len}), got {self.prompt_len}")
+    for r in self.budget_ratios:
+      if r < 1.0:
+        raise ConfigError(f"bench.budget_ratios must be >= 1.0 (full checkpointing is the floor), got {r}")
+    for m in self.methods:
+      check_choice("bench.methods", m, MEMORY_POLICIES)
+    check_range("bench.zero_adv_frac", self.zero_adv_frac, 0.0, 1.0)
+    check_positive("bench.logp_noise", self.logp_noise, allow_zero=True)
+    check_positive("bench.risk_batches", self.risk_batches, allow_zero=True)
+    check_positive("bench.risk_sets", self.risk_sets, allow_zero=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExposureBenchConfig:
+  """`python -m train.bench_exposure`: run-time exposure on real rollout minibatches (bench/exposure.py)."""
+
+  rollout_steps: int = 4  # rollouts of the warm-started policy; each gives grpo.num_iterations passes of minibatches
+  calib_minibatches: int = 8  # the first minibatches (step 0, first pass) calibrate; every later one is held out
+  budget_ratio: float = 1.10  # every arm's memory budget, a multiple of the GC step's peak
+  reps: int = 5  # interleaved timing rounds over every distinct plan
+  bootstrap: int = 2000  # resamples of the held-out minibatches for the Spearman CIs
+  arms: bool = True  # false: risk prediction only (no per-arm plans, budget fits or timing)
+
+  def __post_init__(self):
+    for k in ("rollout_steps", "calib_minibatches", "reps", "bootstrap"):
+      check_positive(f"bench_exposure.{k}", getattr(self, k))
+    if self.budget_ratio < 1.0:
+      raise ConfigError(f"bench_exposure.budget_ratio must be >= 1.0, got {self.budget_ratio}")
+
+
+SECTIONS = {"bench": BenchConfig, "bench_exposure": ExposureBenchConfig}
+
+
+def load(path: str | None, overrides: Sequence[str], section: str):
+  """(trainer Config, the named bench section) from one YAML file and dotted overrides: the section (and any other
+  bench section the file holds) is taken out, the rest is an ordinary trainer config."""
+  d = config_lib.merged(config_lib.read_yaml(path), overrides)
+  raw = {name: d.pop(name, None) for name in SECTIONS}
+  return config_lib.from_dict(d), config_lib.build(SECTIONS[section], raw[section] or {}, f"{section}.")

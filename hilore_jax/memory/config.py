@@ -1,0 +1,64 @@
+"""The memory wing's settings (memory.*): the method, its budgets, calibration and the exposure score's terms."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hilore_jax.errors import ConfigError, check_choice, check_positive
+from hilore_jax.model.codec import FORMATS
+
+# memory.policy: none keeps every activation, gc recomputes every layer, hilore plans H/L/R(/O) per unit by
+# exposure; the rest are the benchmark's baselines (memory/methods.py implements one planner per name)
+MEMORY_POLICIES = ("none", "gc", "sac", "optimal_hr", "uniform_int8", "uniform_int8_gc", "greedy_bits",
+                   "greedy_bits_gc", "adacc_style", "hilore")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExposureSwitches:
+  """Terms of the exposure score, each switchable for ablations (memory.exposure.*)."""
+
+  ratio_clip: bool = True  # use w_t (ratio, clip mask); off: |advantage| per token
+  update_mask: bool = True  # only tokens that are updated; off: every position counts
+  kl: bool = True  # include the beta * KL part of w_t
+  activation: bool = True  # weight by the unit's per-token reconstruction error; off: 1
+  susceptibility: bool = True  # per-unit measured factor; off: 1
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryConfig:
+  policy: str = "none"  # one of MEMORY_POLICIES
+  budget_ratio: float = 1.05  # memory budget as a multiple of the GC step's peak bytes
+  budget_bytes: int | None = None  # absolute budget (overrides budget_ratio)
+  grad_err_tolerance: float = 0.01  # relative gradient error the risk budget is calibrated to
+  buckets: int = 4  # hilore: exposure buckets, one allocation (and compiled step) each
+  refresh_every: int = 0  # recalibrate every N steps (0: only at the start)
+  group_size: int = 64  # L codes: one scale per group along the last axis
+  lowp_format: str = "int8"  # L codes: int8 | fp8_e4m3 | int4 | bf16
+  calib_batches: int = 2  # K: minibatches the risk calibration measures
+  calib_sets: int = 6  # random L sets per calibration batch to fit how coherently units' errors add
+  solver: str = "exact"  # exact (MILP) | greedy: the allocator of the solved methods; the other's gap is logged
+  # exact: the relative optimality gap HiGHS must prove (0: proven optimal). Below ~0.5% some two-budget plans took
+  # minutes to prove (measured: 217 s at 0.1%, 0.7 s at 0.5%, the same plan time to 0.06%)
+  mip_gap: float = 0.005
+  offload: bool = False  # allow O (offload to host memory); GPU/TPU only
+  budget_probes: int = 4  # compiles per bucket to fit the plan's byte allowance to the compiled peak
+  exposure: ExposureSwitches = ExposureSwitches()
+
+  def __post_init__(self):
+    check_choice("memory.policy", self.policy, MEMORY_POLICIES)
+    check_choice("memory.lowp_format", self.lowp_format, FORMATS)
+    check_positive("memory.calib_batches", self.calib_batches)
+    check_positive("memory.calib_sets", self.calib_sets, allow_zero=True)
+    check_choice("memory.solver", self.solver, ("exact", "greedy"))
+    check_positive("memory.budget_probes", self.budget_probes)
+    if not 0.0 <= self.mip_gap < 1.0:
+      raise ConfigError(f"memory.mip_gap must be in [0, 1) (a relative optimality gap), got {self.mip_gap}")
+    if self.budget_ratio < 1.0:
+      raise ConfigError(f"memory.budget_ratio must be >= 1.0 (full checkpointing is the floor), got "
+                        f"{self.budget_ratio}")
+    if self.budget_bytes is not None:
+      check_positive("memory.budget_bytes", self.budget_bytes)
+    check_positive("memory.grad_err_tolerance", self.grad_err_tolerance)
+    check_positive("memory.buckets", self.buckets)
+    check_positive("memory.refresh_every", self.refresh_every, allow_zero=True)
+    check_positive("memory.group_size", self.group_size)

@@ -1,0 +1,147 @@
+"""The RL wing's settings: rollouts and decoding (rollout.*), the GRPO objective (grpo.*), the update schedule
+(train.*), evaluation (eval.*) and rollout replay (replay.*)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hilore_jax.errors import ConfigError, check_choice, check_positive, check_range
+from hilore_jax.rl import grpo
+
+REPLAY_MODES = ("fresh_anchored", "naive")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """Decoding settings (static for jit: a change recompiles the sampler)."""
+
+  max_new_tokens: int = 8
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0  # 0: off
+  greedy: bool = False
+
+  def __post_init__(self):
+    check_positive("rollout.max_new_tokens", self.max_new_tokens)
+    if not self.greedy:
+      check_positive("rollout.temperature", self.temperature)
+    check_range("rollout.top_p", self.top_p, 0.0, 1.0, low_open=True)
+    check_positive("rollout.top_k", self.top_k, allow_zero=True)
+
+  def sampling(self) -> "SamplingConfig":
+    """Just the decoding fields (so other settings of a subclass never recompile the sampler)."""
+    return SamplingConfig(self.max_new_tokens, self.temperature, self.top_p, self.top_k, self.greedy)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig(SamplingConfig):
+  """Rollouts: prompts per step, G completions each, prompt length, and the decoding settings."""
+
+  num_prompts: int = 16
+  num_generations: int = 8  # G
+  max_prompt_len: int = 16
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_positive("rollout.num_prompts", self.num_prompts)
+    if self.num_generations < 2:
+      raise ConfigError(f"rollout.num_generations must be > 1, got {self.num_generations}")
+    check_positive("rollout.max_prompt_len", self.max_prompt_len)
+    if self.greedy:
+      raise ConfigError("rollout.greedy=true would make every completion of a group identical (zero advantage)")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+  """The GRPO objective and update schedule; grpo.py's numerics read the loss fields."""
+
+  advantage: str = "grpo"  # grpo | rloo | dr_grpo
+  std_scale: str = "group"  # group | batch | none
+  loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)
+  eps_low: float = 0.2
+  eps_high: float = 0.2  # > eps_low: DAPO's clip-higher
+  dual_clip: float | None = None  # c > 1 caps the loss of negative-advantage tokens at c * |A|
+  beta: float = 0.0  # KL coefficient
+  kl_estimator: str = "k3"
+  max_completion_len: int = 0  # Dr.GRPO's constant normaliser; 0: rollout.max_new_tokens
+  num_iterations: int = 1  # passes over each rollout batch
+  filter_zero_std: bool = True  # drop groups whose rewards are all equal
+
+  def __post_init__(self):
+    check_choice("grpo.advantage", self.advantage, grpo.ADVANTAGES)
+    check_choice("grpo.std_scale", self.std_scale, grpo.STD_SCALES)
+    check_choice("grpo.loss_agg", self.loss_agg, grpo.LOSS_AGGS)
+    check_choice("grpo.kl_estimator", self.kl_estimator, grpo.KL_ESTIMATORS)
+    # eps = 0 puts every on-policy token on the clip boundary, where the surrogate's derivative is undefined
+    check_range("grpo.eps_low", self.eps_low, 0.0, 1.0, low_open=True, high_open=True)
+    check_positive("grpo.eps_high", self.eps_high)
+    if self.dual_clip is not None and self.dual_clip <= 1:
+      raise ConfigError(f"grpo.dual_clip must be > 1 (or null), got {self.dual_clip}")
+    check_positive("grpo.beta", self.beta, allow_zero=True)
+    check_positive("grpo.max_completion_len", self.max_completion_len, allow_zero=True)
+    check_positive("grpo.num_iterations", self.num_iterations)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 100
+  minibatch_size: int = 0  # sequences per optimizer update; 0: the whole batch
+  microbatch_size: int = 0  # sequences per gradient-accumulation slice; 0: the whole minibatch
+  logprob_chunk: int = 128
+  resume: bool = False
+  warmstart_steps: int = 0  # supervised steps on task answers before GRPO (from scratch models)
+  warmstart_lr: float = 1e-3
+  warmstart_batch_size: int = 64
+
+  def __post_init__(self):
+    check_positive("train.steps", self.steps)
+    check_positive("train.minibatch_size", self.minibatch_size, allow_zero=True)
+    check_positive("train.microbatch_size", self.microbatch_size, allow_zero=True)
+    check_positive("train.logprob_chunk", self.logprob_chunk)
+    check_positive("train.warmstart_steps", self.warmstart_steps, allow_zero=True)
+    check_positive("train.warmstart_lr", self.warmstart_lr)
+    check_positive("train.warmstart_batch_size", self.warmstart_batch_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  num_examples: int = 200
+  pass_k: int = 4
+  temperature: float = 1.0
+  batch_size: int = 128
+  at_start: bool = True
+  at_end: bool = True
+
+  def __post_init__(self):
+    check_positive("eval.num_examples", self.num_examples)
+    check_positive("eval.pass_k", self.pass_k, allow_zero=True)
+    check_positive("eval.temperature", self.temperature)
+    check_positive("eval.batch_size", self.batch_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayConfig:
+  """replay.*: rollout-level replay (replay.py); off by default; mode `naive` is the uniform, whole-group,
+  unbounded-age baseline."""
+
+  enabled: bool = False
+  mode: str = "fresh_anchored"  # fresh_anchored | naive
+  tau_max: int = 4  # largest age (training steps) a replayed rollout may have; naive ignores it
+  capacity: int = 1024  # stored rollouts (rows, not groups)
+  share: float = 0.25  # replayed rows per fresh row, rounded half up, capped by what is replayable (0 fresh: none)
+  priority_exponent: float = 1.0  # alpha in P(row) ~ |A|^alpha; 0 is uniform; naive is always uniform
+  group_size: int = 0  # G rows per prompt; 0: rollout.num_generations (the only value a run accepts)
+
+  def __post_init__(self):
+    check_choice("replay.mode", self.mode, REPLAY_MODES)
+    if self.tau_max < 1:
+      raise ConfigError(f"replay.tau_max must be >= 1 (rows are replayable from the step after their birth), "
+                        f"got {self.tau_max}")
+    check_positive("replay.capacity", self.capacity)
+    check_positive("replay.share", self.share, allow_zero=True)
+    check_positive("replay.priority_exponent", self.priority_exponent, allow_zero=True)
+    if self.group_size == 1 or self.group_size < 0:
+      raise ConfigError(f"replay.group_size must be > 1 (or 0: rollout.num_generations), got {self.group_size}")
+    if self.mode == "naive" and self.group_size and self.capacity % self.group_size:
+      raise ConfigError(f"replay.capacity ({self.capacity}) must be a multiple of replay.group_size "
+                        f"({self.group_size}) in naive mode, which stores whole groups")

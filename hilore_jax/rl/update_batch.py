@@ -1,0 +1,136 @@
+"""One step's update rows on the host, as typed minibatches: advantages, zero-std filtering, fresh-anchored replay,
+shuffled fixed-size minibatches (a short last one padded with masked rows).
+
+`UpdateBatch` is the one type the gradient program, the log-prob forward and the memory manager read. It is built
+completely on the host (numpy) and placed on the devices with one `device_put` per minibatch; only what needs the
+policy (the old and reference log-probs) is filled in on the devices afterwards. Which optional fields are present
+is part of its pytree structure, so it is part of the compile key: `signature()` says what a compilation saw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from hilore_jax.rl import grpo, replay
+from hilore_jax.rl.rollout import Rollout
+
+Array = Any  # numpy on the host, jax.Array once placed
+SEQUENCE_FIELDS = ("prompt_ids", "prompt_mask", "tokens", "mask")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class UpdateBatch:
+  """B update rows: prompt + completion and what the GRPO loss needs; a field is None when the run never reads it."""
+
+  prompt_ids: Array  # [B, P] int32, left-padded
+  prompt_mask: Array  # [B, P] int32
+  tokens: Array  # [B, N] int32 completions, right-padded
+  mask: Array  # [B, N] int32: 1 on completion tokens that count (a padding row is all 0)
+  adv: Array | None = None  # [B] float32 advantages
+  # [B, N] float32: the ratio's denominator (behaviour log-probs). On the host: the stored ones of replayed rows and
+  # NaN on fresh rows (0 where on_policy makes it unread), filled in on the devices (`UpdateBatch.with_old_logp`)
+  old_logp: Array | None = None
+  on_policy: Array | None = None  # [B] int32: rows whose denominator is stop_gradient(logp) (old_logp unread)
+  replayed: Array | None = None  # [B] int32: rows from the replay buffer (their old_logp is stored)
+  ref_logp: Array | None = None  # [B, N] float32: the reference policy's log-probs (KL), filled on the devices
+
+  @property
+  def rows(self) -> int:
+    return self.tokens.shape[0]
+
+  @property
+  def prompt_len(self) -> int:
+    return self.prompt_ids.shape[1]
+
+  @property
+  def completion_len(self) -> int:
+    return self.tokens.shape[1]
+
+  def sequences(self) -> UpdateBatch:
+    """Only the token fields (what a log-prob forward reads: one compilation whatever else the batch carries)."""
+    return UpdateBatch(self.prompt_ids, self.prompt_mask, self.tokens, self.mask)
+
+  def split(self, n: int) -> UpdateBatch:
+    """Every field reshaped [n, B / n, ...]: n row slices (microbatches) for a scan or map."""
+    return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), self)
+
+  def signature(self) -> tuple:
+    """(field, shape, dtype) of every present field: what a compiled program depends on."""
+    return tuple((f.name, tuple(getattr(self, f.name).shape), str(getattr(self, f.name).dtype))
+                 for f in dataclasses.fields(self) if getattr(self, f.name) is not None)
+
+  def replace(self, **kw) -> UpdateBatch:
+    return dataclasses.replace(self, **kw)
+
+
+def updates_per_step(c) -> int:
+  """Optimizer updates of a step at most: every fresh row plus the most rows replay can append, per iteration."""
+  B = c.rollout.num_prompts * c.rollout.num_generations
+  rows = B + replay.max_replay_rows(c.replay, B)
+  return c.grpo.num_iterations * -(-rows // c.minibatch_size)
+
+
+def minibatches(c, roll: Rollout, rng: np.random.Generator, buffer: replay.ReplayBuffer | None = None, step: int = 0,
+                use_old_logp: bool = False) -> tuple[list[UpdateBatch], dict]:
+  """Host minibatches of every kept fresh row and (with a buffer) the replayed rows, and the step's stats.
+
+  With use_old_logp each minibatch carries old_logp and on_policy (the first minibatch's fresh rows are on-policy:
+  its update is the rollout's first), with a buffer also `replayed`. This step's rollouts enter the buffer after the
+  batch is composed, so they are replayable from the next step on. c is the run's Config.
+  """
+  G = c.rollout.num_generations
+  rewards_PG = roll.rewards.reshape(-1, G)
+  adv = grpo.advantages(c.grpo.advantage, rewards_PG, c.grpo.std_scale).reshape(-1)
+  zero_std = grpo.zero_std_groups(rewards_PG)
+  keep_rows = np.arange(len(adv))
+  if c.grpo.filter_zero_std:
+    keep_rows = np.flatnonzero(np.repeat(~zero_std, G))
+  stats = {"frac_reward_zero_std": float(zero_std.mean()), "adv/abs_mean": float(np.abs(adv).mean())}
+  full = {k: getattr(roll, k)[keep_rows] for k in SEQUENCE_FIELDS}
+  full["adv"] = adv[keep_rows].astype(np.float32)
+  if buffer is not None:
+    full, replayed, replay_stats = buffer.compose(full, step, np.random.default_rng([c.seed, step, 1]))
+    full["replayed"] = replayed.astype(np.int32)
+    stats.update(replay_stats)
+    buffer.add(roll, adv, step)
+  n = len(full["adv"])
+  stats["rows_updated"] = n
+  if n == 0:
+    return [], stats
+  # a permutation of positions: with no replayed rows it reorders keep_rows exactly as shuffling them would
+  order = np.arange(n)
+  rng.shuffle(order)
+  mb = c.minibatch_size
+  n_pad = -n % mb
+  rows = np.concatenate([order, np.full(n_pad, order[0])])
+  live = np.concatenate([np.ones(n), np.zeros(n_pad)]).astype(np.int32)
+  full = {k: v[rows] for k, v in full.items()}
+  full["mask"] = full["mask"] * live[:, None]
+  full["adv"] = (full["adv"] * live).astype(np.float32)
+  out = []
+  for j, i in enumerate(range(0, len(rows), mb)):
+    part = {k: v[i:i + mb] for k, v in full.items()}
+    if use_old_logp:
+      replayed = part.get("replayed", np.zeros(mb, np.int32))
+      # the rollout's first update is on-policy for its fresh rows: their denominator is the current log-prob
+      part["on_policy"] = ((replayed == 0) & (j == 0)).astype(np.int32)
+      stored = part.get("old_logp", np.full(part["tokens"].shape, np.nan, np.float32))
+      # 0 where unread (on-policy), NaN where a forward must fill it in: a forgotten fill is a non-finite loss
+      part["old_logp"] = np.where(part["on_policy"][:, None] > 0, 0.0, stored).astype(np.float32)
+    else:
+      part.pop("replayed", None)
+    out.append(UpdateBatch(**part))
+  return out, stats
+
+
+def needs_old_forward(batch: UpdateBatch, later_passes: bool) -> bool:
+  """Whether a forward pass must give this host minibatch's old log-probs: a fresh row is not on-policy now or on a
+  later pass over the rollout (where no row is), or a replayed row's current log-prob is wanted."""
+  if batch.old_logp is None:
+    return False
+  return later_passes or batch.replayed is not None or not bool(np.all(batch.on_policy))
