@@ -205,7 +205,10 @@ def _build(name: str, spec: KnownModel, partial: str):
   log.info("%s: converting %s (%s, sha256 verified) to a Hugging Face directory", name, os.path.basename(gguf_path),
            _mb(os.path.getsize(gguf_path)))
   model_dir = os.path.join(partial, "model")
-  gguf_lib.gguf_to_hf(gguf_path, model_dir)
+  try:
+    gguf_lib.gguf_to_hf(gguf_path, model_dir)
+  except ValueError as e:  # the converter names what it cannot read; the CLI shows that as one line
+    raise CheckpointError(f"{name}: cannot convert {spec.member}: {e}") from None
   manifest = _manifest(name, spec, model_dir)
   with open(os.path.join(model_dir, MANIFEST), "w") as f:
     json.dump(manifest, f, indent=2)
