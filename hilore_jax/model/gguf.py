@@ -37,13 +37,29 @@ _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _GLOBAL_STEM = {v: k for k, v in _GLOBAL.items()}
 _LAYER_STEM = {v: k for k, v in _LAYER.items()}
-# tokenizer.ggml.pre -> the split regex run before byte-level BPE (None: ByteLevel's own GPT-2 regex). smollm gets
-# the GPT-2 split, as transformers' GGUF reader gives it; llama.cpp isolates each digit first, and SmolLM2 scores that
-# split higher: the two differ where a run of whitespace precedes a digit ("\n\n47").
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
                 r"|\s+(?!\S)|\s+")
 _LLAMA3_SPLIT = _QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
-PRE_TOKENIZERS = {"default": None, "gpt2": None, "smollm": None, "qwen2": _QWEN2_SPLIT, "llama-bpe": _LLAMA3_SPLIT}
+
+
+def _byte_level(use_regex: bool = True) -> pre_tokenizers.PreTokenizer:
+  """GPT-2's byte-level pre-tokenizer; use_regex: split with GPT-2's own regex first."""
+  return pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=use_regex)
+
+
+def _split(regex: str):
+  return lambda: pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+                                          _byte_level(use_regex=False)])
+
+
+# tokenizer.ggml.pre -> a new pre-tokenizer (run before byte-level BPE). smollm is the one in HF's own SmolLM2
+# tokenizer.json (StarCoder's), as llama.cpp also reads it: each digit split off, then GPT-2's split. transformers' GGUF
+# reader gives smollm the plain GPT-2 split, which differs where a run of whitespace precedes a digit ("\n\n47" is
+# Ċ Ċ 4 7 there, ĊĊ 4 7 here); SmolLM2 gives the digit split a far higher probability (tests/test_real_model.py).
+PRE_TOKENIZERS = {
+    "default": _byte_level, "gpt2": _byte_level, "qwen2": _split(_QWEN2_SPLIT), "llama-bpe": _split(_LLAMA3_SPLIT),
+    "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level()]),
+}
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 _REQUIRED = object()
 
@@ -191,10 +207,7 @@ def _build_tokenizer(reader: gguf.GGUFReader, path: str) -> PreTrainedTokenizerF
   if bad is not None:
     raise ValueError(f"{path}: tokenizer.ggml.merges has {' '.join(bad)!r}, not two tokens")
   tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
-  split = PRE_TOKENIZERS[pre]
-  tok.pre_tokenizer = (pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True) if split is None else
-                       pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]))
+  tok.pre_tokenizer = PRE_TOKENIZERS[pre]()
   tok.decoder = decoders.ByteLevel()
   # llama.cpp matches user-defined tokens whole but never counts them special
   tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
