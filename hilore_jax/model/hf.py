@@ -131,6 +131,28 @@ def load_hf(path: str, dtype: Any = "float32", compute_dtype: Any = None) -> tup
   return cfg, params
 
 
+def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+  """HF tensor name -> shape, for every tensor of the architecture."""
+  return {hf_name: shape for hf_name, _, shape, _, _ in _entries(cfg)}
+
+
+def from_state_dict(cfg: ModelConfig, state: dict, where: str = "state dict") -> dict:
+  """Our params (in cfg.param_dtype) from HF-named arrays, checked against the architecture's tensor table."""
+  entries = list(_entries(cfg))
+  unexpected = sorted(set(state) - {e[0] for e in entries})
+  if unexpected:
+    raise ValueError(f"{where}: tensors not part of {cfg.architecture}: {unexpected[:8]}")
+  params: dict = {}
+  for hf_name, ours, shape, to_ours, _ in entries:
+    if hf_name not in state:
+      raise ValueError(f"{where}: missing tensor {hf_name!r} (expected shape {shape})")
+    t = np.asarray(state[hf_name])
+    if tuple(t.shape) != shape:
+      raise ValueError(f"{where}: tensor {hf_name!r} has shape {tuple(t.shape)}, expected {shape} for this config")
+    _set(params, ours, jnp.asarray(to_ours(t), cfg.params_dtype))
+  return params
+
+
 def save_hf(cfg: ModelConfig, params: dict, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
             tokenizer=None) -> str:
   """Write a transformers-loadable directory atomically (a half-written export never replaces a good one)."""
