@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 import hilore_jax
-from hilore_jax import fetch, prompts, tasks
-from hilore_jax.config import SamplingConfig
+from hilore_jax import fetch, tasks
 from hilore_jax.errors import CheckpointError
+from hilore_jax.rl.config import SamplingConfig
+from hilore_jax.tasks import prompts
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 torch = pytest.importorskip("torch", reason="the parity tests need PyTorch")
