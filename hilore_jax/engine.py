@@ -21,8 +21,6 @@ import optax
 
 from hilore_jax import model, optim, sharding
 from hilore_jax.config import Config
-from hilore_jax.memory import exposure
-from hilore_jax.memory.hooks import StepHooks
 from hilore_jax.optim import logra
 from hilore_jax.optim.config import KLControlConfig
 from hilore_jax.rl import train_step
@@ -47,13 +45,16 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, opt_shape, para
 
 
 def init_state(mesh, optimizer: optax.GradientTransformation, params_shape, make_params) -> tuple[dict, dict]:
-  """(state, state shardings): params from make_params(param shardings), optimizer state created sharded."""
+  """(state, state shardings): params from make_params(param shardings), optimizer state created sharded; with
+  make_params None, the abstract state (shapes and dtypes only: to compile and measure, nothing allocated)."""
   param_sh = sharding.param_shardings(mesh, params_shape)
-  params = make_params(param_sh)
   opt_shape = jax.eval_shape(optimizer.init, params_shape)
   rep = sharding.replicated(mesh)
   opt_sh = opt_state_shardings(optimizer, opt_shape, param_sh, rep)
   state_sh = {"params": param_sh, "opt_state": opt_sh, "step": rep}
+  if make_params is None:
+    return {"params": params_shape, "opt_state": opt_shape, "step": jax.ShapeDtypeStruct((), jnp.int32)}, state_sh
+  params = make_params(param_sh)
   opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
   # from a host value: device_put of a committed device array onto a mesh spanning processes makes a broken array
   return {"params": params, "opt_state": opt_state, "step": jax.device_put(np.int32(0), rep)}, state_sh
@@ -256,65 +257,21 @@ class Engine:
 
 
 def build(cfg: Config, model_cfg: model.ModelConfig, total_updates: int, host_params: dict | None = None,
-          rng: jax.Array | None = None) -> tuple[Engine, dict]:
+          rng: jax.Array | None = None, abstract: bool = False) -> tuple[Engine, dict]:
   """(the run's engine, its sharded train state): params from host_params (a loaded checkpoint) or initialised
-  from rng, created sharded."""
+  from rng, created sharded; abstract: shapes only (compile-only measurements)."""
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
   lr = optim.schedule(cfg.optimizer, total_updates)
   optimizer = optim.make_optimizer(cfg.optimizer, total_updates, lr)
   rng = jax.random.PRNGKey(cfg.seed) if rng is None else rng
   init = lambda k: model.init_params(model_cfg, k, cfg.model.init_std)
   params_shape = jax.eval_shape(init, rng)
-  if host_params is not None:
+  if abstract:
+    make = None
+  elif host_params is not None:
     make = lambda sh: jax.device_put(host_params, sh)
   else:
     make = lambda sh: jax.jit(init, out_shardings=sh)(rng)
   state, state_sh = init_state(mesh, optimizer, params_shape, make)
   stepper = Stepper(mesh, optimizer, state, state_sh, cfg.optimizer.kl_control)
   return Engine(mesh, optimizer, lr, state_sh, stepper), state
-
-
-# one jitted gradient for the module: specs are static, so repeated specs compile once
-_grad = jax.jit(lambda p, b, s, mix: train_step.grads_and_stats(p, b, s, mix)[0], static_argnums=2)
-
-
-def memory_hooks(stepper: Stepper | None, spec: StepSpec) -> StepHooks:
-  """This trainer's side of the memory manager: compile probes, gradients, loss coefficients, unit tensors.
-
-  Per device: compiled peaks are XLA's per-device figures, so batch_shape gives one device's rows of a microbatch
-  (the batch axis is split over every mesh axis), and unit bytes and the op profile follow from it. stepper None:
-  no compile probes (calibration alone).
-  """
-  cfg = spec.model_cfg
-  shards = 1 if stepper is None else sharding.num_batch_shards(stepper.mesh)
-  with_policies = lambda pols: dataclasses.replace(spec, policies=tuple(pols))
-  probe_spec = dataclasses.replace(spec, policies=(model.NO_REMAT,) * cfg.num_hidden_layers)
-
-  def token_weights(params, batch: UpdateBatch, switches, logp=None):
-    # params None: from what the batch carries. The policy before the update produced old_logp (ratio 1 on-policy)
-    # unless `logp` gives the current log-probs (a previous pass's, or replayed rows' whose old_logp is the stored
-    # behaviour's); on rows flagged on_policy without them old_logp, and so this logp, is a placeholder (only the KL
-    # reads it)
-    if params is not None:
-      logp, _ = train_step.completion_logprobs(cfg, params, batch, None, spec.logprob_chunk, spec.temperature)
-    elif logp is None:
-      logp = batch.old_logp if batch.old_logp is not None else jnp.zeros(batch.mask.shape, jnp.float32)
-    old = train_step.old_logprobs(logp, batch, spec)
-    ref = batch.ref_logp if spec.use_ref_logp and batch.ref_logp is not None else logp
-    return exposure.token_weights(logp, old, ref, batch.adv, batch.mask, spec.loss_cfg, switches)
-
-  def unit_tensors(params, batch: UpdateBatch):
-    ids, mask = train_step.sequence_inputs(batch)
-    taps: dict = {}
-    model.hidden_states(cfg, params, ids, mask, taps=taps)
-    return [{k: train_step.completion_positions(v[layer], batch) for k, v in taps.items()}
-            for layer in range(cfg.num_hidden_layers)]
-
-  return StepHooks(
-      model_cfg=cfg,
-      compile_peak=lambda pols, batch: stepper.get(with_policies(pols), batch, count=False).peak_bytes,
-      batch_shape=lambda b: (-(-b.rows // (spec.microbatches * shards)), b.prompt_len + b.completion_len),
-      gradient=lambda p, b, pols: _grad(p, b, with_policies(pols), None),
-      probe_gradient=lambda p, b, mix, fmt, group: _grad(p, b, dataclasses.replace(probe_spec, lowp_probe=(fmt, group)),
-                                                         mix),
-      token_weights=token_weights, unit_tensors=unit_tensors)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -144,30 +145,39 @@ def plot_run(out_dir: str, steps: int, eval_before: dict, eval_after: dict | Non
   return {"reward_png": png}
 
 
-def plot_rewards(metrics_path: str, out_png: str, title: str = "GRPO reward", smooth: int = 10,
-                 extra: dict | None = None):
-  """Reward per step with a moving average; eval accuracies (if given) as markers."""
+@contextlib.contextmanager
+def figure(path: str, figsize: tuple[float, float] = (7, 4), dpi: int = 120):
+  """A matplotlib figure and axes (the Agg backend: no display needed), laid out, saved to path and closed."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
+  fig, ax = plt.subplots(figsize=figsize)
+  try:
+    yield fig, ax
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+  finally:
+    plt.close(fig)
+
+
+def plot_rewards(metrics_path: str, out_png: str, title: str = "GRPO reward", smooth: int = 10,
+                 extra: dict | None = None):
+  """Reward per step with a moving average; eval accuracies (if given) as markers."""
   rows = [r for r in read_metrics(metrics_path) if "reward/mean" in r]
   steps = [r["step"] for r in rows]
   reward = [r["reward/mean"] for r in rows]
-  fig, ax = plt.subplots(figsize=(7, 4))
-  ax.plot(steps, reward, alpha=0.35, label="reward/mean")
-  if len(reward) >= smooth:
-    avg = [sum(reward[i - smooth + 1:i + 1]) / smooth for i in range(smooth - 1, len(reward))]
-    ax.plot(steps[smooth - 1:], avg, label=f"moving average ({smooth})")
-  for label, (x, y) in (extra or {}).items():
-    ax.scatter([x], [y], marker="o", zorder=3, label=label)
-  ax.set_xlabel("GRPO step")
-  ax.set_ylabel("reward / accuracy")
-  ax.set_ylim(-0.02, 1.02)
-  ax.grid(alpha=0.3)
-  ax.legend(loc="upper left", fontsize=8)
-  ax.set_title(title)
-  fig.tight_layout()
-  fig.savefig(out_png, dpi=110)
-  plt.close(fig)
+  with figure(out_png, (7, 4), dpi=110) as (fig, ax):
+    ax.plot(steps, reward, alpha=0.35, label="reward/mean")
+    if len(reward) >= smooth:
+      avg = [sum(reward[i - smooth + 1:i + 1]) / smooth for i in range(smooth - 1, len(reward))]
+      ax.plot(steps[smooth - 1:], avg, label=f"moving average ({smooth})")
+    for label, (x, y) in (extra or {}).items():
+      ax.scatter([x], [y], marker="o", zorder=3, label=label)
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title(title)

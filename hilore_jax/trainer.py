@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import checkpointing, engine, evaluation, metrics, model, preflight, runtime, sharding, tasks
+from hilore_jax import (checkpointing, engine, evaluation, metrics, model, preflight, runtime, sharding, step_hooks,
+                        tasks)
 from hilore_jax.config import Config
 from hilore_jax.errors import ConfigError, RunExists, TrainingDiverged
 from hilore_jax.memory import MemoryManager
@@ -71,7 +72,7 @@ class Trainer:
     n_shards = sharding.num_batch_shards(self.engine.mesh)
     if micro % n_shards:
       raise ConfigError(f"train.microbatch_size ({micro}) must be divisible by the {n_shards} devices of the mesh")
-    self.memory = (MemoryManager(c.memory, engine.memory_hooks(self.stepper, self.spec))
+    self.memory = (MemoryManager(c.memory, step_hooks.memory_hooks(self.stepper, self.spec))
                    if c.memory.policy not in ("none", "gc") else None)
     self.checkpointer = checkpointing.Checkpointer(os.path.join(self.out_dir, "checkpoints"), c.checkpoint.keep)
     self.ref_params = None

@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from hilore_jax import cli, engine, model, sharding  # noqa: E402
+from hilore_jax import cli, engine, model, sharding, step_hooks  # noqa: E402
 from hilore_jax.bench import synthetic  # noqa: E402
 from hilore_jax.memory import MemoryManager  # noqa: E402
 from hilore_jax.rl import train_step
@@ -26,7 +26,7 @@ spec = train_step.StepSpec(mcfg, grpo, model.uniform(mcfg.num_hidden_layers, mod
                            use_old_logp=True)
 host = synthetic.grpo_batch(mcfg, state0["params"], np.random.default_rng(0), B, P, N, 4)
 batch = jax.device_put(host.replace(ref_logp=None), sharding.batch_sharding(eng.mesh))
-manager = MemoryManager(cfg.memory, engine.memory_hooks(eng.stepper, spec))
+manager = MemoryManager(cfg.memory, step_hooks.memory_hooks(eng.stepper, spec))
 manager.setup(state0["params"], [batch], 0)  # profiles single-layer ops: far below the step's peak
 (alloc,) = manager.allocate([batch])  # probe compiles only: nothing of the step has run yet
 step = eng.stepper.get(dataclasses.replace(spec, policies=alloc.policies), batch)

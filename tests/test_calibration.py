@@ -1,9 +1,12 @@
+"""Risk calibration: measured unit and set errors, the risk model, the budget delta, and its cost at depth."""
+
+import dataclasses
 
 import jax
 import numpy as np
 import pytest
 
-from hilore_jax import engine, model
+from hilore_jax import model, step_hooks
 from hilore_jax.bench import synthetic
 from hilore_jax.memory import calibration
 from hilore_jax.memory.config import ExposureSwitches
@@ -31,14 +34,14 @@ def grpo_setup(tiny_cfg):
                       rng.integers(3, 31, (B, N)).astype(np.int32), np.ones((B, N), np.int32),
                       np.array([1.5, -0.5, -0.5, -0.5, 0, 0, 0, 0], np.float32))
   spec = train_step.StepSpec(tiny_cfg, GRPOConfig(), model.uniform(tiny_cfg.num_hidden_layers, model.NO_REMAT))
-  return engine.memory_hooks(None, spec), p, batch
+  return step_hooks.memory_hooks(None, spec), p, batch
 
 
 def test_measured_errors_and_held_out_score_quality(tiny_cfg):
   p = model.init_params(tiny_cfg, jax.random.PRNGKey(0), init_std=0.3)
   spec = train_step.StepSpec(tiny_cfg, GRPOConfig(beta=0.02), model.uniform(tiny_cfg.num_hidden_layers, model.NO_REMAT),
                              use_old_logp=True, use_ref_logp=True)
-  hooks = engine.memory_hooks(None, spec)
+  hooks = step_hooks.memory_hooks(None, spec)
   rng = np.random.default_rng(0)
   batches = [synthetic.grpo_batch(tiny_cfg, p, rng, 8, 5, 7, group=4, zero_adv_frac=0.5) for _ in range(4)]
   units = calibration.lowp_units(tiny_cfg.num_hidden_layers)
@@ -102,3 +105,36 @@ def test_calibrated_delta_meets_tolerance(grpo_setup):
   assert 0 < delta <= tolerance and 0 < measured <= tolerance
   # all of them would break the tolerance
   assert calibration.gradient_error(hooks, p, batch, calibration.lowp_policies(3, units, 8)) > tolerance
+
+
+def test_layers_probed_and_interpolated_by_hand():
+  assert calibration.probed_layers(30, 0) is None and calibration.probed_layers(3, 4) is None
+  assert calibration.probed_layers(30, 3) == [0, 14, 29] and calibration.probed_layers(7, 2) == [0, 6]
+  units = [(layer, kind) for layer in range(5) for kind in ("q", "v")]
+  measured = {(0, "q"): 1e-4, (4, "q"): 1e-2, (0, "v"): 2e-3, (4, "v"): 2e-3}
+  err = dict(zip(units, calibration.interpolate_layers(units, measured)))
+  assert err[(0, "q")] == 1e-4 and err[(4, "q")] == 1e-2  # measured units keep their values
+  assert err[(2, "q")] == pytest.approx(1e-3) and err[(1, "q")] == pytest.approx(1e-4 * 10 ** 0.5)  # log-linear
+  assert all(err[(layer, "v")] == pytest.approx(2e-3) for layer in range(5))
+
+
+def test_depth_sampled_calibration_measures_fewer_units_on_fewer_rows(grpo_setup):
+  hooks, p, batch = grpo_setup
+  units = calibration.lowp_units(3)
+  calls = []
+  counting = dataclasses.replace(hooks, probe_gradient=lambda params, b, *a: calls.append(b.rows) or
+                                 hooks.probe_gradient(params, b, *a))
+  full = calibration.measure_unit_errors(counting, p, batch, units, group_size=8)
+  assert len(calls) == len(units)
+  calls.clear()
+  layers = calibration.probed_layers(3, 2)
+  sampled = calibration.measure_unit_errors(counting, p, batch, units, group_size=8, layers=layers)
+  assert len(calls) == 2 * len(units) // 3  # two of three layers, whatever the depth
+  for i, (layer, _) in enumerate(units):
+    if layer in layers:
+      assert sampled[i] == pytest.approx(full[i], rel=1e-6)
+  sub = calibration.calibration_rows(batch, 5)
+  assert sub.rows == 5 and calibration.calibration_rows(batch, 0) is batch
+  calls.clear()
+  calibration.measure_unit_errors(counting, p, sub, units, group_size=8, layers=layers)
+  assert set(calls) == {5}

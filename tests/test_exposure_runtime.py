@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from hilore_jax import engine, model, sharding
+from hilore_jax import engine, model, sharding, step_hooks
 from hilore_jax.bench import exposure as bench_exposure
 from hilore_jax.memory import MemoryManager, buckets
 from hilore_jax.memory.config import MemoryConfig
@@ -36,7 +36,7 @@ def setup():
   opt = optax.sgd(1e-3)
   state, sh = engine.init_state(mesh, opt, jax.eval_shape(lambda: params), lambda s: jax.device_put(params, s))
   spec = train_step.StepSpec(CFG, GRPOConfig(), model.uniform(2, model.NO_REMAT), use_old_logp=True)
-  hooks = engine.memory_hooks(engine.Stepper(mesh, opt, state, sh), spec)
+  hooks = step_hooks.memory_hooks(engine.Stepper(mesh, opt, state, sh), spec)
   rng = np.random.default_rng(0)
   adv = [1.5, -0.5, -0.5, -0.5, 1.0, -1.0, 1.0, -1.0]
   cal = [_batch(rng, adv) for _ in range(2)]

@@ -1,5 +1,5 @@
 import pytest
-from trainer_util import tiny_config
+from trainer_util import stable, tiny_config
 
 from hilore_jax import errors, metrics
 from hilore_jax.trainer import Trainer
@@ -24,8 +24,6 @@ def test_hilore_run_reports_allocation_under_budget_and_resumes_exactly(tmp_path
   # resume: the manager's state (profile, calibration, buckets) comes back from the checkpoint
   Trainer(tiny_config(tmp_path / "b", *HILORE, "memory.budget_ratio=1.02", "train.steps=2")).train()
   Trainer(tiny_config(tmp_path / "b", *HILORE, "memory.budget_ratio=1.02", "train.resume=true")).train()
-  volatile = ("time/", "throughput/", "compile/")
-  stable = lambda rs: [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in rs]
   assert stable(metrics.read_metrics(tmp_path / "b" / "metrics.jsonl")) == stable(rows)
 
 

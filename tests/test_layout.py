@@ -13,6 +13,7 @@ CONFIG_MAY_IMPORT = {"hilore_jax.errors", "hilore_jax.model.config"} | {f"hilore
 WING_CONFIG_MAY_IMPORT = {"hilore_jax.errors", "hilore_jax.config", "hilore_jax.rl.grpo", "hilore_jax.model.codec",
                           "hilore_jax.memory.config"}
 ARRAY_LIBRARIES = ("jax", "jaxlib", "optax", "flax", "chex", "orbax")
+TRAINER = ("hilore_jax.trainer", "hilore_jax.engine", "hilore_jax.step_hooks")  # the loop and its compiled steps
 
 
 def _module_name(path: str) -> str:
@@ -127,10 +128,10 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
           and dep not in WING_CONFIG_MAY_IMPORT | {mod.rsplit(".", 1)[0]}):
         out.append(f"{mod} -> {dep}: a wing's config imports only leaf constants and checks")
       # memory/ reads the GRPO numerics (w_t) but reaches the trainer only through StepHooks
-      if _in(mod, "memory") and (dep in ("hilore_jax.trainer", "hilore_jax.engine") or _in(dep, "bench")
-                                 or (_in(dep, "rl") and dep != "hilore_jax.rl.grpo")):
+      numerics = dep == "hilore_jax.rl.grpo"
+      if _in(mod, "memory") and (dep in TRAINER or _in(dep, "bench") or (_in(dep, "rl") and not numerics)):
         out.append(f"{mod} -> {dep}: memory/ reaches the trainer only through StepHooks, and never the bench")
-      if _in(mod, "rl") and (dep in ("hilore_jax.trainer", "hilore_jax.engine") or _in(dep, "memory", "bench")):
+      if _in(mod, "rl") and (dep in TRAINER or _in(dep, "memory", "bench")):
         out.append(f"{mod} -> {dep}: rl/ is the step's pure functions and data: no trainer, engine, memory or bench")
       if _in(mod, "tasks") and internal and not (_in(dep, "tasks") or dep in ("hilore_jax.errors",
                                                                               "hilore_jax.runtime")):

@@ -7,14 +7,13 @@ import subprocess
 import sys
 
 import pytest
-from trainer_util import TINY
+from trainer_util import TINY, stable
 
 from hilore_jax import metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = [*TINY, "eval.at_start=false", "eval.at_end=false", "grpo.filter_zero_std=false",
        "checkpoint.every=2"]
-VOLATILE = ("time/", "throughput/", "compile/")
 
 
 def _launch(tmp_path, out_dir, devices: int, *overrides) -> subprocess.Popen:
@@ -32,10 +31,6 @@ def _wait(*procs):
     assert p.returncode == 0, out[-3000:]
 
 
-def _stable(path):
-  return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in metrics.read_metrics(path)]
-
-
 def test_two_processes_match_one_and_resume_in_one(tmp_path):
   with socket.socket() as s:  # a free port for the coordinator
     s.bind(("127.0.0.1", 0))
@@ -44,8 +39,8 @@ def test_two_processes_match_one_and_resume_in_one(tmp_path):
   one = _launch(tmp_path, tmp_path / "one", 2, "train.steps=3")  # one process, both devices of the data=2 mesh
   two = [_launch(tmp_path, tmp_path / "two", 1, "train.steps=2", *dist, f"mesh.process_id={i}") for i in (0, 1)]
   _wait(one, *two)
-  ref = _stable(tmp_path / "one" / "metrics.jsonl")
-  got = _stable(tmp_path / "two" / "metrics.jsonl")
+  ref = stable(metrics.read_metrics(tmp_path / "one" / "metrics.jsonl"))
+  got = stable(metrics.read_metrics(tmp_path / "two" / "metrics.jsonl"))
   assert [r["step"] for r in got] == [1, 2]  # written once, by the first process
   assert ref[0]["reward/std"] > 0 and ref[0]["grad_norm"] > 0  # the comparison is not of zeros
   for a, b in zip(got, ref):
@@ -54,7 +49,7 @@ def test_two_processes_match_one_and_resume_in_one(tmp_path):
       assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
   # the two processes' checkpoint (step 2) resumes in one process and continues as the one-process run did
   _wait(_launch(tmp_path, tmp_path / "two", 2, "train.steps=3", "train.resume=true"))
-  got = _stable(tmp_path / "two" / "metrics.jsonl")
+  got = stable(metrics.read_metrics(tmp_path / "two" / "metrics.jsonl"))
   assert [r["step"] for r in got] == [1, 2, 3]
   for k in got[2]:
     assert got[2][k] == pytest.approx(ref[2][k], rel=1e-5, abs=1e-7), k

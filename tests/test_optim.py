@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
-from trainer_util import tiny_config
+from trainer_util import stable, tiny_config
 
 from hilore_jax import cli, engine, metrics, model, optim, sharding
 from hilore_jax.model import ModelConfig
@@ -94,13 +94,6 @@ def test_state_shardings_follow_the_state():
     optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, params), sh["params"])
 
 
-VOLATILE = ("time/", "throughput/", "compile/")
-
-
-def _stable(rows):
-  return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
-
-
 def test_logra_with_kl_control_resumes_exactly_across_a_refresh(tmp_path):
   # every group kept: 12 rows = 2 minibatches x 2 iterations = 4 updates a step; refits at updates 0, 3, 6, 9, 12,
   # so the resumed half (updates 8..15) refits from restored moments and P
@@ -124,4 +117,4 @@ def test_logra_with_kl_control_resumes_exactly_across_a_refresh(tmp_path):
   t.train()
   resumed = metrics.read_metrics(tmp_path / "b" / "metrics.jsonl")
   assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-  assert _stable(resumed) == _stable(full)
+  assert stable(resumed) == stable(full)

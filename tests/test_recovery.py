@@ -13,7 +13,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from trainer_util import TINY, tiny_config
+from trainer_util import TINY, stable, tiny_config
 
 from hilore_jax import checkpointing, engine, metrics, runtime
 from hilore_jax.errors import CheckpointError, DataError
@@ -22,13 +22,8 @@ from train import grpo as grpo_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "crash_worker.py")
-VOLATILE = ("time/", "throughput/", "compile/")
 TMP = ".orbax-checkpoint-tmp"
 RUN = ["eval.at_start=false", "eval.at_end=false", "checkpoint.every=1", "checkpoint.keep=2"]
-
-
-def _stable(rows):
-  return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
 
 
 def _entries(ckpt_dir) -> tuple[list[int], list[str]]:
@@ -71,7 +66,7 @@ def test_killed_runs_resume_to_the_uninterrupted_metrics(tmp_path):
   steps, rng = 6, random.Random(2024)
   args = [*RUN, f"train.steps={steps}"]
   Trainer(tiny_config(tmp_path / "ref", *args)).train()
-  want = _stable(metrics.read_metrics(tmp_path / "ref" / "metrics.jsonl"))
+  want = stable(metrics.read_metrics(tmp_path / "ref" / "metrics.jsonl"))
   assert len(want) == steps and sum(r["updates"] for r in want) > 0  # the comparison covers real updates
 
   out, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints"
@@ -105,7 +100,7 @@ def test_killed_runs_resume_to_the_uninterrupted_metrics(tmp_path):
   assert proc.wait(timeout=300) == 0, _tail(proc)
   rows = metrics.read_metrics(out / "metrics.jsonl")
   assert [r["step"] for r in rows] == list(range(1, steps + 1))
-  assert _stable(rows) == want
+  assert stable(rows) == want
   assert _entries(ckpt) == ([steps - 1, steps], [])
 
 
@@ -143,14 +138,14 @@ def test_checksums_catch_what_orbax_restores_silently(tmp_path):
 def test_damaged_latest_checkpoint_falls_back_to_the_newest_good_one(tmp_path, caplog, monkeypatch):
   args = ["train.steps=3", "train.warmstart_steps=0", "grpo.filter_zero_std=false", *RUN, "checkpoint.keep=3"]
   Trainer(tiny_config(tmp_path, *args)).train()
-  want = _stable(metrics.read_metrics(tmp_path / "metrics.jsonl"))
+  want = stable(metrics.read_metrics(tmp_path / "metrics.jsonl"))
   for n, damage in enumerate((_scribble, _truncate), 1):
     damage(tmp_path / "checkpoints" / "3")
     caplog.clear()
     with caplog.at_level(logging.WARNING):
       Trainer(tiny_config(tmp_path, *args, "train.resume=true")).train()
     assert re.search(r"checkpoint 3 in \S+ is unusable \(step 3\b.*\); resuming from step 2", caplog.text), caplog.text
-    assert _stable(metrics.read_metrics(tmp_path / "metrics.jsonl")) == want  # step 3 ran again, identically
+    assert stable(metrics.read_metrics(tmp_path / "metrics.jsonl")) == want  # step 3 ran again, identically
     assert _entries(tmp_path / "checkpoints") == ([1, 2, 3], [])
     assert len(os.listdir(tmp_path / "checkpoints.broken")) == n  # kept for a look, out of orbax's way
 

@@ -8,9 +8,10 @@ from decimal import Decimal
 
 import pytest
 
+from hilore_jax.errors import ConfigError
 from hilore_jax.tasks import task as tasks
 from hilore_jax.tasks import verifiers
-from hilore_jax.tasks.config import ArithmeticSpec
+from hilore_jax.tasks.config import ArithmeticSpec, TaskConfig
 
 SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k", "test.jsonl")
 SAMPLE = os.path.join(os.path.dirname(__file__), "data", "gsm8k_sample.jsonl")
@@ -102,6 +103,26 @@ def test_fixed_width_format():
     assert len(a) == len(b) == 2 and int(a) + int(b) == e.reference
     assert len(e.target) == 3 and int(e.target) == e.reference
     assert t.reward(e.target, e.reference) == 1.0  # '052' is 52
+
+
+def test_question_format_asks_in_words_and_rewards_the_final_number():
+  spec = ArithmeticSpec(seed=3, max_value=99, ops=("+", "-"), format="question")
+  t = tasks.build_task(TaskConfig(arithmetic=spec, prompt_template="{question} Reply with a number."))
+  for e in t.train_batch(0, 30) + list(t.test_examples[:30]):
+    m = re.fullmatch(r"What is (\d+) ([+-]) (\d+)\? Reply with a number\.", e.prompt)
+    assert m, e.prompt
+    a, op, b = int(m[1]), m[2], int(m[3])
+    assert e.reference == (a + b if op == "+" else a - b) and e.target == str(e.reference)
+    # free text: the final number counts, whatever precedes it
+    assert t.reward(f"{a} {op} {b} = {e.reference}", e.reference) == 1.0
+    assert t.reward(f"The answer is {e.reference}.", e.reference) == 1.0
+    assert t.reward(f"{e.reference} or maybe {e.reference + 1}", e.reference) == 0.0
+    assert t.reward("no idea", e.reference) == 0.0
+  assert not {e.prompt for e in t.test_examples} & {e.prompt for e in t.train_batch(0, 500)}
+  with pytest.raises(ConfigError, match="fixed_width and scratchpad apply to format=symbols only"):
+    ArithmeticSpec(format="question", fixed_width=True)
+  with pytest.raises(ConfigError, match="task.arithmetic.format must be one of"):
+    ArithmeticSpec(format="prose")
 
 
 def test_biased_teacher_changes_only_warmstart_targets():

@@ -5,17 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from trainer_util import tiny_config
+from trainer_util import stable, tiny_config
 
 from hilore_jax import metrics
 from hilore_jax.trainer import Trainer, TrainingDiverged
-
-VOLATILE = ("time/", "throughput/", "compile/")
-
-
-def _stable(rows):
-  return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
-
 
 def test_resume_continues_exactly(tmp_path):
   common = ["train.steps=4", "checkpoint.every=2", "grpo.num_iterations=2", "train.minibatch_size=6",
@@ -27,7 +20,7 @@ def test_resume_continues_exactly(tmp_path):
   Trainer(tiny_config(tmp_path / "b", *common, "train.resume=true")).train()
   resumed = metrics.read_metrics(tmp_path / "b" / "metrics.jsonl")
   assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-  assert _stable(resumed) == _stable(full)
+  assert stable(resumed) == stable(full)
   sa = json.load(open(tmp_path / "a" / "summary.json"))
   sb = json.load(open(tmp_path / "b" / "summary.json"))
   assert sa["eval_before"] == sb["eval_before"] and sa["eval_after"] == sb["eval_after"]

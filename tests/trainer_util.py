@@ -1,4 +1,4 @@
-"""A few-step GRPO config on a tiny model, for the trainer tests."""
+"""A few-step GRPO config on a tiny model, and what the trainer tests compare runs by."""
 
 from hilore_jax import cli
 
@@ -15,3 +15,11 @@ TINY = [
 
 def tiny_config(out_dir, *overrides):
   return cli.load_config(None, [*TINY, f"out_dir={out_dir}", *overrides])
+
+
+VOLATILE = ("time/", "throughput/", "compile/")  # metrics that differ between two runs of the same steps
+
+
+def stable(rows: list[dict]) -> list[dict]:
+  """metrics.jsonl rows without the keys that differ between identical runs (timings, compile counts)."""
+  return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]

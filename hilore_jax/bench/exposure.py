@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import engine, model
+from hilore_jax import model, step_hooks
 from hilore_jax.bench import flops, stats
 from hilore_jax.bench.exposure_report import (compare_arms, plot, report, spearman_summary, where_it_varies,
                                                within_unit_spearman)
@@ -175,7 +175,7 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
   cal, held = split(records, be.calib_minibatches)
   progress(f"{len(records)} minibatches: {len(cal)} calibrate, {len(held)} held out")
   spec = dataclasses.replace(trainer.spec, use_old_logp=True)
-  hooks = engine.memory_hooks(trainer.stepper, spec)
+  hooks = step_hooks.memory_hooks(trainer.stepper, spec)
   units = calibration.lowp_units(trainer.model_cfg.num_hidden_layers)
   mc, tol = cfg.memory, cfg.memory.grad_err_tolerance
 

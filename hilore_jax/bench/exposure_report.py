@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from hilore_jax import metrics
+
 
 def within_unit_spearman(score_MU, err_MU) -> np.ndarray:
   """[U] Spearman rho across minibatches, unit by unit (nan where either side is constant): Pearson on average
@@ -163,24 +165,16 @@ def targets(res: dict) -> dict[str, bool]:
 
 
 def plot(res: dict, path: str):
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for i, (a, r) in enumerate(res["arms"].items()):
-    pts = [(e["plan_risk"], e["err"]) for e in r["per_minibatch"] if e["plan_risk"] > 0]
-    if pts:
-      x, y = zip(*pts)
-      ax.scatter(x, y, s=12, color=f"C{i}", alpha=0.7, label=a)
-  ax.axhline(res["regime"]["tolerance"], color="k", ls="--", lw=1, label="tolerance")
-  ax.set_xscale("log")
-  ax.set_yscale("log")
-  ax.set_xlabel("predicted risk of the plan (coherence x sum of unit risks)")
-  ax.set_ylabel("realised relative gradient error")
-  ax.legend(fontsize=8)
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  with metrics.figure(path, (7, 4.5)) as (fig, ax):
+    for i, (a, r) in enumerate(res["arms"].items()):
+      pts = [(e["plan_risk"], e["err"]) for e in r["per_minibatch"] if e["plan_risk"] > 0]
+      if pts:
+        x, y = zip(*pts)
+        ax.scatter(x, y, s=12, color=f"C{i}", alpha=0.7, label=a)
+    ax.axhline(res["regime"]["tolerance"], color="k", ls="--", lw=1, label="tolerance")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("predicted risk of the plan (coherence x sum of unit risks)")
+    ax.set_ylabel("realised relative gradient error")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)

@@ -57,22 +57,14 @@ def run(run_dir: str, out_dir: str | None = None) -> dict:
 
 
 def plot(pred, real, result: dict, path: str):
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(5, 5))
-  ax.scatter(pred, real, s=6, alpha=0.5)
-  lo, hi = min(pred.min(), real.min()), max(pred.max(), real.max())
-  ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="y = x")
-  ax.set_xscale("log")
-  ax.set_yscale("log")
-  ax.set_xlabel("predicted KL of the applied update (s^2 * predicted)")
-  ax.set_ylabel("realised KL (same tokens, after the update)")
-  ax.set_title(f"{result['updates']} updates, Spearman {result['spearman']:.3f}")
-  ax.legend()
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  with metrics.figure(path, (5, 5)) as (fig, ax):
+    ax.scatter(pred, real, s=6, alpha=0.5)
+    lo, hi = min(pred.min(), real.min()), max(pred.max(), real.max())
+    ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="y = x")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("predicted KL of the applied update (s^2 * predicted)")
+    ax.set_ylabel("realised KL (same tokens, after the update)")
+    ax.set_title(f"{result['updates']} updates, Spearman {result['spearman']:.3f}")
+    ax.legend()
+    ax.grid(alpha=0.3)

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import optax
 
-from hilore_jax import engine, model
+from hilore_jax import engine, model, step_hooks
 from hilore_jax.bench import synthetic
 from hilore_jax.bench.config import BenchConfig
 from hilore_jax.config import Config
@@ -80,7 +80,7 @@ def run(cfg: Config, bc: BenchConfig, out_dir: str, ranks=(), memories=("gc", "h
   policies = {"gc": spec.policies}
   if "hilore" in memories:
     progress(f"optim bench: HiLoRe plan (calibration on {K} batches, budget {cfg.memory.budget_ratio}x GC)")
-    mm = MemoryManager(dataclasses.replace(cfg.memory, policy="hilore"), engine.memory_hooks(base.stepper, spec))
+    mm = MemoryManager(dataclasses.replace(cfg.memory, policy="hilore"), step_hooks.memory_hooks(base.stepper, spec))
     mm.setup(base_state["params"], batches, 0)
     policies["hilore"] = mm.allocate(batches[:1])[0].policies
   batch = batches[0]

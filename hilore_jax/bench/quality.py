@@ -130,21 +130,13 @@ def report(result: dict, pass_k: int) -> str:
 
 
 def plot(runs: dict, path: str):
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(7, 4))
-  for i, (name, rs) in enumerate(runs.items()):
-    curves = np.array([r["rewards"] for r in rs])
-    steps = np.arange(1, curves.shape[1] + 1)
-    ax.plot(steps, curves.mean(0), color=f"C{i}", label=f"{name} (mean of {len(curves)} seeds)")
-    ax.fill_between(steps, curves.min(0), curves.max(0), color=f"C{i}", alpha=0.15)
-  ax.set_xlabel("GRPO step")
-  ax.set_ylabel("mean reward")
-  ax.legend()
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  with metrics.figure(path, (7, 4)) as (fig, ax):
+    for i, (name, rs) in enumerate(runs.items()):
+      curves = np.array([r["rewards"] for r in rs])
+      steps = np.arange(1, curves.shape[1] + 1)
+      ax.plot(steps, curves.mean(0), color=f"C{i}", label=f"{name} (mean of {len(curves)} seeds)")
+      ax.fill_between(steps, curves.min(0), curves.max(0), color=f"C{i}", alpha=0.15)
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("mean reward")
+    ax.legend()
+    ax.grid(alpha=0.3)

@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 
+from hilore_jax import metrics
 from hilore_jax.bench import stats
 from hilore_jax.memory import calibration
 
@@ -159,21 +160,13 @@ def write_outputs(result: dict, out_dir: str):
 
 
 def frontier_plot(rows: list[dict], path: str):
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for i, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
-    rs = sorted((r for r in rows if r["method"] == method), key=lambda r: r["peak_bytes"])
-    ax.plot([r["peak_bytes"] / 2**20 for r in rs], [r["tokens_per_s"] for r in rs], marker="os^vD<>p"[i % 8],
-            label=method, linestyle="-" if len(rs) > 1 else "none")
-  ax.set_xlabel("compiled peak (temp) MiB")
-  ax.set_ylabel("tokens / s (actor update)")
-  ax.set_title("Memory vs throughput, every method and budget")
-  ax.legend(fontsize=8)
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  with metrics.figure(path, (7, 4.5)) as (fig, ax):
+    for i, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
+      rs = sorted((r for r in rows if r["method"] == method), key=lambda r: r["peak_bytes"])
+      ax.plot([r["peak_bytes"] / 2**20 for r in rs], [r["tokens_per_s"] for r in rs], marker="os^vD<>p"[i % 8],
+              label=method, linestyle="-" if len(rs) > 1 else "none")
+    ax.set_xlabel("compiled peak (temp) MiB")
+    ax.set_ylabel("tokens / s (actor update)")
+    ax.set_title("Memory vs throughput, every method and budget")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)

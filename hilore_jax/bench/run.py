@@ -13,7 +13,7 @@ import time
 import jax
 import numpy as np
 
-from hilore_jax import engine, model, sharding
+from hilore_jax import engine, model, sharding, step_hooks
 from hilore_jax.bench import flops, report, stats, synthetic
 from hilore_jax.bench.config import BenchConfig
 from hilore_jax.config import Config
@@ -66,7 +66,7 @@ def run(cfg: Config, bc: BenchConfig, out_dir: str, progress=print) -> dict:
   grpo_cfg = dataclasses.replace(cfg.grpo, max_completion_len=completion)
   spec = train_step.StepSpec(mcfg, grpo_cfg, model.uniform(mcfg.num_hidden_layers, model.NO_REMAT), 1,
                              cfg.train.logprob_chunk, use_old_logp=True, use_ref_logp=cfg.grpo.beta > 0)
-  hooks = engine.memory_hooks(stepper, spec)
+  hooks = step_hooks.memory_hooks(stepper, spec)
   rng = np.random.default_rng(cfg.seed)
   K = cfg.memory.calib_batches
   progress(f"bench: building {1 + K + bc.risk_batches} synthetic GRPO minibatches of {bc.batch_size} x {bc.seq_len}")
@@ -80,7 +80,7 @@ def run(cfg: Config, bc: BenchConfig, out_dir: str, progress=print) -> dict:
   params = state["params"]
   # the reference: full checkpointing at full float32 precision, whatever the model's compute dtype; errors are
   # measured on the timed batch and the held-out ones
-  ref_hooks = engine.memory_hooks(stepper, dataclasses.replace(spec, model_cfg=mcfg.replace(dtype="float32")))
+  ref_hooks = step_hooks.memory_hooks(stepper, dataclasses.replace(spec, model_cfg=mcfg.replace(dtype="float32")))
   err_batches = [batch] + risk_batches
   exact = [calibration.exact_gradient(ref_hooks, params, b) for b in err_batches]
   calib = None

@@ -127,9 +127,44 @@ def set_errors(hooks: StepHooks, params, batch, units, sets, group_size: int, fm
 
 
 def measure_unit_errors(hooks: StepHooks, params, batch, units, group_size: int,
-                        fmt: str = "int8", exact=None) -> np.ndarray:
-  """[U] true relative gradient error ||g_u - g|| / ||g|| when only unit u is L (one probe gradient each)."""
-  return set_errors(hooks, params, batch, units, [[i] for i in range(len(units))], group_size, fmt, exact)
+                        fmt: str = "int8", exact=None, layers: Sequence[int] | None = None) -> np.ndarray:
+  """[U] true relative gradient error ||g_u - g|| / ||g|| when only unit u is L (one probe gradient each); with
+  `layers`, only units there are measured and every other unit's error is interpolated over depth from its kind's
+  (interpolate_layers)."""
+  chosen = [i for i, (layer, _) in enumerate(units) if layers is None or layer in layers]
+  measured = set_errors(hooks, params, batch, units, [[i] for i in chosen], group_size, fmt, exact)
+  if layers is None:
+    return measured
+  return interpolate_layers(units, {tuple(units[i]): e for i, e in zip(chosen, measured)})
+
+
+def calibration_rows(batch, rows: int):
+  """The first `rows` rows of a minibatch (every field's leading axis; minibatches are shuffled, so a random
+  subset), or the whole minibatch for rows 0 or more than it has."""
+  n = jax.tree_util.tree_leaves(batch)[0].shape[0]
+  return batch if not rows or rows >= n else jax.tree_util.tree_map(lambda x: x[:rows], batch)
+
+
+def probed_layers(num_layers: int, count: int) -> list[int] | None:
+  """count layers spread evenly over depth, first and last included; None (every layer) for count 0 or >= depth."""
+  if not count or count >= num_layers:
+    return None
+  return sorted({int(round(x)) for x in np.linspace(0, num_layers - 1, count)})
+
+
+def interpolate_layers(units, measured: dict[tuple[int, str], float]) -> np.ndarray:
+  """[U] each unit's error: measured where it was, else interpolated over layer index from its kind's measured
+  layers, linearly in log error (errors across depth differ by factors, not offsets)."""
+  out = []
+  for layer, kind in units:
+    if (layer, kind) in measured:
+      out.append(measured[(layer, kind)])
+      continue
+    known = sorted((l, e) for (l, k), e in measured.items() if k == kind)
+    xs = [l for l, _ in known]
+    logs = np.log(np.maximum([e for _, e in known], 1e-30))
+    out.append(float(np.exp(np.interp(layer, xs, logs))))
+  return np.asarray(out)
 
 
 def random_sets(n_units: int, count: int, rng: np.random.Generator) -> list[list[int]]:

@@ -36,6 +36,11 @@ class MemoryConfig:
   lowp_format: str = "int8"  # L codes: int8 | fp8_e4m3 | int4 | bf16
   calib_batches: int = 2  # K: minibatches the risk calibration measures
   calib_sets: int = 6  # random L sets per calibration batch to fit how coherently units' errors add
+  # what one calibration probe costs: the first calib_rows rows of each calibration minibatch (0: all of them), and
+  # each unit kind measured at calib_layers layers spread over depth, first and last included, the others
+  # interpolated (0: every layer). Both keep the number and size of probe gradients independent of depth
+  calib_rows: int = 0
+  calib_layers: int = 0
   solver: str = "exact"  # exact (MILP) | greedy: the allocator of the solved methods; the other's gap is logged
   # exact: the relative optimality gap HiGHS must prove (0: proven optimal). Below ~0.5% some two-budget plans took
   # minutes to prove (measured: 217 s at 0.1%, 0.7 s at 0.5%, the same plan time to 0.06%)
@@ -49,6 +54,10 @@ class MemoryConfig:
     check_choice("memory.lowp_format", self.lowp_format, FORMATS)
     check_positive("memory.calib_batches", self.calib_batches)
     check_positive("memory.calib_sets", self.calib_sets, allow_zero=True)
+    check_positive("memory.calib_rows", self.calib_rows, allow_zero=True)
+    if self.calib_layers == 1 or self.calib_layers < 0:
+      raise ConfigError(f"memory.calib_layers must be 0 (every layer) or >= 2 (first and last included), got "
+                        f"{self.calib_layers}")
     check_choice("memory.solver", self.solver, ("exact", "greedy"))
     check_positive("memory.budget_probes", self.budget_probes)
     if not 0.0 <= self.mip_gap < 1.0:

@@ -84,6 +84,9 @@ class MemoryManager:
     if not hooks.calibrates:
       raise ValueError(f"memory.policy={self.method} calibrates risk: StepHooks needs gradient, token_weights and "
                        "unit_tensors")
+    # probes on a row subsample and, per unit kind, a few layers: their number and size do not grow with depth
+    batches = [calibration.calibration_rows(b, mc.calib_rows) for b in batches]
+    layers = calibration.probed_layers(self.num_layers, mc.calib_layers)
     exact = [calibration.exact_gradient(hooks, params, b) for b in batches]
     # a minibatch with no gradient (every advantage zero, no KL yet) has no relative error to measure
     live = [i for i, g in enumerate(exact) if float(calibration.norm(g)) > 0]
@@ -92,7 +95,7 @@ class MemoryManager:
                   len(batches) - len(live), len(batches))
       batches, exact = [batches[i] for i in live], [exact[i] for i in live]
     err = np.stack([calibration.measure_unit_errors(hooks, params, b, self.lowp_ids, mc.group_size, mc.lowp_format,
-                                                    ex) for b, ex in zip(batches, exact)])
+                                                    ex, layers) for b, ex in zip(batches, exact)])
     # the run-time score reads only the batch; the forward's per-token errors enter as a per-position profile
     prof = calibration.error_profile(hooks, params, batches, self.lowp_ids, mc.group_size, mc.lowp_format)
     raw = self.unit_scores(batches, prof, np.ones(len(self.lowp_ids)))

@@ -22,6 +22,9 @@ class ArithmeticSpec:
   # completions of varying length: the answer, '#', then a tail (the first operand once, and once more per unit of
   # the others' last digit): '3+5=' -> '8#3,3,3,3,3,3'; the reward reads the answer before the '#'
   scratchpad: bool = False
+  # symbols: '12+35=' and the bare answer; question: 'What is 12 + 35?' in words (through task.prompt_template), the
+  # reward reading the completion's final number (free text such as '12 + 35 = 47', a chat model's answer)
+  format: str = "symbols"
 
   def __post_init__(self):
     check_range("task.arithmetic.teacher_error_rate", self.teacher_error_rate, 0.0, 1.0)
@@ -36,6 +39,10 @@ class ArithmeticSpec:
     check_positive("task.arithmetic.num_test", self.num_test)
     if self.scratchpad and "*" in self.ops:
       raise ConfigError("task.arithmetic.scratchpad counts digits of the later operands: ops must not include '*'")
+    check_choice("task.arithmetic.format", self.format, ("symbols", "question"))
+    if self.format == "question" and (self.fixed_width or self.scratchpad):
+      raise ConfigError("task.arithmetic.format=question writes plain numbers and reads the final one: "
+                        "fixed_width and scratchpad apply to format=symbols only")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +53,8 @@ class TaskConfig:
   train_path: str | None = None  # gsm8k / math JSONL
   test_path: str | None = None
   skip_malformed: bool = False
-  prompt_template: str = "{question}\n"  # gsm8k: {question} is replaced (other braces are text); the user turn in chat
+  # gsm8k and arithmetic questions: {question} is replaced (other braces are text); the user turn in chat
+  prompt_template: str = "{question}\n"
   prompt_format: str = "template"  # template: the text as is | chat: inside the tokenizer's chat template
   system_prompt: str | None = None  # chat only: a system message before the user's
 

@@ -47,7 +47,7 @@ def _answer_width(spec: ArithmeticSpec) -> int:
   return len(str(biggest)) + ("-" in spec.ops)
 
 
-def _arith_problem(spec: ArithmeticSpec, rng: random.Random) -> Example:
+def _arith_problem(spec: ArithmeticSpec, rng: random.Random, template: str = "{question}") -> Example:
   terms = [rng.randint(spec.min_value, spec.max_value) for _ in range(spec.num_terms)]
   width = len(str(spec.max_value)) if spec.fixed_width else 0
   ops = [rng.choice(spec.ops) for _ in terms[1:]]
@@ -59,6 +59,9 @@ def _arith_problem(spec: ArithmeticSpec, rng: random.Random) -> Example:
   target = str(value).zfill(_answer_width(spec)) if spec.fixed_width and value >= 0 else str(value)
   if spec.scratchpad:
     target = target + "#" + _work(terms, ops)
+  if spec.format == "question":
+    question = f"What is {terms[0]}" + "".join(f" {op} {t}" for op, t in zip(ops, terms[1:])) + "?"
+    return Example(prompt=template.replace("{question}", question), reference=value, target=str(value))
   return Example(prompt=shown + "=", reference=value, target=target)
 
 
@@ -69,19 +72,20 @@ def _work(terms: Sequence[int], ops: Sequence[str]) -> str:
   return ",".join([str(terms[0]).zfill(len(str(max(terms))))] * (1 + sum(t % 10 for t in terms[1:])))
 
 
-def arithmetic_task(spec: ArithmeticSpec) -> Task:
-  """Synthetic arithmetic ('12+35=' -> '47'); test prompts never appear in the training stream."""
+def arithmetic_task(spec: ArithmeticSpec, template: str = "{question}") -> Task:
+  """Synthetic arithmetic ('12+35=' -> '47', or 'What is 12 + 35?' through template); test prompts never appear in
+  the training stream."""
   test_rng = random.Random(f"test-{spec.seed}")
   test: dict[str, Example] = {}
   max_distinct = (spec.max_value - spec.min_value + 1) ** spec.num_terms * len(spec.ops) ** (spec.num_terms - 1)
   while len(test) < min(spec.num_test, max_distinct // 4):
-    ex = _arith_problem(spec, test_rng)
+    ex = _arith_problem(spec, test_rng, template)
     test[ex.prompt] = ex
 
   def train_example(i: int) -> Example:
     rng = random.Random(f"train-{spec.seed}-{i}")
     while True:
-      ex = _arith_problem(spec, rng)
+      ex = _arith_problem(spec, rng, template)
       if ex.prompt not in test:
         break
     if spec.teacher_error_rate and rng.random() < spec.teacher_error_rate:
@@ -92,6 +96,8 @@ def arithmetic_task(spec: ArithmeticSpec) -> Task:
     return ex
 
   reward = verifiers.scratchpad_reward if spec.scratchpad else verifiers.arithmetic_reward
+  if spec.format == "question":
+    reward = lambda completion, reference: verifiers.gsm8k_reward(completion, str(reference))  # its final number
   return Task("arithmetic", train_example, list(test.values()), reward)
 
 
@@ -188,7 +194,7 @@ def iter_jsonl_examples(path: str, reward_kind: str) -> Iterator[Example]:
 def build_task(tc: TaskConfig) -> Task:
   """The task a config names (JSONL files are read here)."""
   if tc.kind == "arithmetic":
-    return arithmetic_task(tc.arithmetic)
+    return arithmetic_task(tc.arithmetic, tc.prompt_template if tc.arithmetic.format == "question" else "{question}")
   if tc.kind == "gsm8k":
     train, rep = load_gsm8k(tc.train_path, tc.skip_malformed, tc.prompt_template)
     test, rep_t = load_gsm8k(tc.test_path, tc.skip_malformed, tc.prompt_template)

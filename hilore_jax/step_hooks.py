@@ -1,0 +1,62 @@
+"""The trainer's side of the memory manager (`memory.StepHooks`): compile probes on the engine's Stepper, exact and
+probe gradients, the GRPO loss coefficients of an update batch, and the units' activations."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from hilore_jax import model, sharding
+from hilore_jax.engine import Stepper
+from hilore_jax.memory import exposure
+from hilore_jax.memory.hooks import StepHooks
+from hilore_jax.rl import train_step
+from hilore_jax.rl.train_step import StepSpec
+from hilore_jax.rl.update_batch import UpdateBatch
+
+# one jitted gradient for the module: specs are static, so repeated specs compile once
+_grad = jax.jit(lambda p, b, s, mix: train_step.grads_and_stats(p, b, s, mix)[0], static_argnums=2)
+
+
+def memory_hooks(stepper: Stepper | None, spec: StepSpec) -> StepHooks:
+  """This trainer's side of the memory manager: compile probes, gradients, loss coefficients, unit tensors.
+
+  Per device: compiled peaks are XLA's per-device figures, so batch_shape gives one device's rows of a microbatch
+  (the batch axis is split over every mesh axis), and unit bytes and the op profile follow from it. stepper None:
+  no compile probes (calibration alone).
+  """
+  cfg = spec.model_cfg
+  shards = 1 if stepper is None else sharding.num_batch_shards(stepper.mesh)
+  with_policies = lambda pols: dataclasses.replace(spec, policies=tuple(pols))
+  probe_spec = dataclasses.replace(spec, policies=(model.NO_REMAT,) * cfg.num_hidden_layers)
+
+  def token_weights(params, batch: UpdateBatch, switches, logp=None):
+    # params None: from what the batch carries. The policy before the update produced old_logp (ratio 1 on-policy)
+    # unless `logp` gives the current log-probs (a previous pass's, or replayed rows' whose old_logp is the stored
+    # behaviour's); on rows flagged on_policy without them old_logp, and so this logp, is a placeholder (only the KL
+    # reads it)
+    if params is not None:
+      logp, _ = train_step.completion_logprobs(cfg, params, batch, None, spec.logprob_chunk, spec.temperature)
+    elif logp is None:
+      logp = batch.old_logp if batch.old_logp is not None else jnp.zeros(batch.mask.shape, jnp.float32)
+    old = train_step.old_logprobs(logp, batch, spec)
+    ref = batch.ref_logp if spec.use_ref_logp and batch.ref_logp is not None else logp
+    return exposure.token_weights(logp, old, ref, batch.adv, batch.mask, spec.loss_cfg, switches)
+
+  def unit_tensors(params, batch: UpdateBatch):
+    ids, mask = train_step.sequence_inputs(batch)
+    taps: dict = {}
+    model.hidden_states(cfg, params, ids, mask, taps=taps)
+    return [{k: train_step.completion_positions(v[layer], batch) for k, v in taps.items()}
+            for layer in range(cfg.num_hidden_layers)]
+
+  return StepHooks(
+      model_cfg=cfg,
+      compile_peak=lambda pols, batch: stepper.get(with_policies(pols), batch, count=False).peak_bytes,
+      batch_shape=lambda b: (-(-b.rows // (spec.microbatches * shards)), b.prompt_len + b.completion_len),
+      gradient=lambda p, b, pols: _grad(p, b, with_policies(pols), None),
+      probe_gradient=lambda p, b, mix, fmt, group: _grad(p, b, dataclasses.replace(probe_spec, lowp_probe=(fmt, group)),
+                                                         mix),
+      token_weights=token_weights, unit_tensors=unit_tensors)
