@@ -11,7 +11,7 @@ OPTIMIZERS = ("adamw", "logra")
 
 @dataclasses.dataclass(frozen=True)
 class LograConfig:
-  """optimizer.logra.*: Adam(W) moments in a rank-`rank` subspace of each weight matrix (hilore_jax/logra.py)."""
+  """optimizer.logra.*: Adam(W) moments in a rank-`rank` subspace of each weight matrix (optim/logra.py)."""
 
   rank: int = 8  # r: columns of each matrix's projection P [M, r]; matrices with a smaller side < r stay dense
   refresh_every: int = 200  # updates between refits of P (GaLore's T); the first update fits it

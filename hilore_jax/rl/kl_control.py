@@ -2,7 +2,7 @@
 
 With logits z and their directional derivative dz along the update (one jax.jvp through the model),
 KL(softmax(z) || softmax(z + s dz)) = s^2 / 2 * Var_p(dz) + O(s^3), p = softmax(z): the Fisher quadratic form.
-Logits are formed `chunk` positions at a time (as hilore_jax/logprobs.py), never as [B, T, V] float32 at once.
+Logits are formed `chunk` positions at a time (as rl/logprobs.py), never as [B, T, V] float32 at once.
 """
 
 from __future__ import annotations
