@@ -3,6 +3,7 @@ become one-line errors naming the key and the file, so no bad path ends in a lib
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -74,6 +75,25 @@ def check_out_dir(path: str):
     raise ConfigError(f"out_dir {path}: not writable")
 
 
+def model_dir(path: str) -> str:
+  """A model.path as a directory: ~ expanded, and the name of a known model (hilore_jax.fetch.MODELS, e.g.
+  smollm2-135m-instruct) that is not a path becomes its local copy, fetched on first use."""
+  from hilore_jax import fetch
+
+  expanded = os.path.expanduser(path)
+  if not os.path.exists(expanded) and path in fetch.MODELS:
+    return fetch.fetch(path)
+  return expanded
+
+
+def resolve_model(c: Config) -> Config:
+  """c with model.path (and a tokenizer that defaults to it) resolved by model_dir."""
+  if not c.model.path:
+    return c
+  path = model_dir(c.model.path)
+  return dataclasses.replace(c, model=dataclasses.replace(c.model, path=path))
+
+
 def tokenizer_key(c: Config) -> str:
   return "tokenizer" if c.tokenizer else "tokenizer (from model.path)"
 
@@ -106,6 +126,7 @@ def _message(path: str, e: Exception) -> str:
 
 def load_model_config(key: str, path: str, section: ModelSection) -> ModelConfig:
   """The model config of an HF directory; CheckpointError naming the key and file if config.json is unusable."""
+  path = model_dir(path)
   check_hf_dir(key, path)
   try:
     return hf.load_config(path, section.param_dtype, section.dtype).replace(attention=section.attention)
@@ -115,6 +136,7 @@ def load_model_config(key: str, path: str, section: ModelSection) -> ModelConfig
 
 def load_hf(key: str, path: str, section: ModelSection) -> tuple[ModelConfig, dict]:
   """(cfg, params) of an HF directory; CheckpointError naming the key, file and tensor on a broken checkpoint."""
+  path = model_dir(path)
   check_hf_dir(key, path)
   try:
     cfg, params = hf.load_hf(path, section.param_dtype, section.dtype)

@@ -38,7 +38,7 @@ class Trainer:
   """Owns the sharded state, the compiled step and the run directory of one GRPO run."""
 
   def __init__(self, config: Config):
-    self.config = c = config
+    self.config = c = preflight.resolve_model(config)  # a known model's name becomes its local copy
     if c.mesh.distributed:
       runtime.init_distributed(c.mesh.coordinator_address, c.mesh.num_processes, c.mesh.process_id)
     # every process runs the same program on the same data; only the first writes metrics, summaries and exports

@@ -9,6 +9,7 @@ from typing import Sequence
 from hilore_jax import config as config_lib
 from hilore_jax.errors import ConfigError, check_choice, check_positive, check_range
 from hilore_jax.memory.config import MEMORY_POLICIES
+from hilore_jax.model.codec import FORMATS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,38 @@ class ExposureBenchConfig:
       raise ConfigError(f"bench_exposure.budget_ratio must be >= 1.0, got {self.budget_ratio}")
 
 
-SECTIONS = {"bench": BenchConfig, "bench_exposure": ExposureBenchConfig}
+@dataclasses.dataclass(frozen=True)
+class RealBenchConfig:
+  """`python -m train.bench_real`: a pretrained model's memory table, L error and set-up cost (bench/real_model.py)."""
+
+  shapes: tuple[str, ...] = ("8x1024", "4x2048")  # minibatch rows x tokens per row of the compile-only memory table
+  prompt_fraction: float = 0.25  # share of each row's tokens that are prompt
+  methods: tuple[str, ...] = ("none", "gc", "sac", "optimal_hr", "adacc_style", "hilore")
+  budget_ratios: tuple[float, ...] = (1.00, 1.10)
+  budget_probes: int = 2  # compiles per plan to fit its allowance to the compiled peak (30-layer mixed plans unroll)
+  logra_rank: int = 32
+  formats: tuple[str, ...] = ("int8", "fp8_e4m3", "int4")
+  lerror_minibatches: int = 2  # rollout minibatches the L-error table measures (besides the calibration's)
+
+  def __post_init__(self):
+    for s in self.shapes:
+      rows, _, seq = s.lower().partition("x")
+      if not (rows.isdigit() and seq.isdigit() and int(rows) > 0 and int(seq) > 1):
+        raise ConfigError(f"bench_real.shapes entries look like ROWSxTOKENS (e.g. 8x1024), got {s!r}")
+    check_range("bench_real.prompt_fraction", self.prompt_fraction, 0.0, 1.0, low_open=True, high_open=True)
+    for m in self.methods:
+      check_choice("bench_real.methods", m, MEMORY_POLICIES)
+    for r in self.budget_ratios:
+      if r < 1.0:
+        raise ConfigError(f"bench_real.budget_ratios must be >= 1.0, got {r}")
+    check_positive("bench_real.budget_probes", self.budget_probes)
+    check_positive("bench_real.logra_rank", self.logra_rank)
+    for f in self.formats:
+      check_choice("bench_real.formats", f, FORMATS)
+    check_positive("bench_real.lerror_minibatches", self.lerror_minibatches)
+
+
+SECTIONS = {"bench": BenchConfig, "bench_exposure": ExposureBenchConfig, "bench_real": RealBenchConfig}
 
 
 def load(path: str | None, overrides: Sequence[str], section: str):

@@ -1,0 +1,24 @@
+"""python -m train.bench_real --config configs/smollm2-135m-arith.yaml --out DIR [key.path=value ...]"""
+
+import os
+
+from hilore_jax import cli, runtime
+
+
+def body(args):
+  from hilore_jax.bench import config, real_model
+
+  cfg, br = config.load(args.config, args.overrides, "bench_real")
+  runtime.enable_compilation_cache()
+  real_model.run(cfg, br, args.out, progress=lambda s: print(s, flush=True))
+  with open(os.path.join(args.out, "real_model.md")) as f:
+    print(f.read())
+
+
+def main(argv=None):
+  cli.main("A pretrained model's memory table, L error per unit kind and the manager's set-up cost", body, argv,
+           args=[cli.arg("--out", default="runs/bench_real", help="directory for real_model.json and .md")])
+
+
+if __name__ == "__main__":
+  main()
