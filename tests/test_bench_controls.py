@@ -161,16 +161,23 @@ def test_unrolled_counts_every_layer_and_changes_no_computation():
   assert scanned.program_costs("flops")[0] < c.matmul_flops
 
 
-def test_projection_is_compile_only_for_any_shape():
-  cfg, bc, mcfg, spec, completion = _tiny(["memory.budget_probes=2"])
-  ratios = (1.3,)
-  plans = projection.planned(cfg, mcfg, bc.batch_size, bc.prompt_len, completion, ["optimal_hr", "uniform_int8_gc"],
-                             ratios)
-  assert set(plans) == {("none", None), ("gc", None), ("optimal_hr", 1.3), ("uniform_int8_gc", 1.3)}
-  rows = projection.project_plans(cfg, mcfg, bc.batch_size, bc.prompt_len, completion, plans, progress=lambda s: None)
-  by = {r["method"]: r for r in rows}
-  assert all(r["projected_step_s"] > 0 and r["projected_bound"] in ("compute", "memory") for r in rows)
+def test_projection_is_compile_only_for_any_shape(tmp_path, capsys):
+  import json
+
+  from train import roofline as roofline_cli
+
+  roofline_cli.main(["--out", str(tmp_path), *TINY, "memory.budget_probes=2", "bench.budget_ratios=[1.3]",
+                     "bench.methods=[none,gc,optimal_hr,uniform_int8_gc,hilore]"])
+  assert "skipping calibrated methods ['hilore']" in capsys.readouterr().out
+  with open(tmp_path / "roofline.json") as f:
+    saved = json.load(f)
+  assert "projection" in saved["projection"]["label"] and saved["batch"] == [4, 15]
+  by = {r["method"]: r for r in saved["rows"]}
+  assert set(by) == {"none", "gc", "optimal_hr", "uniform_int8_gc"}
+  assert all(r["projected_step_s"] > 0 and r["projected_bound"] in ("compute", "memory") for r in by.values())
   assert by["gc"]["projected_gain_vs_gc_pct"] == pytest.approx(0.0)
+  assert by["optimal_hr"]["projected_gain_vs_optimal_hr_pct"] == pytest.approx(0.0)
   assert by["gc"]["projected_matmul_flops"] > by["none"]["projected_matmul_flops"]  # recompute counted
-  assert any(p.lowp for p in plans["uniform_int8_gc", 1.3]) and by["uniform_int8_gc"]["projected_codec_s"] > 0
-  assert by["optimal_hr"]["projected_codec_s"] == 0
+  # codec traffic only where the plan keeps L codes: uniform_int8_gc's layers that fit, none for optimal_hr
+  assert by["uniform_int8_gc"]["projected_codec_s"] > 0 and by["optimal_hr"]["projected_codec_s"] == 0
+  assert (tmp_path / "roofline.md").read_text().startswith("## Projection for one H200")
