@@ -103,6 +103,10 @@ class Step:
     """XLA's estimate of the bytes both programs read and write."""
     return _flops(self.grad, "bytes accessed") + _flops(self.update, "bytes accessed")
 
+  def program_costs(self, key: str) -> tuple[float, float]:
+    """XLA's cost-analysis figure `key` ("flops", "bytes accessed") of the gradient and of the update program."""
+    return _flops(self.grad, key), _flops(self.update, key)
+
   def __call__(self, state: dict, batch: UpdateBatch):
     grads, metrics = self.grad(state["params"], batch)
     if self.kl_control:

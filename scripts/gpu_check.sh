@@ -2,8 +2,10 @@
 # The GPU checks of one device window, from the repository root:   OUT=/some/dir bash scripts/gpu_check.sh
 #   1. tests/test_gpu.py: host offload (O) round trip with residuals on pinned_host; a planned step's measured
 #      peak_bytes_in_use within its budget (both skip on CPU)
-#   2. python -m train.bench --config configs/bench_gpu.yaml (gc, none, optimal_hr, adacc_style, hilore at 1.00x
-#      and 1.10x; < 8 minutes on one H200 with a warm compilation cache, HILORE_CACHE/xla)
+#   2. python -m train.bench --config configs/bench_gpu.yaml at 1.10x (gc, its separately compiled control, none,
+#      optimal_hr, adacc_style, hilore) with bench.roofline=true, then the H200 roofline projection beside the
+#      measurement (results.md's projection table). The timing stops at +/-2 points or 120 s; the projection adds
+#      one compile per plan (the plan unrolled), so allow a few minutes more than the bench alone with a cold cache
 # Everything it writes goes under $OUT (default runs/gpu_check): logs, timings, the bench's results.{json,md}.
 set -uo pipefail
 OUT=${OUT:-runs/gpu_check}
@@ -19,7 +21,10 @@ tests_rc=${PIPESTATUS[0]}
 echo "gpu tests: rc=$tests_rc in $((SECONDS - start)) s" | tee "$OUT/timing.txt"
 
 start=$SECONDS
-python -m train.bench --config configs/bench_gpu.yaml --out "$OUT/bench_gpu" 2>&1 | tee "$OUT/bench_gpu.log"
+python -m train.bench --config configs/bench_gpu.yaml --out "$OUT/bench_gpu" 'bench.budget_ratios=[1.10]' \
+  bench.roofline=true bench.time_cap_s=120 2>&1 | tee "$OUT/bench_gpu.log"
 bench_rc=${PIPESTATUS[0]}
 echo "bench_gpu: rc=$bench_rc in $((SECONDS - start)) s" | tee -a "$OUT/timing.txt"
+echo "== projection vs measurement =="
+sed -n '/^## Projection/,/^## [^P]/p' "$OUT/bench_gpu/results.md" 2>/dev/null | tee "$OUT/projection_vs_measured.md"
 exit $(( tests_rc != 0 || bench_rc != 0 ))

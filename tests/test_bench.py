@@ -11,20 +11,31 @@ def test_bench_writes_all_outputs_with_every_method_under_budget(tmp_path):
       "model.vocab_size=37", "model.hidden_size=24", "model.intermediate_size=40", "model.num_hidden_layers=2",
       "model.num_attention_heads=4", "model.num_key_value_heads=2", "memory.group_size=8", "memory.budget_probes=2",
       "bench.batch_size=4", "bench.group_size=2", "bench.seq_len=15", "bench.prompt_len=5", "bench.reps=3",
-      "bench.budget_ratios=[1.3]", "bench.risk_batches=2", "grpo.beta=0.02"], "bench")
+      "bench.budget_ratios=[1.3]", "bench.risk_batches=2", "grpo.beta=0.02", "bench.unit_risk_table=true",
+      "bench.risk_sets=2", "bench.time_cap_s=5", "bench.roofline=true"], "bench")
   out = str(tmp_path / "bench")
   result = bench.run(cfg, bc, out, progress=lambda s: None)
   assert sorted(os.listdir(out)) == ["frontier.png", "results.json", "results.md", "risk.md"]
   with open(os.path.join(out, "results.json")) as f:
     saved = json.load(f)
   rows = saved["rows"]
-  assert {"machine", "config", "rows", "regime", "risk_fit"} <= set(saved)
+  assert {"machine", "config", "rows", "regime", "risk_fit", "noise_floor_pct", "timing", "setup_s",
+          "projection"} <= set(saved)
+  floor = saved["noise_floor_pct"]
+  assert set(floor) >= {"gain", "ci_low", "ci_high", "abs"} and floor["ci_low"] <= floor["gain"] <= floor["ci_high"]
+  timed = saved["timing"]
+  assert timed["rounds"] >= 3 and timed["stopped_by"] in ("min_rounds", "ci", "time_cap")
+  assert timed["measures"]["warmup_rounds"] == 1 and {"calibration", "configure", "projection"} <= set(saved["setup_s"])
+  assert "projection" in saved["projection"]["label"] and saved["projection"]["peak_flops"] == 989e12
   assert set(saved["regime"]) >= {"nogc_over_gc_temp", "all_l_grad_err", "tolerance"}
   assert saved["regime"]["all_l_grad_err"] > 0 and saved["regime"]["nogc_over_gc_temp"] > 1
   assert [(r["method"], r["budget_ratio"]) for r in rows][:3] == [("none", None), ("gc", None), ("sac", 1.3)]
-  assert len(rows) == 2 + 8
+  assert len(rows) == 2 + 8 + 1 and rows[-1]["method"] == "gc_control" and rows[-1]["control"]
   for r in rows:
     assert set(bench.ROW_KEYS) <= set(r)
+    assert isinstance(r["beats_floor"], bool)
+    assert r["beats_floor"] == (r["method"] not in ("gc", "gc_control") and r["gain_ci_low"] > floor["bound"])
+    assert (r.get("projected_step_s") or 0) > 0 or r["method"] == "gc_control"
     assert r["tokens_per_s"] > 0 and r["compiles"] <= 1
     if r["budget_bytes"]:
       assert r["peak_bytes"] <= r["budget_bytes"], r["method"]
@@ -37,9 +48,17 @@ def test_bench_writes_all_outputs_with_every_method_under_budget(tmp_path):
   assert by[("uniform_int8_gc", 1.3)]["frac_L"] > 0 and by[("uniform_int8_gc", 1.3)]["grad_rel_err_mean"] > 1e-5
   assert by[("hilore", 1.3)]["solver"] == "exact" and by[("sac", 1.3)]["solver"] == "heuristic"
   assert by[("optimal_hr", 1.3)]["frac_L"] == 0 and by[("optimal_hr", 1.3)]["grad_rel_err_mean"] < 1e-5
+  # the cost model's predictions: No-GC reruns nothing, GC everything, HiLoRe never above its risk-free subset
+  pred = {k: r["predicted_rerun_s"] for k, r in by.items()}
+  assert pred["none", None] == 0 < pred["gc", None] and pred["optimal_hr", 1.3] <= pred["gc", None]
+  assert pred["hilore", 1.3] <= pred["optimal_hr", 1.3] * (1 + 1e-9)
+  assert by[("gc", None)]["projected_gain_vs_gc_pct"] == 0
+  assert by[("hilore", 1.3)]["projected_gain_vs_optimal_hr_pct"] is not None
   with open(os.path.join(out, "results.md")) as f:
     md = f.read()
-  assert "| hilore | 1.30 |" in md and "## Targets" in md
+  assert "| hilore | 1.30 |" in md and "## Targets" in md and "| status | claim | rests on |" in md
+  assert "## Noise floor and timing" in md and "(a roofline projection, not a measurement)" in md
+  assert ("**win**" in md) == any(r["beats_floor"] for r in rows)
   with open(os.path.join(out, "risk.md")) as f:
     assert "| run-time score |" in f.read()
   assert not math.isnan(result["risk"]["run-time score"]["spearman"])

@@ -22,12 +22,21 @@ class BenchConfig:
   prompt_len: int = 64
   budget_ratios: tuple[float, ...] = (1.00, 1.05, 1.10)
   methods: tuple[str, ...] = MEMORY_POLICIES
-  reps: int = 9  # timed steps per method (interleaved; medians)
+  reps: int = 9  # the fewest interleaved timing rounds (one timed step per configuration each)
+  # more rounds until every row's gain CI is at most +/- this many points, or the timing has run time_cap_s
+  ci_halfwidth_pct: float = 2.0
+  time_cap_s: float = 1200.0
+  # measures that may lower the noise floor, recorded in results.json (timing.measures) so runs can be compared:
+  warmup_rounds: int = 1  # untimed interleaved rounds first (first-call allocations, caches)
+  pause_python_gc: bool = False  # gc.collect() before each round, Python's collector off while it runs
   zero_adv_frac: float = 0.25  # share of groups whose rewards are all equal
   logp_noise: float = 0.3  # old log-probs = current + N(0, this): some ratios clip
-  risk_batches: int = 4  # held-out batches for the risk-prediction table
-  risk_sets: int = 8  # random L sets whose measured error validates the set-risk model on the held-out batches
-  unit_risk_table: bool = True  # per-unit risk-prediction table (risk.md): one probe gradient per unit and batch
+  # diagnostics beside the timing, each off or minimal unless asked for (a per-unit table costs a probe gradient per
+  # unit and batch: over half an hour at 8 layers, hidden 512)
+  risk_batches: int = 1  # held-out batches: gradient errors beyond the timed batch, and the risk diagnostics'
+  risk_sets: int = 0  # random L sets whose measured error validates the set-risk model on the held-out batches
+  unit_risk_table: bool = False  # per-unit risk-prediction table (risk.md): one probe gradient per unit and batch
+  roofline: bool = False  # a projected H200 step time per plan (bench/roofline.py): one more compile per plan
 
   def __post_init__(self):
     for k in ("batch_size", "group_size", "seq_len", "prompt_len", "reps"):
@@ -46,6 +55,9 @@ class BenchConfig:
     check_positive("bench.logp_noise", self.logp_noise, allow_zero=True)
     check_positive("bench.risk_batches", self.risk_batches, allow_zero=True)
     check_positive("bench.risk_sets", self.risk_sets, allow_zero=True)
+    check_positive("bench.ci_halfwidth_pct", self.ci_halfwidth_pct)
+    check_positive("bench.time_cap_s", self.time_cap_s)
+    check_positive("bench.warmup_rounds", self.warmup_rounds, allow_zero=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,3 +28,18 @@ def summary(x, level: float = 0.95) -> dict[str, float]:
   lo, hi = bootstrap_ci(x, level)
   return {"mean": float(x.mean()) if len(x) else float("nan"), "std": float(x.std(ddof=1)) if len(x) > 1 else 0.0,
           "ci_low": lo, "ci_high": hi, "n": int(len(x))}
+
+
+def noise_floor(control_gains_pct, seed: int = 0) -> dict[str, float]:
+  """The noise floor from a control (a second compilation of the base's program): its mean paired gain, CI, |gain|,
+  and `bound`, the CI's far edge in absolute value: which of the two copies is the base is arbitrary, so a control
+  at -3 [-5, -1] says a copy may as well measure +5."""
+  g = np.asarray(control_gains_pct, float)
+  lo, hi = bootstrap_ci(g, seed=seed)
+  mean = float(g.mean()) if len(g) else float("nan")
+  return {"gain": mean, "ci_low": lo, "ci_high": hi, "abs": abs(mean), "bound": max(hi, -lo)}
+
+
+def beats_floor(ci_low: float | None, floor: dict | None) -> bool:
+  """A win the control cannot explain: the gain's CI low above the floor's bound (the control's CI high, mirrored)."""
+  return bool(floor is not None and ci_low is not None and not np.isnan(floor["bound"]) and ci_low > floor["bound"])

@@ -3,10 +3,13 @@ ragged completions. For the benchmark and the risk report, where rollouts would 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hilore_jax import model
 from hilore_jax.model import ModelConfig
 from hilore_jax.rl import grpo, train_step
 from hilore_jax.rl.update_batch import UpdateBatch
@@ -35,6 +38,21 @@ def grpo_batch(cfg: ModelConfig, params, rng: np.random.Generator, rows: int, pr
   logp = np.asarray(_logp(cfg, params, seqs))  # the current policy
   return seqs.replace(adv=adv, old_logp=((logp + rng.normal(0, logp_noise, logp.shape)) * mask).astype(np.float32),
                       ref_logp=((logp + rng.normal(0, ref_noise, logp.shape)) * mask).astype(np.float32))
+
+
+def step_spec(mcfg: ModelConfig, grpo_cfg, logprob_chunk: int, completion_len: int):
+  """The bench's step for these minibatches: no remat yet (plans replace the policies), old and (with beta > 0)
+  reference log-probs carried by the batch, completions of completion_len tokens."""
+  grpo_cfg = dataclasses.replace(grpo_cfg, max_completion_len=completion_len)
+  return train_step.StepSpec(mcfg, grpo_cfg, model.uniform(mcfg.num_hidden_layers, model.NO_REMAT), 1, logprob_chunk,
+                             use_old_logp=True, use_ref_logp=grpo_cfg.beta > 0)
+
+
+def shape_batch(mcfg: ModelConfig, rows: int, prompt_len: int, completion_len: int, with_ref: bool) -> UpdateBatch:
+  """A minibatch with the fields and shapes of grpo_batch's and no forward pass (compile-only measurements)."""
+  b = token_batch(mcfg.vocab_size, np.random.default_rng(0), rows, prompt_len, completion_len)
+  zeros = np.zeros((rows, completion_len), np.float32)
+  return b.replace(old_logp=zeros, ref_logp=zeros if with_ref else None)
 
 
 def token_batch(vocab_size: int, rng: np.random.Generator, rows: int, prompt_len: int,

@@ -4,6 +4,10 @@ The cost model's bytes add up unit by unit; XLA's compiled peak does not, so a p
 step: `fit_allowance` shrinks the byte allowance the planner may spend by any excess and grows it into any slack,
 bisecting over a few probe compiles, and returns the fastest plan whose compiled peak is within the budget. It is a
 pure function of two callables (plan for an allowance, compiled peak of a plan), tested on its own.
+
+A method whose options include another's (HiLoRe's and AdaCC's H/L/R include the risk-free H/R of optimal_hr) can
+still fit worse: its L plans may compile over budget, and the probes that shrink the allowance then end on a plan
+slower than the subset's own fit. `no_slower_than` keeps the subset's fit wherever it is faster.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class Fit(Generic[PlanT]):
   allowance: int
   plan: PlanT | None
   probes: tuple[Probe, ...]
+  floor: bool = False  # the plan is the floor's (the risk-free subset's own fit), not the method's
 
 
 def fit_allowance(budget: int, gc_bytes: int, plan_for: Callable[[int], PlanT], peak_of: Callable[[PlanT], int],
@@ -88,3 +93,31 @@ def fit_allowance(budget: int, gc_bytes: int, plan_for: Callable[[int], PlanT], 
   if best is None:
     return Fit(0, None, tuple(probes))
   return Fit(best[0], best[1], tuple(probes))
+
+
+def fit_plan(budget: int, gc_bytes: int, plan_for: Callable[[int], PlanT], peak_of: Callable[[PlanT], int],
+             max_probes: int, time_of: Callable[[PlanT], float], bytes_of: Callable[[PlanT], int],
+             reuse: int | None = None, floor: Callable[[], Fit[PlanT]] | None = None) -> Fit[PlanT]:
+  """A plan fitted to the budget: the plan at `reuse` (an allowance fitted before: one compile, of a step that will
+  run anyway) when it compiles within budget, else fit_allowance's search; then, given `floor` (the risk-free
+  subset's own fit, evaluated only here), whichever of the two is faster (no_slower_than)."""
+  fit = None
+  if reuse is not None:
+    plan = plan_for(reuse)
+    probe = Probe(reuse, gc_bytes + bytes_of(plan), peak_of(plan), budget)
+    if probe.fits:
+      log.info("allowance %d B reused (compiled %d B within budget %d B)", reuse, probe.compiled_bytes, budget)
+      fit = Fit(reuse, plan, (probe,))
+  if fit is None:
+    fit = fit_allowance(budget, gc_bytes, plan_for, peak_of, max_probes, time_of, bytes_of)
+  return fit if floor is None else no_slower_than(fit, floor(), time_of)
+
+
+def no_slower_than(fit: Fit[PlanT], floor: Fit[PlanT], time_of: Callable[[PlanT], float]) -> Fit[PlanT]:
+  """fit, or floor where floor fitted a faster plan; floor is the fit of a subset of the method's options (its
+  risk-free H/R plans) to the same budget, so the method never returns a slower plan than the subset would."""
+  if floor.plan is None or (fit.plan is not None and time_of(fit.plan) <= time_of(floor.plan)):
+    return fit
+  log.info("the risk-free fit (allowance %d B) is faster than the method's (allowance %d B): keeping it",
+           floor.allowance, fit.allowance)
+  return dataclasses.replace(floor, probes=fit.probes + floor.probes, floor=True)

@@ -51,7 +51,8 @@ class MemoryManager:
     self._gaps: dict[int, float] = {}
     self._active: dict[int, str] = {}
     self._units: dict[tuple[int, int], list[profile.Unit]] = {}
-    self._plans: dict[tuple, methods.Plan] = {}  # solved plans by (risks, allowance, delta, solver)
+    self._plans: dict[tuple, methods.Plan] = {}  # solved plans by (method, risks, allowance, delta, solver)
+    self._floor_fit: budgets.Fit | None = None  # the risk-free subset's own fit to the budget (RISK_FREE_SUBSET)
     self._shape: tuple[int, int] | None = None
     self.lowp_ids = calibration.lowp_units(self.num_layers)
     if mc.offload:
@@ -119,6 +120,7 @@ class MemoryManager:
     self.state = state if isinstance(state, ManagerState) else ManagerState.from_json(state)
     self._units.clear()  # their measured times come from this profile
     self._plans.clear()
+    self._floor_fit = None
     self._cache.invalidate(reason)
 
   # ------------------------------------------------------------------ per step
@@ -190,22 +192,24 @@ class MemoryManager:
       return {k: kappa * e for k, e in zip(keys, static)}, dict(zip(keys, static))
     return {}, {}
 
-  def _plan_kw(self, bucket: int, solver: str | None = None) -> dict:
-    risk_of, sens = self._risks(bucket)
+  def _plan_kw(self, bucket: int, solver: str | None = None, method: str | None = None) -> dict:
+    risk_of, sens = self._risks(bucket) if method in (None, self.method) else ({}, {})  # a subset plans risk-free
     cal = self.state.calibration
     return dict(risk_of=risk_of, delta=cal.delta if cal else 0.0, fmt=self.mc.lowp_format, allow_o=self.mc.offload,
                 sensitivity=sens, group_size=self.mc.group_size, solver=solver or self.mc.solver,
                 mip_gap=self.mc.mip_gap)
 
-  def _plan(self, bucket: int, allowance: int, solver: str | None = None, delta: float | None = None) -> methods.Plan:
-    """The method's plan for a bucket and byte allowance; memoised, since the budget fit, the exact-vs-greedy gap
-    and the active-constraint check ask for the same solves, and buckets with equal risks share them."""
-    kw = self._plan_kw(bucket, solver)
+  def _plan(self, bucket: int, allowance: int, solver: str | None = None, delta: float | None = None,
+            method: str | None = None) -> methods.Plan:
+    """The method's (or its risk-free subset's) plan for a bucket and byte allowance; memoised: the budget fit, the
+    greedy gap and the active-constraint check ask for the same solves, and buckets with equal risks share them."""
+    method = method or self.method
+    kw = self._plan_kw(bucket, solver, method)
     if delta is not None:
       kw["delta"] = delta
-    key = (self._shape, tuple(sorted(kw["risk_of"].items())), max(allowance, 0), kw["delta"], kw["solver"])
+    key = (self._shape, method, tuple(sorted(kw["risk_of"].items())), max(allowance, 0), kw["delta"], kw["solver"])
     if key not in self._plans:
-      self._plans[key] = methods.plan(self.method, self._units[self._shape], self.state.profile["ops"],
+      self._plans[key] = methods.plan(method, self._units[self._shape], self.state.profile["ops"],
                                       max(allowance, 0), **kw)
     return self._plans[key]
 
@@ -215,6 +219,12 @@ class MemoryManager:
       self._active[bucket] = "none"
       return self.gc_plan()
     allowance = max(st.allowance.get(str(bucket), st.budget_bytes - st.gc_bytes), 0)
+    if bucket in st.risk_free:  # the method's own fit compiled slower than its risk-free subset's (budget.py)
+      subset = methods.RISK_FREE_SUBSET[self.method]
+      plan = self._plan(bucket, allowance, method=subset)
+      self._active[bucket] = methods.active_constraint(subset, self._units[self._shape], allowance, plan,
+                                                       lambda a, d=None: self._plan(bucket, a, method=subset))
+      return plan
     plan = self._plan(bucket, allowance)
     if self.method in methods.SOLVED:  # the greedy fast path against the exact MILP, once per bucket: logged
       other = self._plan(bucket, allowance, solver="greedy" if self.mc.solver == "exact" else "exact")
@@ -237,30 +247,33 @@ class MemoryManager:
 
   def _fit(self, bucket: int, batch: dict):
     """Fit the bucket's plan to the budget on the compiled step (probe compiles, logged); remembered in the state,
-    so a resumed run repeats it. A later bucket first tries the largest allowance fitted so far: one compile (of
-    the step it will run anyway) when its plan fits too."""
+    so a resumed run repeats it. A later bucket first tries the largest allowance fitted so far; a method with a
+    risk-free subset keeps the subset's own fit where that is faster (budget.fit_plan)."""
     st = self.state
     fitted = [a for b, a in st.allowance.items() if int(b) not in st.fallback_gc]
-    if fitted:
-      plan = self._plan(bucket, max(fitted))
-      if self.hooks.compile_peak(self.policies(plan), batch) <= st.budget_bytes:
-        log.info("%s bucket %d: allowance %d B reused (compiled peak within budget)", self.method, bucket,
-                 max(fitted))
-        st.allowance[str(bucket)] = max(fitted)
-        st.verified = sorted(set(st.verified) | {bucket})
-        self._cache.invalidate("allowance fitted", bucket)
-        return
-    fit = budgets.fit_allowance(
-        st.budget_bytes, st.gc_bytes, plan_for=lambda a: self._plan(bucket, a),
-        peak_of=lambda plan: self.hooks.compile_peak(self.policies(plan), batch), max_probes=self.mc.budget_probes,
-        time_of=lambda plan: plan.time_s, bytes_of=lambda plan: plan.bytes)
-    log.info("%s bucket %d: %d probe compiles, allowance %d B", self.method, bucket, len(fit.probes), fit.allowance)
+    floor = (lambda: self._floor(batch)) if self.method in methods.RISK_FREE_SUBSET else None
+    fit = self._fit_to_budget(lambda a: self._plan(bucket, a), batch, max(fitted) if fitted else None, floor)
+    log.info("%s bucket %d: %d probe compiles, allowance %d B%s", self.method, bucket, len(fit.probes),
+             fit.allowance, " (the risk-free subset's plan: faster than the method's own fit)" if fit.floor else "")
     if fit.plan is None:  # nothing fitted: full checkpointing, which the budget always admits
       log.warning("%s: bucket %d: no plan fitted the budget; using full checkpointing", self.method, bucket)
       st.fallback_gc = sorted(set(st.fallback_gc) | {bucket})
+    st.risk_free = sorted(set(st.risk_free) - {bucket} | ({bucket} if fit.floor else set()))
     st.allowance[str(bucket)] = fit.allowance
     st.verified = sorted(set(st.verified) | {bucket})
     self._cache.invalidate("allowance fitted", bucket)
+
+  def _fit_to_budget(self, plan_for, batch, reuse=None, floor=None) -> budgets.Fit:
+    st, peak_of = self.state, lambda plan: self.hooks.compile_peak(self.policies(plan), batch)
+    return budgets.fit_plan(st.budget_bytes, st.gc_bytes, plan_for, peak_of, self.mc.budget_probes,
+                            lambda p: p.time_s, lambda p: p.bytes, reuse, floor)
+
+  def _floor(self, batch) -> budgets.Fit:
+    """The risk-free subset's own fit (the search its own manager runs, so its plan), once: it ignores risks."""
+    if self._floor_fit is None:
+      self._floor_fit = self._fit_to_budget(lambda a: self._plan(0, a, method=methods.RISK_FREE_SUBSET[self.method]),
+                                            batch)
+    return self._floor_fit
 
   def allocate(self, minibatches: list, logp=None) -> list[Allocation]:
     """Every minibatch's bucket, plan and policies, in order; a new bucket is fitted first (its probe compiles

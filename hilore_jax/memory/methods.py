@@ -20,6 +20,9 @@ from hilore_jax.model import units as U
 METHODS = MEMORY_POLICIES
 CALIBRATED = ("greedy_bits", "greedy_bits_gc", "adacc_style", "hilore")  # methods that need measured per-unit errors
 SOLVED = ("optimal_hr", "adacc_style", "hilore")  # one exact solver over the layer graph's options for all of them
+# a method's risk-free subset: its options without L, whose own budget fit the method's plan must never be slower
+# than (memory/budget.py no_slower_than)
+RISK_FREE_SUBSET = {"adacc_style": "optimal_hr", "hilore": "optimal_hr"}
 # SAC-style named save policies (what jax.checkpoint_policies / PyTorch SAC users write by hand): the best of the
 # grid that fits, applied to as many layers as fit (the rest fully recomputed)
 SAC_GRID = {

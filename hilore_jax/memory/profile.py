@@ -61,6 +61,17 @@ def _op_calls(cfg: model.ModelConfig, batch: int, seq: int) -> dict[str, tuple[C
   return calls
 
 
+def op_costs(cfg: model.ModelConfig, batch: int, seq: int) -> dict[str, tuple[float, float]]:
+  """XLA's (FLOPs, bytes accessed) of each producer op at these shapes, compile-only: to project op times on a
+  device that is not here."""
+  out = {}
+  for op, (fn, args) in _op_calls(cfg, batch, seq).items():
+    cost = fn.lower(*args).compile().cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    out[op] = (float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)))
+  return out
+
+
 def profile_key(cfg: model.ModelConfig, batch: int, seq: int, group_size: int) -> str:
   shape = {k: getattr(cfg, k) for k in ("hidden_size", "intermediate_size", "num_attention_heads",
                                         "num_key_value_heads", "head_dim")}

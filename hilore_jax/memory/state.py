@@ -43,6 +43,8 @@ class ManagerState:
   allowance: dict[str, int] = dataclasses.field(default_factory=dict)  # bucket -> fitted byte allowance
   verified: list[int] = dataclasses.field(default_factory=list)
   fallback_gc: list[int] = dataclasses.field(default_factory=list)
+  # buckets whose fitted plan is the risk-free one (H/R only): the method's own fit compiled to a slower plan
+  risk_free: list[int] = dataclasses.field(default_factory=list)
 
   def to_json(self) -> dict:
     return {"version": STATE_VERSION, **dataclasses.asdict(self)}
@@ -60,7 +62,7 @@ class ManagerState:
       d = {k: v for k, v in d.items() if k in {f.name for f in dataclasses.fields(cls)}}
       d["calibration"] = cal if len(cal) == len(cal_keys) else None
     if version == 2 and d.pop("edges", None):  # hilore's scalar exposure buckets: replan, recalibrate
-      d.update(allowance={}, verified=[], fallback_gc=[])
+      d.update(allowance={}, verified=[], fallback_gc=[], risk_free=[])
       if d.get("calibration"):
         d["calibration"] = {k: v for k, v in d["calibration"].items() if k not in ("profile", "score_max")}
     d.pop("max_level", None)
