@@ -14,9 +14,9 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout, not an install
 from trainer_util import tiny_config  # noqa: E402
 
+from hilore_jax import runtime  # noqa: E402
 from hilore_jax.rl import train_step  # noqa: E402
 from hilore_jax.rl.update_batch import UpdateBatch  # noqa: E402
-from hilore_jax import runtime  # noqa: E402
 from hilore_jax.trainer import Trainer  # noqa: E402
 
 runtime.enable_compilation_cache()  # the test session's HILORE_CACHE

@@ -2,10 +2,13 @@ import json
 import math
 import os
 
+import pytest
+
 from hilore_jax.bench import config as bench_config
 from hilore_jax.bench import run as bench
 
 
+@pytest.mark.slow
 def test_bench_writes_all_outputs_with_every_method_under_budget(tmp_path):
   cfg, bc = bench_config.load(None, [
       "model.vocab_size=37", "model.hidden_size=24", "model.intermediate_size=40", "model.num_hidden_layers=2",
@@ -64,6 +67,7 @@ def test_bench_writes_all_outputs_with_every_method_under_budget(tmp_path):
   assert not math.isnan(result["risk"]["run-time score"]["spearman"])
 
 
+@pytest.mark.slow
 def test_bench_clip_command_writes_the_clipping_table(tmp_path, capsys):
   from train import bench_clip
 

@@ -21,6 +21,7 @@ SHAPE = [f"model.hidden_size={HIDDEN}", "model.vocab_size=37", "model.intermedia
          "optimizer.logra.refresh_every=10"]
 
 
+@pytest.mark.slow
 def test_bench_optim_rows_add_up_and_logra_state_is_small(tmp_path):
   cfg, bc = bench_config.load(None, SHAPE, "bench")
   result = optim_memory.run(cfg, bc, str(tmp_path), ranks=(3,), memories=("gc",), progress=lambda s: None)

@@ -1,6 +1,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from hilore_jax import engine, model
 from hilore_jax.memory import allocator, buckets
@@ -41,6 +42,7 @@ def test_allocation_per_bucket_is_solved_once():
   assert calls == [0, 2, 1, 2, 0]
 
 
+@pytest.mark.slow
 def test_second_step_in_the_same_bucket_compiles_nothing(tiny_cfg):
   import numpy as np
   import optax

@@ -37,6 +37,7 @@ def grpo_setup(tiny_cfg):
   return step_hooks.memory_hooks(None, spec), p, batch
 
 
+@pytest.mark.slow
 def test_measured_errors_and_held_out_score_quality(tiny_cfg):
   p = model.init_params(tiny_cfg, jax.random.PRNGKey(0), init_std=0.3)
   spec = train_step.StepSpec(tiny_cfg, GRPOConfig(beta=0.02), model.uniform(tiny_cfg.num_hidden_layers, model.NO_REMAT),
@@ -56,6 +57,7 @@ def test_measured_errors_and_held_out_score_quality(tiny_cfg):
   assert rows["without susceptibility"]["spearman"] < rows["run-time score"]["spearman"] - 0.2
 
 
+@pytest.mark.slow
 def test_probe_measures_what_the_policy_runs(grpo_setup):
   # the run-time mix of the probe program gives the same error as compiling the real L policy; a set's error is
   # not the root sum of squares of its units' (codes reach earlier layers' input gradients too)
@@ -85,6 +87,7 @@ def test_coherence_and_set_fit_by_hand():
   assert calibration.random_sets(10, 3, np.random.default_rng(0))[-1] == list(range(10))
 
 
+@pytest.mark.slow
 def test_zero_advantage_rows_carry_no_exposure(grpo_setup):
   hooks, p, batch = grpo_setup
   units = calibration.lowp_units(3)

@@ -49,6 +49,7 @@ def _config(checkpoint, out_dir, *extra):
       "logging.progress=false", "logging.plot=false", f"out_dir={out_dir}", *extra])
 
 
+@pytest.mark.slow
 def test_grpo_on_a_chat_checkpoint_sees_chat_prompts_and_exports_a_loadable_model(checkpoint, tmp_path):
   t = Trainer(_config(checkpoint, tmp_path))
   tok = t.tokenizer

@@ -32,6 +32,7 @@ def _grad_size(cfg, num_layers: int, policies) -> int:
   return _eqns(jax.make_jaxpr(jax.grad(loss))(p).jaxpr)
 
 
+@pytest.mark.slow
 def test_step_size_does_not_grow_with_depth_for_equal_policy_layers(tiny_cfg):
   for policy in (model.FULL_REMAT, compile_time.LOWP):
     sizes = {n: _grad_size(tiny_cfg, n, (policy,) * n) for n in (2, 5, 9)}
@@ -43,6 +44,7 @@ def test_step_size_does_not_grow_with_depth_for_equal_policy_layers(tiny_cfg):
   assert per_layer[12] > per_layer[6] * 1.5, per_layer
 
 
+@pytest.mark.slow
 def test_bench_compile_rows(tmp_path):
   cfg, bc = bench_config.load(None, [*TINY, f"out_dir={tmp_path}", "bench.batch_size=4", "bench.group_size=2",
                                      "bench.seq_len=11", "bench.prompt_len=4"], "bench")

@@ -1,6 +1,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from hilore_jax import model
 from hilore_jax.memory import costmodel, methods
@@ -27,6 +28,7 @@ def test_rerun_ops_follow_the_layer_graph():
   assert "act" in costmodel.rerun_ops({**mlp, model.MLP_DOWN_IN: R})
 
 
+@pytest.mark.slow
 def test_no_rerun_choice_really_recomputes_nothing(tiny_cfg):
   # matmul outputs H, everything else but the layer input L: the cost model says backward reruns nothing, and under
   # remat the compiled step has (almost) No-GC's FLOPs: the codes serve every backward read
@@ -72,6 +74,7 @@ def test_candidates_are_pareto_and_risk_prunes(tiny_cfg):
   assert min(o.bytes for o in opts) == 0 and max(o.time_s for o in opts) == sum(ops.values())
 
 
+@pytest.mark.slow
 def test_plan_bytes_are_exactly_what_backward_keeps(tiny_cfg):
   # every Pareto layer choice, as the methods turn it into a policy, keeps exactly the cost model's bytes on top of
   # full checkpointing: nothing unmodelled (norm statistics, RoPE tables) rides along, L layer input included

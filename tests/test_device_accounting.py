@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+@pytest.mark.slow
 def test_hilore_accounts_per_device_on_a_mesh(tmp_path):
   out = str(tmp_path / "acc.json")
   env = dict(os.environ)  # the session's HILORE_CACHE: its compiled programs

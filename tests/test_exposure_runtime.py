@@ -47,6 +47,7 @@ def setup():
   return hooks, params, on, mc, rng, adv
 
 
+@pytest.mark.slow
 def test_each_minibatch_is_allocated_from_its_own_unit_scores(setup):
   hooks, params, on, mc, rng, adv = setup
   normal = _batch(rng, adv)

@@ -44,6 +44,7 @@ def _ids(b=2, t=11, seed=0):
   return np.random.RandomState(seed).randint(0, 37, (b, t))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["xla", "dot_product_attention"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_match_transformers(case, attention, tmp_path):

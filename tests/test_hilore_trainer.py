@@ -1,5 +1,5 @@
 import pytest
-from trainer_util import stable, tiny_config
+from trainer_util import tiny_config
 
 from hilore_jax import errors, metrics
 from hilore_jax.trainer import Trainer
@@ -7,24 +7,6 @@ from hilore_jax.trainer import Trainer
 HILORE = ["memory.policy=hilore", "memory.group_size=8", "memory.buckets=3", "memory.budget_probes=2",
           "train.steps=3", "checkpoint.every=2", "eval.at_start=false", "eval.at_end=false",
           "grpo.filter_zero_std=false"]
-
-
-def test_hilore_run_reports_allocation_under_budget_and_resumes_exactly(tmp_path):
-  Trainer(tiny_config(tmp_path / "a", *HILORE, "memory.budget_ratio=1.02")).train()
-  rows = metrics.read_metrics(tmp_path / "a" / "metrics.jsonl")
-  keys = ["alloc/frac_H", "alloc/frac_L", "alloc/frac_R", "alloc/bucket", "memory/budget_bytes",
-          "memory/predicted_bytes", "memory/compiled_bytes", "compile/count", "time/schedule_s"]
-  assert all(k in r for r in rows for k in keys)
-  for r in rows:
-    assert r["alloc/frac_H"] + r["alloc/frac_L"] + r["alloc/frac_R"] == pytest.approx(1.0)
-    assert r["memory/compiled_bytes"] <= r["memory/budget_bytes"]
-    assert r["alloc/greedy_gap"] >= -1e-9  # the exact solver is never beaten
-  buckets_used = {r["alloc/bucket"] for r in rows}
-  assert rows[-1]["compile/count"] <= len(buckets_used)
-  # resume: the manager's state (profile, calibration, buckets) comes back from the checkpoint
-  Trainer(tiny_config(tmp_path / "b", *HILORE, "memory.budget_ratio=1.02", "train.steps=2")).train()
-  Trainer(tiny_config(tmp_path / "b", *HILORE, "memory.budget_ratio=1.02", "train.resume=true")).train()
-  assert stable(metrics.read_metrics(tmp_path / "b" / "metrics.jsonl")) == stable(rows)
 
 
 def test_budget_below_full_checkpointing_is_a_clear_error(tmp_path):
@@ -52,6 +34,7 @@ def test_offload_on_cpu_is_a_clear_cli_error(tmp_path):
               "eval.at_start=false", "grpo.filter_zero_std=false", "train.steps=1"])
 
 
+@pytest.mark.slow
 def test_later_passes_are_reallocated_from_the_previous_pass(tmp_path, monkeypatch):
   from hilore_jax.memory import MemoryManager
 

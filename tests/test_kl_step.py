@@ -69,6 +69,7 @@ def _delta(a, b):
   return jax.tree.map(lambda x, y: np.asarray(x, np.float64) - np.asarray(y, np.float64), a, b)
 
 
+@pytest.mark.slow
 def test_prediction_matches_realized_and_the_scale_caps_it():
   p0, free, m_free, step = _run(1e9)  # a target never reached: scale 1, the plain update
   _, plain, m_plain, plain_step = _run(0.0)
@@ -91,6 +92,7 @@ def test_prediction_matches_realized_and_the_scale_caps_it():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, s * b, atol=1e-6), _delta(capped, p0), _delta(free, p0))
 
 
+@pytest.mark.slow
 def test_control_off_is_the_plain_update_program_bit_for_bit():
   params, batch = _host()
   _, after, metrics, step = _run(0.0)

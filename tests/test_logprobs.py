@@ -12,6 +12,7 @@ def _naive(h, w, tgt):
   return logprobs._chunk_stats(h, w, tgt)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [1, 3, 4, 13, 50])
 def test_chunked_equals_naive_values_and_grads(chunk):
   rng = np.random.RandomState(0)

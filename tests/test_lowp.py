@@ -46,6 +46,7 @@ HLR = LayerPolicy(remat=True, save=(model.MLP_GATE, model.MLP_UP, model.Q, model
                   lowp=(model.MLP_DOWN_IN, model.ATTN_CTX), group_size=8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,short", [("float32", "f32"), ("bfloat16", "bf16")])
 def test_saved_residuals_prove_h_l_r(tiny_cfg, dtype, short):
   cfg = tiny_cfg.replace(dtype=dtype)
@@ -67,6 +68,7 @@ def test_saved_residuals_prove_h_l_r(tiny_cfg, dtype, short):
   assert code.shape == (2, 7, 5, 8)
 
 
+@pytest.mark.slow
 def test_r_and_h_exact_l_bounded(tiny_cfg):
   p = _params(tiny_cfg)
   grad = lambda pols: jax.jit(jax.grad(_loss, argnums=1), static_argnums=(0, 3))(tiny_cfg, p, IDS, pols)
@@ -109,6 +111,7 @@ def test_int4_packs_two_codes_per_byte():
   np.testing.assert_allclose(codec.decode(codes, scale, x.shape, jnp.float32, "int4"), x, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,short", [("fp8_e4m3", "f8_e4m3fn"), ("int4", "u8"), ("bf16", "bf16")])
 def test_other_formats_saved_as_their_codes(tiny_cfg, fmt, short):
   p = _params(tiny_cfg)
@@ -187,6 +190,7 @@ def test_every_unit_l_in_every_format(tiny_cfg):
     assert [r.dtype for r in res if r.name == U.code_names(unit)[0]] == [short[fmt]], unit
 
 
+@pytest.mark.slow
 def test_l_unit_is_not_recomputed(tiny_cfg):
   # the layer keeps every unit but q: as L (code) backward reruns nothing; as R it reruns q's projection
   p = _params(tiny_cfg)

@@ -67,6 +67,7 @@ def _budget(cfg, share):
   return int(share * sum(u.bytes_h for u in us))
 
 
+@pytest.mark.slow
 def test_none_keeps_everything_and_gc_keeps_only_layer_inputs(tiny_cfg):
   p = model.init_params(tiny_cfg, jax.random.PRNGKey(0))
   probs = (B, tiny_cfg.num_key_value_heads, tiny_cfg.num_attention_heads // tiny_cfg.num_key_value_heads, T, T)
@@ -131,6 +132,7 @@ def test_greedy_bits_mixes_widths_by_sensitivity(tiny_cfg):
     assert "int4" in {f for _, f in fmts} and {k for k, _ in fmts} == set(U.UNITS)  # every unit may be compressed
 
 
+@pytest.mark.slow
 def test_adacc_and_hilore_compress_within_the_risk_budget(tiny_cfg):
   us, _ = _units(tiny_cfg)
   risk = {(u.layer, u.kind): 1e-6 * (1 + u.layer) for u in us if u.bytes_l}

@@ -63,6 +63,7 @@ def _loss(cfg, p, ids, policies):
   return jnp.sum(jax.nn.log_softmax(model.forward(cfg, p, ids, layer_policies=policies))[..., 1] ** 2)
 
 
+@pytest.mark.slow
 def test_per_layer_policies_give_same_gradients_and_save_what_they_say(tiny_cfg):
   p = _params(tiny_cfg)
   ids = jnp.array([[3, 5, 7, 11, 13, 17, 19]])
@@ -157,6 +158,7 @@ def test_bf16_forward_accumulates_scores_and_logits_in_float32(tiny_cfg):
   assert any(d[1] == jnp.bfloat16 for d in dots)  # the projections stay in the compute dtype
 
 
+@pytest.mark.slow
 def test_a_mixed_plan_costs_what_its_layers_keep():
   # full checkpointing on every layer, written as two policies: the compiled peak is GC's. Run as one layer then a
   # scan of three, XLA:CPU's peak was 36% above it at these shapes; the decoder unrolls mixed plans instead

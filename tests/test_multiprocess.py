@@ -31,6 +31,7 @@ def _wait(*procs):
     assert p.returncode == 0, out[-3000:]
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_and_resume_in_one(tmp_path):
   with socket.socket() as s:  # a free port for the coordinator
     s.bind(("127.0.0.1", 0))

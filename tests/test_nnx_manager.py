@@ -5,6 +5,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -45,6 +46,7 @@ def _loss(graphdef, states, x, y, policies):
   return jnp.mean((x - y) ** 2)
 
 
+@pytest.mark.slow
 def test_manager_plans_an_nnx_model_within_its_budget():
   blocks = [Block(nnx.Rngs(i)) for i in range(LAYERS)]
   graphdef = nnx.split(blocks[0])[0]

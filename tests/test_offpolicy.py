@@ -33,6 +33,7 @@ def _params(seed):
   return jax.jit(model.init_params, static_argnums=(0, 2))(CFG, jax.random.PRNGKey(seed), 0.3)
 
 
+@pytest.mark.slow
 def test_on_policy_rows_ignore_old_logp_in_one_compiled_program():
   params = _params(0)
   spec = train_step.StepSpec(CFG, GRPOConfig(), model.uniform(2, model.NO_REMAT), use_old_logp=True)
@@ -100,6 +101,7 @@ def _recording(t: Trainer):
   return seen, calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("iterations", [1, 2])
 def test_later_minibatches_are_off_policy_and_the_first_skips_the_forward(tmp_path, iterations):
   # 12 rows in 2 minibatches, a learning rate large enough that one update moves the policy past the clip range
@@ -129,6 +131,7 @@ def test_one_update_per_rollout_keeps_the_on_policy_step(tmp_path):
   assert filled[0] is minibatches[0] and current == [None] and calls == []  # no old_logp, no flag, no forward
 
 
+@pytest.mark.slow
 def test_training_logprobs_are_the_samplers_at_temperature(tmp_path):
   # init_std 0.3: logits far enough from uniform that the temperature matters
   t = Trainer(tiny_config(tmp_path, "rollout.temperature=0.7", "rollout.top_p=1.0", "rollout.top_k=0",

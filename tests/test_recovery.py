@@ -62,6 +62,7 @@ def _kill(proc):
 
 
 
+@pytest.mark.slow
 def test_killed_runs_resume_to_the_uninterrupted_metrics(tmp_path):
   steps, rng = 6, random.Random(2024)
   args = [*RUN, f"train.steps={steps}"]
@@ -135,6 +136,7 @@ def test_checksums_catch_what_orbax_restores_silently(tmp_path):
   ckpt.close()
 
 
+@pytest.mark.slow
 def test_damaged_latest_checkpoint_falls_back_to_the_newest_good_one(tmp_path, caplog, monkeypatch):
   args = ["train.steps=3", "train.warmstart_steps=0", "grpo.filter_zero_std=false", *RUN, "checkpoint.keep=3"]
   Trainer(tiny_config(tmp_path, *args)).train()

@@ -28,6 +28,7 @@ def _greedy_by_recompute(cfg, params, prompt, n):
   return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_greedy_with_cache_equals_full_recompute(setup, side):
   cfg, params = setup
@@ -107,6 +108,7 @@ def test_top_k_and_top_p_restrict_support():
   np.testing.assert_allclose(t, logits * 2.0, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_sampling_is_seeded_and_respects_top_k(setup):
   cfg, params = setup
   ids = jnp.tile(jnp.array([[3, 4, 5]]), (16, 1))

@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -16,6 +17,7 @@ def _run(tmp_path, n_dev, data, fsdp):
   return dict(np.load(out))
 
 
+@pytest.mark.slow
 def test_four_device_fsdp_matches_one_device(tmp_path):
   one = _run(tmp_path, 1, 1, 1)
   four = _run(tmp_path, 4, 2, 2)

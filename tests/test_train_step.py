@@ -41,6 +41,7 @@ MIXED = tuple(model.FULL_REMAT if i % 2 else model.LayerPolicy(remat=True, save=
 
 @pytest.mark.parametrize("policies", [model.uniform(3, model.FULL_REMAT), MIXED, model.uniform(3, model.NO_REMAT)],
                          ids=["gc", "mixed", "none"])
+@pytest.mark.slow
 def test_clipping_does_not_undo_remat(policies):
   mesh = sharding.make_mesh()
   clip = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
@@ -59,6 +60,7 @@ def test_clipping_does_not_undo_remat(policies):
     assert _fused_temp(spec, clip, state, batch) > 1.10 * (no_clip + grad_bytes)
 
 
+@pytest.mark.slow
 def test_split_step_updates_exactly_as_the_one_function_step():
   mesh = sharding.make_mesh()
   # eps=1e-3 keeps Adam's first step near-linear in the gradient. With 1e-8 it is lr * sign(g) for every clipped
@@ -84,6 +86,7 @@ def test_split_step_updates_exactly_as_the_one_function_step():
   assert int(split_state["step"]) == 1
 
 
+@pytest.mark.slow
 def test_token_logp_output_is_the_forward_in_every_microbatch_split():
   spec1 = train_step.StepSpec(CFG, GRPOConfig(), model.uniform(CFG.num_hidden_layers, model.FULL_REMAT))
   spec2 = train_step.StepSpec(CFG, GRPOConfig(), spec1.policies, microbatches=2)

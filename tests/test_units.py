@@ -30,6 +30,7 @@ def test_unit_bytes_match_what_backward_saves(tiny_cfg):
       assert u.bytes_l is None
 
 
+@pytest.mark.slow
 def test_profile_is_measured_and_cached(tiny_cfg, tmp_path):
   prof = units.profile_ops(tiny_cfg, 2, 16, group_size=8, reps=3, cache_dir=str(tmp_path))
   assert set(prof["ops"]) == set(U.PRODUCERS) and all(v > 0 for v in prof["ops"].values())
@@ -116,6 +117,7 @@ def test_each_producer_reads_what_the_table_says(tiny_cfg, attention):
     assert out.shape == U.shape(t.name, sizes), t.name
 
 
+@pytest.mark.slow
 def test_memory_policies_work_under_the_fused_kernel(tiny_cfg):
   """H and R keep the gradient exact under jax.nn.dot_product_attention, L stays within rounding of it."""
   cfg = tiny_cfg.replace(attention="dot_product_attention")
