@@ -5,6 +5,7 @@ in a traceback)."""
 from __future__ import annotations
 
 import argparse
+import os
 import logging
 import sys
 from typing import Any, Callable, Sequence
@@ -62,3 +63,15 @@ def int_list(flag: str, text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
   except ValueError:
     raise ConfigError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
+def progress(line: str):
+  """A benchmark's progress line, printed as it happens (not held back by output buffering)."""
+  print(line, flush=True)
+
+
+def print_files(directory: str, *names: str):
+  """Print report files a command wrote (its markdown tables), one after another."""
+  for name in names:
+    with open(os.path.join(directory, name)) as f:
+      print(f.read())

@@ -1,7 +1,5 @@
 """python -m train.bench --config configs/bench_cpu.yaml --out DIR [key.path=value ...]"""
 
-import os
-
 from hilore_jax import cli, runtime
 
 
@@ -10,10 +8,8 @@ def body(args):
 
   cfg, bc = config.load(args.config, args.overrides, "bench")
   runtime.enable_compilation_cache()  # a rerun (or scripts/gpu_check.sh in a later window) reuses every compile
-  result = run.run(cfg, bc, args.out, progress=lambda s: print(s, flush=True))
-  for name in ("results.md", "risk.md") if result["risk"] else ("results.md",):
-    with open(os.path.join(args.out, name)) as f:
-      print(f.read())
+  result = run.run(cfg, bc, args.out, progress=cli.progress)
+  cli.print_files(args.out, "results.md", *(["risk.md"] if result["risk"] else []))
 
 
 def main(argv=None):

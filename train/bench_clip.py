@@ -10,7 +10,7 @@ def body(args):
   from hilore_jax.bench import clip, config
 
   cfg, bc = config.load(args.config, args.overrides, "bench")
-  rows = clip.clip_rows(cfg, bc, progress=lambda s: print(s, flush=True))
+  rows = clip.clip_rows(cfg, bc, progress=cli.progress)
   table = clip.clip_table(rows)
   print(table)
   if args.out:

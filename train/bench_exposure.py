@@ -1,7 +1,5 @@
 """python -m train.bench_exposure --config configs/bench_exposure.yaml --out DIR [key=value ...]"""
 
-import os
-
 from hilore_jax import cli
 
 
@@ -9,9 +7,8 @@ def body(args):
   from hilore_jax.bench import config, exposure
 
   cfg, be = config.load(args.config, args.overrides, "bench_exposure")
-  exposure.run(cfg, be, args.out, progress=lambda s: print(s, flush=True))
-  with open(os.path.join(args.out, "exposure.md")) as f:
-    print(f.read())
+  exposure.run(cfg, be, args.out, progress=cli.progress)
+  cli.print_files(args.out, "exposure.md")
 
 
 def main(argv=None):

@@ -12,7 +12,7 @@ def body(args):
   if not memories or set(memories) - {"gc", "hilore"}:
     raise ConfigError(f"--memory must list gc and/or hilore, got {args.memory!r}")
   cfg, bc = config.load(args.config, args.overrides, "bench")
-  result = optim_memory.run(cfg, bc, args.out, ranks, memories, progress=lambda s: print(s, flush=True))
+  result = optim_memory.run(cfg, bc, args.out, ranks, memories, progress=cli.progress)
   print(optim_memory.report(result))
 
 

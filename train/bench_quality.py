@@ -1,7 +1,6 @@
 """python -m train.bench_quality --config configs/tiny.yaml --seeds 5 [--arm name:key=value,...]... [--out DIR]"""
 
 import json
-import os
 
 from hilore_jax import cli
 
@@ -14,9 +13,8 @@ def body(args):
     raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
   arms = tuple(quality.Arm.parse(a) for a in args.arm) or quality.DEFAULT_ARMS
   cfg = cli.load_config(args.config, args.overrides)
-  result = quality.run(cfg, args.seeds, args.out, arms, progress=lambda s: print(s, flush=True))
-  with open(os.path.join(args.out, "quality.md")) as f:
-    print(f.read())
+  result = quality.run(cfg, args.seeds, args.out, arms, progress=cli.progress)
+  cli.print_files(args.out, "quality.md")
   print(json.dumps(result["paired"]))
 
 

@@ -1,7 +1,5 @@
 """python -m train.bench_real --config configs/smollm2-135m-arith.yaml --out DIR [key.path=value ...]"""
 
-import os
-
 from hilore_jax import cli, runtime
 
 
@@ -10,9 +8,8 @@ def body(args):
 
   cfg, br = config.load(args.config, args.overrides, "bench_real")
   runtime.enable_compilation_cache()
-  real_model.run(cfg, br, args.out, progress=lambda s: print(s, flush=True))
-  with open(os.path.join(args.out, "real_model.md")) as f:
-    print(f.read())
+  real_model.run(cfg, br, args.out, progress=cli.progress)
+  cli.print_files(args.out, "real_model.md")
 
 
 def main(argv=None):

@@ -28,7 +28,7 @@ def body(args):
           "bench.roofline=true)", flush=True)
   plans = projection.planned(cfg, mcfg, bc.batch_size, bc.prompt_len, completion, chosen, bc.budget_ratios)
   rows = projection.project_plans(cfg, mcfg, bc.batch_size, bc.prompt_len, completion, plans,
-                                  progress=lambda s: print(s, flush=True))
+                                  progress=cli.progress)
   os.makedirs(args.out, exist_ok=True)
   device = projection.device_info()
   with open(os.path.join(args.out, "roofline.json"), "w") as f:
