@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from hilore_jax import engine, model, sharding, step_hooks
-from hilore_jax.bench import flops, report, stats, synthetic
+from hilore_jax.bench import flops, report, stats, synthetic, unit_risk
 from hilore_jax.bench.config import BenchConfig
 from hilore_jax.config import Config
 from hilore_jax.memory import MemoryManager, calibration, methods
@@ -129,7 +129,7 @@ def run(cfg: Config, bc: BenchConfig, out_dir: str, progress=print) -> dict:
     progress(f"bench: per-unit risk-prediction table on {len(risk_batches)} held-out batches")
     err_ev = np.stack([calibration.measure_unit_errors(hooks, params, b, units, mc.group_size, mc.lowp_format, ref)
                        for b, ref in zip(risk_batches, exact[1:])])
-    risk_rows = calibration.risk_report(hooks, params, cal_batches, risk_batches, units, mc.group_size,
+    risk_rows = unit_risk.risk_report(hooks, params, cal_batches, risk_batches, units, mc.group_size,
                                         mc.lowp_format, err_cal=np.asarray(calib.unit_errors), err_ev=err_ev)
   progress(f"bench: timing {len(entries)} configurations x {bc.reps} reps, interleaved")
   order = np.random.default_rng(cfg.seed + 1)
