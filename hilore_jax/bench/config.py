@@ -60,7 +60,7 @@ class ExposureBenchConfig:
   timing: bool = False  # time every arm's distinct plans (step seconds); the sweep and FLOPs are never timed
   held_out: int = 0  # at most this many held-out minibatches, the first (0: every one)
   # the delta sweep of the equal-violation comparison, as multiples of the calibrated delta (0: no unit L)
-  sweep: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+  sweep: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
   violation_target: float = 0.05  # each arm read at this violation rate
   update_error: bool = True  # record every minibatch's optimizer state: the update error's column (and metric)
   kl_clamps: tuple[float, ...] = (10.0, 3.0)  # grpo.kl_clamp values whose removal of ||g||'s spread is reported

@@ -270,13 +270,19 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
       if rounds is not None:
         arms[a].update(rounds[a])
     pairs, closed = compare_arms(arms)
-    progress(f"sweeping delta x {list(be.sweep)} for {', '.join(SWEPT)}")
+    # one byte allowance for every arm and delta, the smallest any of their buckets fitted: the arms differ in risk
+    # alone (the swept plans are not compiled)
+    allowance = min([a for m in SWEPT for b, a in managers[m].state.allowance.items()
+                     if int(b) not in managers[m].state.fallback_gc] or [on.state.budget_bytes - on.state.gc_bytes])
+    progress(f"sweeping delta x {list(be.sweep)} for {', '.join(SWEPT)} at an allowance of {allowance} B")
     for a in SWEPT:
-      sweep[a] = exposure_sweep.sweep_arm(managers[a].plan_at, [e["bucket"] for e in per_arm[a]], be.sweep,
-                                          cal_state.delta, lambda i, s: realised(i, s)[metric], plan_flops,
-                                          gc_flops, gc_s, tol, units)
+      sweep[a] = exposure_sweep.sweep_arm(lambda b, d, m=managers[a]: m.plan_at(b, d, allowance),
+                                          [e["bucket"] for e in per_arm[a]], be.sweep, cal_state.delta,
+                                          lambda i, s: realised(i, s)[metric], plan_flops, gc_flops, gc_s, tol, units)
       equal[a] = exposure_sweep.at_violation(sweep[a], be.violation_target)
 
+  progress("which error definition predicts the update's effect")
+  effects = exposure_risk.update_effects(hooks, held, refs, units, mc)
   kl_spread = {}
   if cfg.grpo.beta > 0 and cfg.grpo.kl_estimator == "k3" and be.kl_clamps:
     progress(f"||g||'s spread with grpo.kl_clamp in {list(be.kl_clamps)}")
@@ -291,11 +297,12 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
             "minibatches": counts, "error_definition": f"{metric}: {risk.DEFINITIONS[metric]}",
             "chosen_predictor": chosen, "risk_prediction": risk_prediction,
             "risk_prediction_by_metric": by_metric, "equal_violation": equal, "sweep": sweep,
+            "sweep_allowance_bytes": allowance if be.arms else None,
             "calibration": {"delta": cal_state.delta, "coherence": cal_state.coherence,
                             "calibration_error": cal_state.calibration_error, "grad_scale": cal_state.grad_scale},
             "arms": arms, "pairs": pairs, "oracle_gap_closed": closed, "risk": risk_table, "risk_by_kind": by_kind,
-            "kl_clamp": kl_spread, "varies": where_it_varies([r.describe for r in held], [r.pass_ for r in held],
-                                                             err_MU[:, mu], kinds),
+            "kl_clamp": kl_spread, "error_definition_vs_effect": effects,
+            "varies": where_it_varies([r.describe for r in held], [r.pass_ for r in held], err_MU[:, mu], kinds),
             "units": [f"{l}:{k}" for l, k in units], "seconds": time.perf_counter() - t_start,
             "backend": jax.default_backend(), "jax": jax.__version__}
   with open(os.path.join(out_dir, "exposure.json"), "w") as f:

@@ -126,7 +126,9 @@ def report(res: dict) -> str:
   if res["equal_violation"]:
     lines += ["", "## Equal violation rate", "",
               "Each risk-budgeted arm swept over delta (multiples of the calibrated delta "
-              f"{res['calibration']['delta']:.3g}, byte allowances as fitted); recompute removed: share of GC's extra "
+              f"{res['calibration']['delta']:.3g}) at one byte allowance, {res['sweep_allowance_bytes']} B (the "
+              "smallest any arm's bucket fitted: the arms differ in risk alone; the swept plans are not compiled); "
+              "recompute removed: share of GC's extra "
               "matmul FLOPs over No-GC that its plans remove (jaxpr count, deterministic); predicted: the same from "
               "the cost model's seconds. Read at the target by linear interpolation between sweep points.", "",
               "| arm | violation target | delta | recompute removed (FLOPs) | predicted | violation rate |",
@@ -161,6 +163,11 @@ def report(res: dict) -> str:
       lines.append(f"| {c} | {_f(k['log10_spread_p10_p90'], '.2f')} | {_f(k['log10_spread_p10_p90_bounded'], '.2f')}"
                    f" | {k['max_over_min']:.3g} | {k['max_over_min_bounded']:.3g} | "
                    f"{_f(k['spread_removed_share'], '.2f')} |")
+  eff = res.get("error_definition_vs_effect")
+  if eff:
+    lines += ["", f"Which error definition predicts the update's effect ({eff['effect']}; {eff['minibatches']} "
+              "minibatches), Spearman rho: " + ", ".join(f"{m} {_f(v, '.2f')}" for m, v in
+                                                      eff["spearman_vs_effect"].items()) + f"; best: {eff['best']}."]
   met = "; ".join(f"{k}: {'met' if ok else 'MISSED'}" for k, ok in targets(res).items())
   lines += ["", f"Targets (issue 25): {met}.", "", "## Where exposure varies", "",
             "| descriptor | min | max | Spearman vs unit-error level |", "|---|---:|---:|---:|"]

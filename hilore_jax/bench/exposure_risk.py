@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
+import optax
 
 from hilore_jax.memory import MemoryManager, calibration, predictors, risk
 from hilore_jax.memory.config import PREDICTORS
@@ -57,3 +59,33 @@ def kl_clamp_spread(hooks_for, records, norms, clamps) -> dict:
     bounded = [float(calibration.norm(calibration.exact_gradient(hooks, r.params, r.batch))) for r in records]
     out[str(c)] = risk.spread_removed(norms, bounded)
   return out
+
+
+def update_effects(hooks, held, refs, units, mc) -> dict:
+  """Which error definition best predicts what an L error does to the policy: per held-out minibatch, every unit L
+  (the largest error there is), the parameters after one optimizer step with the exact and with that gradient, and
+  the mean |d log pi| between them on the next held-out minibatch's completion tokens; the Spearman rho of each
+  metric's error against it across minibatches (needs the optimizer states: bench_exposure.update_error)."""
+  from scipy.stats import spearmanr
+
+  if len(held) < 3 or not refs[0].has_update:
+    return {}
+  every = calibration.probe_mix(hooks.model_cfg.num_hidden_layers, units, range(len(units)))
+  lp = jax.jit(hooks.logprobs)
+  errs, effect = {m: [] for m in refs[0].available()}, []
+  for i, (r, ref) in enumerate(zip(held[:-1], refs[:-1])):
+    with calibration.measuring():
+      g = hooks.probe_gradient(r.params, r.batch, every, mc.lowp_format, mc.group_size)
+    for m, e in ref.errors(g).items():
+      errs[m].append(e)
+    step = lambda grad: optax.apply_updates(ref.params, ref.update(grad, ref.opt_state, ref.params)[0])
+    nxt = held[i + 1].batch
+    mask = np.asarray(nxt.mask, bool)
+    d = np.abs(np.asarray(lp(step(ref.grad), nxt)) - np.asarray(lp(step(g), nxt)))
+    effect.append(float(d[mask].mean()) if mask.any() else 0.0)
+  rho = {m: float(spearmanr(e, effect).statistic) if np.ptp(e) > 0 and np.ptp(effect) > 0 else float("nan")
+         for m, e in errs.items()}
+  ranked = [m for m in rho if np.isfinite(rho[m])]
+  return {"spearman_vs_effect": rho, "best": max(ranked, key=rho.get) if ranked else None,
+          "effect": "mean |d log pi| on the next held-out minibatch's completion tokens after one optimizer step, "
+                    "every unit L against none", "minibatches": len(effect)}

@@ -31,7 +31,7 @@ from hilore_jax.model import units as U
 # on GPUs "default" is TF32, whose rounding would put a floor under the int8 errors being measured, and a reference
 # at another precision than the probes would count that floor as the units' error
 PRECISION = "highest"
-norm = risk.tree_norm
+norm = risk.norm_of
 
 
 def measuring():

@@ -215,13 +215,15 @@ class MemoryManager:
                                                      rtol=max(1e-6, gap))  # a gap-sized win is solver noise
     return plan
 
-  def plan_at(self, bucket: int, delta: float) -> tuple[methods.Plan, tuple[model.LayerPolicy, ...]]:
-    """A fitted bucket's plan and policies at another risk budget delta, within its fitted byte allowance (no
-    compile: a delta sweep)."""
+  def plan_at(self, bucket: int, delta: float, allowance: int | None = None):
+    """(plan, policies) of a known bucket at another risk budget delta, within a byte allowance (default: the
+    bucket's fitted one). No compile: a delta sweep."""
     st = self.state
-    if bucket in st.fallback_gc:
-      return self.gc_plan(), self.policies(self.gc_plan())
-    plan = self._plan(bucket, max(st.allowance.get(str(bucket), st.budget_bytes - st.gc_bytes), 0), delta=delta)
+    if allowance is None:
+      if bucket in st.fallback_gc:
+        return self.gc_plan(), self.policies(self.gc_plan())
+      allowance = st.allowance.get(str(bucket), st.budget_bytes - st.gc_bytes)
+    plan = self._plan(bucket, max(allowance, 0), delta=delta)
     return plan, self.policies(plan)
 
   def gc_plan(self) -> methods.Plan:
