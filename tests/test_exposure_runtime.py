@@ -246,3 +246,26 @@ def test_plan_flops_add_up_per_layer(setup):
   assert pf(model.uniform(2, model.FULL_REMAT)) > pf(mixed) > pf.none
   assert exposure_sweep.lowp_set(mixed, calibration.lowp_units(2)) == tuple(sorted(
       calibration.lowp_units(2).index((1, k)) for k in (U.Q, U.ATTN_PROBS)))
+
+
+def test_calibration_measures_the_configured_risk_metric(setup):
+  """memory.risk_metric reaches every calibration measurement: clipped errors are the relative ones times
+  ||g|| / max(||g||, c), and the update error of plain SGD (u = -lr g) is the gradient's relative error."""
+  import optax
+
+  hooks, params, _, mc, rng, adv = setup
+  b = _batch(rng, adv)
+  units = calibration.lowp_units(2)
+  rel = calibration.measure_unit_errors(hooks, params, b, units, mc.group_size)
+  g = float(calibration.norm(calibration.exact_gradient(hooks, params, b)))
+  c = 100 * g  # a clip far above this gradient: the error is against c
+  clipped = MemoryManager(dataclasses.replace(mc, risk_metric="clipped", calib_sets=1),
+                          dataclasses.replace(hooks, max_grad_norm=c))
+  clipped.setup(params, [b], 0)
+  np.testing.assert_allclose(clipped.state.calibration.unit_errors[0], rel * g / c, rtol=1e-4)
+  assert clipped.state.calibration.risk_metric == "clipped"
+  update = MemoryManager(dataclasses.replace(mc, risk_metric="update", calib_sets=1), hooks)
+  with pytest.raises(ValueError, match="needs the optimizer"):
+    update.setup(params, [b], 0)
+  update.setup(params, [b], 0, opt_state=optax.sgd(1e-3).init(params))  # the stepper's optimizer is sgd
+  np.testing.assert_allclose(update.state.calibration.unit_errors[0], rel, rtol=1e-3)

@@ -7,7 +7,11 @@ old / reference / current log-probs) and calibrated profiles, with no extra forw
   cotangent          |w_t| (1 - p_t) x the same: the softmax cotangent ||e_y - pi_t|| is ~0 on confident tokens, so
                      |w_t| alone overstates what reaches backward there
   cotangent_forward  |w_t| (1 - p_t) x per-token reconstruction errors of a forward pass where a caller has them
-                     (the old-log-prob forward runs one for most minibatches); else the calibrated profile
+                     (the old-log-prob forward runs one for most minibatches); else the calibrated profile. The
+                     trainer does not pass them yet: its old-log-prob forward is a compiled program returning
+                     log-probs alone, which would have to quantise every unit's tensor of every layer as well, and
+                     a rollout's first minibatch has no such forward (it is on-policy). The benchmark computes them
+                     at the params that forward runs at (bench/exposure.py)
 
 All include the prompt's positions (exposure.prompt_weights) unless memory.exposure.prompt is off, and share one
 normalisation (exposure.normaliser), so a susceptibility is fitted and applied on the same score. Predictors are

@@ -9,7 +9,8 @@ update    ||u(g_L) - u(g)|| / ||u(g)||, u one optimizer update (its clipping and
           and params: the error the parameters receive.
 
 g is the exact gradient of the same minibatch (calibration.exact_gradient); c = 0 (no clipping) makes clipped the
-relative error.
+relative error. From a fresh AdamW state (the first update) u is about -lr sign(g): an L error that flips no sign
+has no update error, so that metric needs a warmed-up optimizer state to say anything.
 """
 
 from __future__ import annotations
