@@ -20,12 +20,12 @@ from hilore_jax.rl.update_batch import UpdateBatch
 _grad = jax.jit(lambda p, b, s, mix: train_step.grads_and_stats(p, b, s, mix)[0], static_argnums=2)
 
 
-def memory_hooks(stepper: Stepper | None, spec: StepSpec) -> StepHooks:
+def memory_hooks(stepper: Stepper | None, spec: StepSpec, max_grad_norm: float = 0.0) -> StepHooks:
   """This trainer's side of the memory manager: compile probes, gradients, loss coefficients, unit tensors.
 
   Per device: compiled peaks are XLA's per-device figures, so batch_shape gives one device's rows of a microbatch
   (the batch axis is split over every mesh axis), and unit bytes and the op profile follow from it. stepper None:
-  no compile probes (calibration alone).
+  no compile probes and no optimizer (calibration alone). max_grad_norm: the optimizer's clip (the clipped risk).
   """
   cfg = spec.model_cfg
   shards = 1 if stepper is None else sharding.num_batch_shards(stepper.mesh)
@@ -49,8 +49,13 @@ def memory_hooks(stepper: Stepper | None, spec: StepSpec) -> StepHooks:
     ids, mask = train_step.sequence_inputs(batch)
     taps: dict = {}
     model.hidden_states(cfg, params, ids, mask, taps=taps)
-    return [{k: train_step.completion_positions(v[layer], batch) for k, v in taps.items()}
-            for layer in range(cfg.num_hidden_layers)]
+    # every position but the last: the completion's last token predicts nothing, the prompt's positions feed the
+    # completion's attention (their cotangent is not zero)
+    T = batch.prompt_len + batch.completion_len - 1
+    return [{k: v[layer][:, :T] for k, v in taps.items()} for layer in range(cfg.num_hidden_layers)]
+
+  def logprobs(params, batch: UpdateBatch):
+    return train_step.completion_logprobs(cfg, params, batch, None, spec.logprob_chunk, spec.temperature)[0]
 
   return StepHooks(
       model_cfg=cfg,
@@ -59,4 +64,5 @@ def memory_hooks(stepper: Stepper | None, spec: StepSpec) -> StepHooks:
       gradient=lambda p, b, pols: _grad(p, b, with_policies(pols), None),
       probe_gradient=lambda p, b, mix, fmt, group: _grad(p, b, dataclasses.replace(probe_spec, lowp_probe=(fmt, group)),
                                                          mix),
-      token_weights=token_weights, unit_tensors=unit_tensors)
+      token_weights=token_weights, unit_tensors=unit_tensors, logprobs=logprobs,
+      optimizer_update=None if stepper is None else stepper.optimizer.update, max_grad_norm=max_grad_norm)

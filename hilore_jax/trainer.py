@@ -72,7 +72,8 @@ class Trainer:
     n_shards = sharding.num_batch_shards(self.engine.mesh)
     if micro % n_shards:
       raise ConfigError(f"train.microbatch_size ({micro}) must be divisible by the {n_shards} devices of the mesh")
-    self.memory = (MemoryManager(c.memory, step_hooks.memory_hooks(self.stepper, self.spec))
+    self.memory = (MemoryManager(c.memory, step_hooks.memory_hooks(self.stepper, self.spec,
+                                                                   c.optimizer.max_grad_norm))
                    if c.memory.policy not in ("none", "gc") else None)
     self.checkpointer = checkpointing.Checkpointer(os.path.join(self.out_dir, "checkpoints"), c.checkpoint.keep)
     self.ref_params = None
@@ -265,7 +266,7 @@ class Trainer:
     specs = [self.spec] * len(minibatches)
     alloc_rows, allocations = [], None
     if self.memory is not None and minibatches:
-      allocations = self.memory.step(self.state["params"], minibatches, step, current_logp)
+      allocations = self.memory.step(self.state["params"], minibatches, step, current_logp, self.state["opt_state"])
     # hilore reallocates every later pass: its minibatches are off-policy, and the previous pass's log-probs (an
     # output of that pass's step, no extra forward) tell the exposure which tokens now clip
     per_pass = c.memory.policy == "hilore"

@@ -8,7 +8,8 @@ import pytest
 
 from hilore_jax import model, step_hooks
 from hilore_jax.bench import synthetic
-from hilore_jax.memory import calibration
+from hilore_jax.bench import unit_risk
+from hilore_jax.memory import calibrate, calibration
 from hilore_jax.memory.config import ExposureSwitches
 from hilore_jax.rl import train_step
 from hilore_jax.rl.config import GRPOConfig
@@ -48,8 +49,8 @@ def test_measured_errors_and_held_out_score_quality(tiny_cfg):
   units = calibration.lowp_units(tiny_cfg.num_hidden_layers)
   err = calibration.measure_unit_errors(hooks, p, batches[0], units, group_size=8)
   assert err.shape == (len(units),) and np.all(err > 0) and np.all(err < 0.05)
-  rows = calibration.risk_report(hooks, p, batches[:2], batches[2:], units, group_size=8)
-  print(calibration.risk_table(rows))
+  rows = unit_risk.risk_report(hooks, p, batches[:2], batches[2:], units, group_size=8)
+  print(unit_risk.risk_table(rows))
   assert set(rows) >= {"run-time score", "without susceptibility", "baseline: static type/layer",
                        "baseline: advantage only"}
   assert rows["run-time score"]["spearman"] > 0.8 and rows["run-time score"]["auroc"] > 0.8
@@ -104,7 +105,7 @@ def test_calibrated_delta_meets_tolerance(grpo_setup):
   units = calibration.lowp_units(3)
   err = calibration.measure_unit_errors(hooks, p, batch, units, group_size=8)
   tolerance = float(np.sort(err)[3])  # tight enough that not every unit fits
-  delta, measured = calibration.calibrate_delta(hooks, p, [batch], units, err, tolerance, group_size=8)
+  delta, measured = calibrate.calibrate_delta(hooks, [p], [batch], units, err, tolerance, group_size=8)
   assert 0 < delta <= tolerance and 0 < measured <= tolerance
   # all of them would break the tolerance
   assert calibration.gradient_error(hooks, p, batch, calibration.lowp_policies(3, units, 8)) > tolerance
@@ -141,3 +142,40 @@ def test_depth_sampled_calibration_measures_fewer_units_on_fewer_rows(grpo_setup
   calls.clear()
   calibration.measure_unit_errors(counting, p, sub, units, group_size=8, layers=layers)
   assert set(calls) == {5}
+
+
+def test_token_errors_are_what_the_l_unit_decodes(grpo_setup):
+  """Defect 2: calibration quantised after flattening a token's trailing axes, while the L unit's code groups along
+  the tensor's own last axis (q's head size 6 here against groups of 8; the probabilities' key axis): each token's
+  error must be the one the L unit's decoded code carries. Defect 3: at the prompt's positions too."""
+  from hilore_jax.model import lowp
+
+  hooks, p, batch = grpo_setup
+  units = [(0, model.Q), (1, model.ATTN_PROBS), (2, model.ATTN_CTX), (0, model.MLP_GATE), (1, model.K)]
+  err = np.asarray(calibration.token_errors(hooks, p, batch, units, group_size=8))
+  assert err.shape == (len(units), batch.rows, batch.prompt_len - 1 + batch.completion_len)
+  taps = hooks.unit_tensors(p, batch)
+  for u, (layer, kind) in enumerate(units):
+    x = taps[layer][kind]
+    keep = lowp.keep_of(kind, x, "int8", 8)
+    x_hat = lowp._decode(lowp._encode(x, keep), keep, None)
+    want = np.linalg.norm(np.asarray(x_hat - x, np.float64).reshape(*x.shape[:2], -1), axis=-1)
+    np.testing.assert_allclose(err[u], want, rtol=1e-4, atol=1e-9, err_msg=kind)
+  assert np.all(err[:, :, :batch.prompt_len - 1].sum(-1) > 0)  # the prompt's activations carry errors too
+
+
+def test_exact_gradient_and_probes_run_at_one_precision(grpo_setup):
+  """Defect 4: the exact gradient ran at highest matmul precision, the probes at the default (TF32 on a GPU, whose
+  floor would count as unit error): every measured gradient runs at calibration.PRECISION, and a probe with no
+  unit L is the exact gradient to float32 rounding."""
+  hooks, p, batch = grpo_setup
+  seen = []
+  record = lambda f: lambda *a: seen.append(jax.config.jax_default_matmul_precision) or f(*a)
+  h = dataclasses.replace(hooks, gradient=record(hooks.gradient), probe_gradient=record(hooks.probe_gradient))
+  units = calibration.lowp_units(3)
+  exact = calibration.exact_gradient(h, p, batch)
+  calibration.set_errors(h, p, batch, units, [[0]], group_size=8, exact=exact)
+  calibration.gradient_error(h, p, batch, calibration.lowp_policies(3, units[:1], 8), exact)
+  assert seen == [calibration.PRECISION] * 3
+  (none_l,) = calibration.set_errors(hooks, p, batch, units, [[]], group_size=8, exact=exact)
+  assert none_l < 1e-5  # float32 rounding (reordered sums); an int8 unit is ~1e-3

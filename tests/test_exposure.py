@@ -37,17 +37,65 @@ def test_kl_switch():
 
 
 def test_unit_exposure_and_ablations():
-  w = jnp.array([[1.0, 0.0], [0.5, 0.5]])  # sum of squares 1.5
+  w = jnp.array([[1.0, 0.0], [0.5, 0.5]])  # sum 2, sum of squares 1.5
   err = jnp.array([[[2.0, 9.0], [1.0, 1.0]], [[0.0, 0.0], [0.0, 0.0]], [[1.0, 1.0], [1.0, 1.0]]])
   s = jnp.array([1.0, 5.0, 0.1])
-  # unit 0: sqrt((1*4 + .25*1 + .25*1) / 1.5) = sqrt(3); the token with w = 0 does not count
-  np.testing.assert_allclose(exposure.unit_exposure(w, err, s), [3 ** 0.5, 0.0, 0.1], rtol=1e-6)
+  # unit 0: sqrt(1*4 + .25*1 + .25*1) / 2 = sqrt(4.5) / 2; the token with w = 0 does not count
+  np.testing.assert_allclose(exposure.unit_exposure(w, err, s), [4.5 ** 0.5 / 2, 0.0, 0.1 * 1.5 ** 0.5 / 2],
+                             rtol=1e-6)
   np.testing.assert_allclose(exposure.unit_exposure(w, err, s, ExposureSwitches(activation=False)),
-                             [1.0, 5.0, 0.1], rtol=1e-6)
+                             np.array([1.0, 5.0, 0.1]) * 1.5 ** 0.5 / 2, rtol=1e-6)
   np.testing.assert_allclose(exposure.unit_exposure(w, err, s, ExposureSwitches(susceptibility=False)),
-                             [3 ** 0.5, 0.0, 1.0], rtol=1e-6)
+                             [4.5 ** 0.5 / 2, 0.0, 1.5 ** 0.5 / 2], rtol=1e-6)
   np.testing.assert_allclose(exposure.unit_exposure(w * 7, err, s), exposure.unit_exposure(w, err, s), rtol=1e-6)
   assert float(exposure.unit_exposure(w * 0, err, s).max()) == 0.0
+  np.testing.assert_allclose(exposure.unit_exposure(w, err, s, scale=4.0)[0], 4.5 ** 0.5 / 4, rtol=1e-6)
+
+
+def test_forward_and_runtime_scores_share_one_normalisation():
+  """Defect 6: the score with a forward's per-token errors was divided by ||w||_2, the run-time one (which the
+  susceptibility is fitted to) by ||w||_1; with per-token errors equal to the profile they must agree exactly."""
+  w = jnp.array([[0.3, 0.0, 0.2], [0.1, 0.4, 0.0]])
+  profile = jnp.array([[1.0, 2.0, 3.0], [0.5, 0.5, 4.0]])
+  err = jnp.broadcast_to(profile[:, None, :], (2, 2, 3))  # every row shows the profile
+  s = jnp.array([2.0, 0.3])
+  np.testing.assert_allclose(exposure.unit_exposure(w, err, s), exposure.runtime_scores(w, profile, s), rtol=1e-6)
+
+
+def test_prompt_weights_by_hand():
+  """Defect 3: prompt positions carry the attention cotangent that reaches them (uniform attention)."""
+  c = jnp.array([[0.6, 0.3], [0.0, 0.0]])
+  prompt_mask = jnp.array([[0, 1, 1, 1], [1, 1, 1, 1]])  # row 0 left-padded: 3 real prompt tokens
+  # row 0: completion token 0 sees 3 keys, token 1 sees 4: 0.6 / 3 + 0.3 / 4 = 0.275 on each real prompt position
+  # but the last (position 3 predicts token 0: a completion position); row 1 has no weight
+  np.testing.assert_allclose(exposure.prompt_weights(c, prompt_mask), [[0, 0.275, 0.275], [0, 0, 0]], rtol=1e-6)
+  full = exposure.sequence_weights(c, prompt_mask)
+  np.testing.assert_allclose(full, [[0, 0.275, 0.275, 0.6, 0.3], [0, 0, 0, 0, 0]], rtol=1e-6)
+  np.testing.assert_allclose(exposure.sequence_weights(c, prompt_mask, prompt=False)[:, :3], 0.0)
+  np.testing.assert_array_equal(exposure.position_mask(prompt_mask, jnp.array([[1, 1], [1, 0]])),
+                                [[0, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
+  # an error only at prompt positions reaches the score
+  err = jnp.zeros((1, 2, 5)).at[0, 0, 1].set(2.0)
+  np.testing.assert_allclose(exposure.unit_exposure(full, err, jnp.ones(1), scale=0.9), [0.275 * 2 / 0.9],
+                             rtol=1e-6)
+
+
+def test_softmax_cotangent_and_normaliser_by_hand():
+  logp = jnp.log(jnp.array([[0.25, 0.9]]))
+  np.testing.assert_allclose(exposure.softmax_cotangent(logp), [[0.75, 0.1]], rtol=1e-5)
+  assert float(exposure.softmax_cotangent(jnp.zeros((1, 1)))[0, 0]) == 1.0  # a placeholder: unknown
+  assert float(exposure.normaliser(2.0, "relative", 10.0, 1.0)) == 2.0
+  assert float(exposure.normaliser(2.0, "clipped", 0.3, 1.0)) == 1.0  # ||g|| ~ 0.6 under the clip
+  assert float(exposure.normaliser(2.0, "update", 3.0, 1.0)) == 6.0
+
+
+def test_fit_length():
+  p = jnp.array([[1.0, 2.0, 3.0]])
+  np.testing.assert_array_equal(exposure.fit_length(p, 2), [[1, 2]])
+  np.testing.assert_array_equal(exposure.fit_length(p, 5), [[1, 2, 3, 3, 3]])
+  np.testing.assert_array_equal(exposure.fit_length(p, 2, from_end=True), [[2, 3]])
+  np.testing.assert_array_equal(exposure.fit_length(p, 4, from_end=True), [[1, 1, 2, 3]])
+  np.testing.assert_array_equal(exposure.fit_length(jnp.zeros((2, 0)), 3), jnp.zeros((2, 3)))
 
 
 def test_position_profile_by_hand():

@@ -9,7 +9,8 @@ import pytest
 
 from hilore_jax import engine, model, sharding, step_hooks
 from hilore_jax.bench import exposure as bench_exposure
-from hilore_jax.memory import MemoryManager, buckets
+from hilore_jax.bench import exposure_sweep
+from hilore_jax.memory import MemoryManager, buckets, calibration
 from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.model import ModelConfig
 from hilore_jax.model import units as U
@@ -95,10 +96,10 @@ def test_oracle_allocates_from_measured_errors(setup):
   oracle.setup(params, [_batch(rng, adv)], 0, calibration_state=on.state.calibration)
   b = _batch(rng, adv)
   ref = np.asarray(on.state.calibration.predicted_error)
-  oracle.measured = np.zeros_like(ref)  # measured harmless: every unit may be L at no risk
+  oracle.errors = np.zeros_like(ref)  # measured harmless: every unit may be L at no risk
   a0 = oracle.allocate([b])[0]
   assert set(oracle.state.buckets[a0.bucket]) == {buckets.ZERO} and a0.plan.risk == 0.0
-  oracle.measured = ref * 1e6  # measured far over the risk budget: no unit is L
+  oracle.errors = ref * 1e6  # measured far over the risk budget: no unit is L
   a1 = oracle.allocate([b])[0]
   assert a1.metrics["alloc/frac_L"] == 0.0 and a1.bucket != a0.bucket
 
@@ -146,7 +147,8 @@ def test_calibration_skips_minibatches_without_a_gradient(setup):
 def test_arm_comparison_and_where_it_varies_by_hand():
   from hilore_jax.bench import exposure_report as rep
 
-  arm = lambda t, flops_pct, gain: {"round_times_s": [t, t], "recompute_removed_pct": flops_pct, "gain_vs_gc_pct": gain}
+  arm = lambda t, flops_pct, gain: {"round_times_s": [t, t], "recompute_removed_pct": flops_pct,
+                                    "gain_vs_gc_pct": gain}
   arms = {"optimal_hr": arm(1.0, 10.0, 0.0), "adacc_style": arm(2.0, 20.0, 1.0),
           "hilore_exposure_off": arm(2.0, 21.0, 1.0), "hilore_exposure_on": arm(1.6, 23.0, 2.0),
           "oracle": arm(1.0, 26.0, 5.0)}
@@ -161,7 +163,110 @@ def test_arm_comparison_and_where_it_varies_by_hand():
   err_MU = np.array([[1.0, 4.0], [2.0, 2.0], [3.0, 0.0]])  # unit means 2 and 2; minibatch means 2.5, 2, 1.5
   v = rep.where_it_varies([{"clip": 0.3, "len": 5}, {"clip": 0.2, "len": 5}, {"clip": 0.1, "len": 5}], [0, 1, 1],
                           err_MU)
-  assert v["clip"]["spearman_vs_mean_unit_error"] == pytest.approx(1.0) and v["clip"]["min"] == pytest.approx(0.1)
-  assert v["len"]["spearman_vs_mean_unit_error"] is None  # constant: no rank correlation
+  assert v["clip"]["spearman_vs_unit_error"] == pytest.approx(1.0) and v["clip"]["min"] == pytest.approx(0.1)
+  assert v["len"]["spearman_vs_unit_error"] is None  # constant: no rank correlation
   assert v["pass"]["second_pass_share"] == pytest.approx(2 / 3)
   assert v["unit_error_spread_p10_p90"] == pytest.approx([np.quantile([0.5, 2, 1, 1, 1.5, 0], q) for q in (0.1, 0.9)])
+
+
+def test_unit_error_level_weighs_every_kind_alike():
+  """Defect 5: the minibatch's mean unit error followed the kind with the largest errors (attn_probs); each unit is
+  now taken relative to its own mean, a kind's units by their median, and kinds averaged."""
+  from hilore_jax.bench import exposure_report as rep
+
+  # kind "big" (errors ~1000x) falls over the three minibatches while both "small" units rise
+  err = np.array([[1.0, 2.0, 3000.0], [2.0, 4.0, 2000.0], [3.0, 6.0, 1000.0]])
+  kinds = ["small", "small", "big"]
+  # relative to unit means (2, 4, 2000): small [.5, 1, 1.5] (both), big [1.5, 1, .5]; kind mean: [1, 1, 1]
+  np.testing.assert_allclose(rep.unit_error_level(err, kinds), [1.0, 1.0, 1.0])
+  err[:, 1] = [4.0, 4.0, 4.0]  # one small unit flat: the kind's median is (.5+1)/2, 1, (1.5+1)/2
+  np.testing.assert_allclose(rep.unit_error_level(err, kinds), [(0.75 + 1.5) / 2, 1.0, (1.25 + 0.5) / 2])
+  v = rep.where_it_varies([{"clip": 0.1}, {"clip": 0.2}, {"clip": 0.3}], [0, 0, 1], err, kinds)
+  assert v["clip"]["spearman_vs_unit_error"] == pytest.approx(-1.0)  # a plain mean (3001.5, 2006, 1011) agrees
+  # the big kind falls by 1% while the small ones rise by half: a plain mean over units (1015, 1011, 1007) / 3 falls
+  err[:, 2] = [1010.0, 1005.0, 1000.0]
+  v = rep.where_it_varies([{"clip": 0.1}, {"clip": 0.2}, {"clip": 0.3}], [0, 0, 1], err, kinds)
+  assert v["clip"]["spearman_vs_unit_error"] == pytest.approx(1.0)
+
+
+def test_calibration_measures_each_minibatch_at_its_own_params(setup):
+  """Defect 1: every calibration minibatch was measured at the first one's params, so later passes looked
+  on-policy; each is now measured at the params its update saw."""
+  hooks, params, _, mc, rng, adv = setup
+  moved = jax.tree.map(lambda x: x * 1.3, params)  # the policy a later update saw
+  b0, b1 = _batch(rng, adv), _batch(rng, adv)
+  m = MemoryManager(dataclasses.replace(mc, calib_sets=1), hooks)
+  m.setup(params, [b0, b1], 0, contexts=[calibration.UpdateContext(params), calibration.UpdateContext(moved)])
+  got = np.asarray(m.state.calibration.unit_errors)
+  units = calibration.lowp_units(2)
+  own = calibration.measure_unit_errors(hooks, moved, b1, units, mc.group_size)
+  first = calibration.measure_unit_errors(hooks, params, b1, units, mc.group_size)
+  np.testing.assert_allclose(got[1], own, rtol=1e-5)
+  assert np.abs(got[1] / first - 1).max() > 0.01
+  np.testing.assert_allclose(got[0], calibration.measure_unit_errors(hooks, params, b0, units, mc.group_size),
+                             rtol=1e-5)
+
+
+def test_the_bench_calibrates_each_record_at_its_own_update():
+  """Defect 1, the bench's side: calibration receives every record's own params, optimizer state and log-probs."""
+  seen = {}
+
+  class Manager:
+    def setup(self, params, batches, step, **kw):
+      seen.update(kw, batches=batches)
+
+  recs = [bench_exposure.Record(0, 0, j, f"params{j}", f"batch{j}", {}, f"logp{j}", f"opt{j}") for j in range(3)]
+  bench_exposure.calibrate_on(Manager(), recs)
+  assert [(c.params, c.opt_state, c.logp) for c in seen["contexts"]] == [
+      (f"params{j}", f"opt{j}", f"logp{j}") for j in range(3)]
+  assert seen["batches"] == ["batch0", "batch1", "batch2"]
+
+
+def test_at_violation_by_hand():
+  pt = lambda d, v, r: {"delta": d, "violation_rate": v, "recompute_removed_pct": r, "predicted_removed_pct": 2 * r}
+  pts = [pt(0.0, 0.0, 10.0), pt(1.0, 0.02, 20.0), pt(2.0, 0.10, 30.0), pt(4.0, 0.5, 40.0)]
+  e = exposure_sweep.at_violation(pts, 0.05)  # 3/8 of the way from 0.02 to 0.10
+  assert e["interpolated"] and e["delta"] == pytest.approx(1.375) and e["violation_rate"] == 0.05
+  assert e["recompute_removed_pct"] == pytest.approx(23.75) and e["predicted_removed_pct"] == pytest.approx(47.5)
+  e = exposure_sweep.at_violation(pts[:2], 0.05)  # never crosses: the last point under the target
+  assert not e["interpolated"] and e["delta"] == 1.0 and e["violation_rate"] == 0.02
+  e = exposure_sweep.at_violation([pt(1.0, 0.2, 5.0)], 0.05)  # over it from the start
+  assert not e["interpolated"] and e["violation_rate"] == 0.2
+
+
+def test_plan_flops_add_up_per_layer(setup):
+  """The sweep counts a plan's FLOPs as No-GC's plus each layer's extra: the same as tracing the plan itself."""
+  from hilore_jax.bench import flops
+
+  hooks, params, _, _, rng, adv = setup
+  b = _batch(rng, adv)
+  pf = exposure_sweep.PlanFlops(hooks.gradient, 2, params, b)
+  mixed = (model.FULL_REMAT, model.LayerPolicy(remat=True, save=(U.MLP_GATE,), lowp=(U.Q, U.ATTN_PROBS)))
+  direct = flops.program_flops(lambda q, x: hooks.gradient(q, x, mixed), params, b)
+  assert pf(mixed) == pytest.approx(direct, rel=1e-9)
+  assert pf(model.uniform(2, model.FULL_REMAT)) > pf(mixed) > pf.none
+  assert exposure_sweep.lowp_set(mixed, calibration.lowp_units(2)) == tuple(sorted(
+      calibration.lowp_units(2).index((1, k)) for k in (U.Q, U.ATTN_PROBS)))
+
+
+def test_calibration_measures_the_configured_risk_metric(setup):
+  """memory.risk_metric reaches every calibration measurement: clipped errors are the relative ones times
+  ||g|| / max(||g||, c), and the update error of plain SGD (u = -lr g) is the gradient's relative error."""
+  import optax
+
+  hooks, params, _, mc, rng, adv = setup
+  b = _batch(rng, adv)
+  units = calibration.lowp_units(2)
+  rel = calibration.measure_unit_errors(hooks, params, b, units, mc.group_size)
+  g = float(calibration.norm(calibration.exact_gradient(hooks, params, b)))
+  c = 100 * g  # a clip far above this gradient: the error is against c
+  clipped = MemoryManager(dataclasses.replace(mc, risk_metric="clipped", calib_sets=1),
+                          dataclasses.replace(hooks, max_grad_norm=c))
+  clipped.setup(params, [b], 0)
+  np.testing.assert_allclose(clipped.state.calibration.unit_errors[0], rel * g / c, rtol=1e-4)
+  assert clipped.state.calibration.risk_metric == "clipped"
+  update = MemoryManager(dataclasses.replace(mc, risk_metric="update", calib_sets=1), hooks)
+  with pytest.raises(ValueError, match="needs the optimizer"):
+    update.setup(params, [b], 0)
+  update.setup(params, [b], 0, opt_state=optax.sgd(1e-3).init(params))  # the stepper's optimizer is sgd
+  np.testing.assert_allclose(update.state.calibration.unit_errors[0], rel, rtol=1e-3)

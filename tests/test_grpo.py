@@ -164,3 +164,28 @@ def test_masked_inf_and_huge_values_never_reach_loss_or_gradient(beta, est):
     np.testing.assert_allclose(stats[k], clean_stats[k], rtol=1e-6)
   w = grpo.loss_coefficients(bad_logp, bad_old, bad_ref, adv, mask, lc)
   np.testing.assert_allclose(w, grpo.loss_coefficients(logp, old, ref, adv, mask, lc), rtol=1e-6)
+
+
+def test_kl_clamp_by_hand():
+  # defect 7: a token whose probability collapsed against the reference (1e-3 vs 0.5: log r = log 500 = 6.21) has
+  # k3 gradient 1 - r = -499; clamping log r at 2 bounds the term (e^2 - 3) and gives that token no KL gradient
+  logp, ref = jnp.log(jnp.array([0.5, 1e-3])), jnp.log(jnp.array([0.25, 0.5]))
+  np.testing.assert_allclose(grpo.kl_grad(logp, ref, "k3"), [0.5, -499.0], rtol=1e-4)
+  np.testing.assert_allclose(grpo.kl_estimate(logp, ref, "k3", clamp=2.0), [0.5 - 1 - np.log(0.5), np.e**2 - 3],
+                             rtol=1e-5)
+  np.testing.assert_allclose(grpo.kl_grad(logp, ref, "k3", clamp=2.0), [0.5, 0.0], rtol=1e-5)
+  auto = jax.grad(lambda lp: grpo.kl_estimate(lp, ref, "k3", clamp=2.0).sum())(logp)
+  np.testing.assert_allclose(auto, [0.5, 0.0], rtol=1e-5)
+  # in the loss: off by default (unchanged), and the loss coefficients follow autodiff with it on
+  mask, adv, old = jnp.ones((1, 2)), jnp.zeros(1), logp[None]
+  on = LossConfig(beta=0.1, kl_clamp=2.0)
+  w = grpo.loss_coefficients(logp[None], old, ref[None], adv, mask, on)
+  np.testing.assert_allclose(w, [[0.1 * 0.5 / 2, 0.0]], rtol=1e-5)  # token-mean over 2 tokens
+  g = jax.grad(lambda lp: grpo.grpo_loss(lp, old, ref[None], adv, mask, on)[0])(logp[None])
+  np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-9)
+  off = grpo.loss_coefficients(logp[None], old, ref[None], adv, mask, LossConfig(beta=0.1))
+  np.testing.assert_allclose(off, [[0.1 * 0.5 / 2, 0.1 * -499 / 2]], rtol=1e-4)
+  with pytest.raises(ValueError, match="kl_clamp bounds the k3"):
+    LossConfig(beta=0.1, kl_estimator="k1", kl_clamp=2.0)
+  with pytest.raises(ValueError, match="grpo.kl_clamp must be > 0"):
+    LossConfig(kl_clamp=0.0)

@@ -67,15 +67,28 @@ class ExposureBenchConfig:
   rollout_steps: int = 4  # rollouts of the warm-started policy; each gives grpo.num_iterations passes of minibatches
   calib_minibatches: int = 8  # the first minibatches (step 0, first pass) calibrate; every later one is held out
   budget_ratio: float = 1.10  # every arm's memory budget, a multiple of the GC step's peak
-  reps: int = 5  # interleaved timing rounds over every distinct plan
+  reps: int = 5  # interleaved timing rounds over every distinct plan (with timing)
   bootstrap: int = 2000  # resamples of the held-out minibatches for the Spearman CIs
-  arms: bool = True  # false: risk prediction only (no per-arm plans, budget fits or timing)
+  arms: bool = True  # false: risk prediction only (no per-arm plans, budget fits, sweep or timing)
+  timing: bool = False  # time every arm's distinct plans (step seconds); the sweep and FLOPs are never timed
+  held_out: int = 0  # at most this many held-out minibatches, the first (0: every one)
+  # the delta sweep of the equal-violation comparison, as multiples of the calibrated delta (0: no unit L)
+  sweep: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+  violation_target: float = 0.05  # each arm read at this violation rate
+  update_error: bool = True  # record every minibatch's optimizer state: the update error's column (and metric)
+  kl_clamps: tuple[float, ...] = (10.0, 3.0)  # grpo.kl_clamp values whose removal of ||g||'s spread is reported
 
   def __post_init__(self):
     for k in ("rollout_steps", "calib_minibatches", "reps", "bootstrap"):
       check_positive(f"bench_exposure.{k}", getattr(self, k))
+    check_positive("bench_exposure.held_out", self.held_out, allow_zero=True)
     if self.budget_ratio < 1.0:
       raise ConfigError(f"bench_exposure.budget_ratio must be >= 1.0, got {self.budget_ratio}")
+    if not self.sweep or min(self.sweep) < 0:
+      raise ConfigError(f"bench_exposure.sweep must be non-empty multiples >= 0 of delta, got {list(self.sweep)}")
+    check_range("bench_exposure.violation_target", self.violation_target, 0.0, 1.0, low_open=True, high_open=True)
+    for c in self.kl_clamps:
+      check_positive("bench_exposure.kl_clamps", c)
 
 
 @dataclasses.dataclass(frozen=True)

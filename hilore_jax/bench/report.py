@@ -9,8 +9,7 @@ import os
 import numpy as np
 
 from hilore_jax import metrics
-from hilore_jax.bench import stats
-from hilore_jax.memory import calibration
+from hilore_jax.bench import stats, unit_risk
 
 STYLE = ("sac", "uniform_int8", "uniform_int8_gc", "greedy_bits", "greedy_bits_gc", "adacc_style")
 TARGET_RATIO = 1.10  # the targets are stated at 1.10x GC's peak
@@ -241,7 +240,7 @@ def write_outputs(result: dict, out_dir: str):
       f.write("# Risk prediction: does the score rank units by their measured gradient error?\n\n"
               "Fit on the calibration batches, evaluated on held-out batches (pooled over batches and units). "
               "Top-10% recall and AUROC are for the units whose measured error is in the top 10%.\n\n"
-              + calibration.risk_table(result["risk"]) + "\n")
+              + unit_risk.risk_table(result["risk"]) + "\n")
   frontier_plot(rows, os.path.join(out_dir, "frontier.png"))
 
 

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from hilore_jax import engine, model, sharding, step_hooks
-from hilore_jax.bench import flops, projection, report, roofline, stats, synthetic, timing
+from hilore_jax.bench import flops, projection, report, roofline, stats, synthetic, timing, unit_risk
 from hilore_jax.bench.config import BenchConfig
 from hilore_jax.config import Config
 from hilore_jax.memory import MemoryManager, calibration, methods, profile
@@ -231,7 +231,7 @@ def _diagnostics(cfg, bc, hooks, params, calib, cal_batches, risk_batches, exact
     progress(f"bench: per-unit risk-prediction table on {len(risk_batches)} held-out batches")
     err_ev = np.stack([calibration.measure_unit_errors(hooks, params, b, units, mc.group_size, mc.lowp_format, ref)
                        for b, ref in zip(risk_batches, exact)])
-    risk_rows = calibration.risk_report(hooks, params, cal_batches, risk_batches, units, mc.group_size,
+    risk_rows = unit_risk.risk_report(hooks, params, cal_batches, risk_batches, units, mc.group_size,
                                         mc.lowp_format, err_cal=np.asarray(calib.unit_errors), err_ev=err_ev)
   return risk_rows, risk_fit
 

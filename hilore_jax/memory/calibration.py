@@ -1,30 +1,42 @@
-"""Risk calibration: measure each L unit's true gradient error on K batches, fit per-unit susceptibility to the
-exposure score, report how well scores predict the error, and turn the gradient-error tolerance into the risk
-budget delta.
+"""Risk calibration: measure each L unit's true error (of memory.risk_metric, memory/risk.py) on K minibatches,
+each at the params (and optimizer state) its update saw, fit per-unit susceptibility to the run-time predictor,
+report how well it predicts the error, and turn the error tolerance into the risk budget delta.
 
 An L unit's decoded code is read by every part of backward that reads the tensor (a softmax or nonlinearity
 derivative too), so its error reaches input gradients of earlier layers: units' errors are not orthogonal. The
 risk of a set is therefore modelled as coherence * (sum of its units' errors), the triangle inequality scaled by a
 coherence factor measured on random sets (linear in the set, so the exact solver can bound it), and validated
 against the measured error of other random sets. Every measurement runs one compiled probe program (the gradient
-with every unit read as exact + mix * (decoded - exact), mix chosen at run time).
+with every unit read as exact + mix * (decoded - exact), mix chosen at run time), at the exact gradient's matmul
+precision (PRECISION).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from hilore_jax import model
-from hilore_jax.memory import exposure
+from hilore_jax.memory import exposure, predictors, risk
 from hilore_jax.memory.config import ExposureSwitches
 from hilore_jax.memory.hooks import StepHooks
 from hilore_jax.model import codec
 from hilore_jax.model import units as U
+
+# every gradient a risk is measured from (the exact one, the probes, the arms' plans) runs at this matmul precision:
+# on GPUs "default" is TF32, whose rounding would put a floor under the int8 errors being measured, and a reference
+# at another precision than the probes would count that floor as the units' error
+PRECISION = "highest"
+norm = risk.norm_of
+
+
+def measuring():
+  """The context every measured gradient runs in (PRECISION)."""
+  return jax.default_matmul_precision(PRECISION)
 
 
 def lowp_units(num_layers: int) -> list[tuple[int, str]]:
@@ -34,59 +46,50 @@ def lowp_units(num_layers: int) -> list[tuple[int, str]]:
 
 def token_errors(hooks: StepHooks, params, batch, units: Sequence[tuple[int, str]], group_size: int,
                  fmt: str = "int8") -> jax.Array:
-  """[U, B, N] norm of each unit's L reconstruction error per token, at the positions whose log-probs count."""
+  """[U, B, P-1+N] norm of each unit's L reconstruction error per token, at every position whose activations reach
+  a completion log-prob (the prompt's but its last, then the completion's: StepHooks.unit_tensors), encoded as the
+  L unit's code is (model/lowp.py: groups along the tensor's own last axis, decoded to its dtype)."""
   taps = hooks.unit_tensors(params, batch)
   out = []
   for layer, kind in units:
     x = taps[layer][kind]
-    x = x.reshape(*x.shape[:2], -1).astype(jnp.float32)
-    x_hat = codec.decode(*codec.encode(x, fmt, group_size), x.shape, jnp.float32, fmt)
-    out.append(jnp.linalg.norm(x_hat - x, axis=-1))
+    x_hat = codec.decode(*codec.encode(x, fmt, group_size), x.shape, x.dtype, fmt)
+    d = (x_hat.astype(jnp.float32) - x.astype(jnp.float32)).reshape(*x.shape[:2], -1)
+    out.append(jnp.linalg.norm(d, axis=-1))
   return jnp.stack(out)
 
 
-def raw_exposure(hooks: StepHooks, params, batch, units, switches=ExposureSwitches(), group_size: int = 64,
-                 fmt: str = "int8") -> jax.Array:
-  """[U] exposure without susceptibility, from the forward quantities of this batch."""
-  w = hooks.token_weights(params, batch, switches)
-  err = token_errors(hooks, params, batch, units, group_size, fmt)
-  return exposure.unit_exposure(w, err, jnp.ones(len(units)), dataclasses.replace(switches, susceptibility=False))
-
-
-def error_profile(hooks: StepHooks, params, batches: Sequence, units, group_size: int,
-                  fmt: str = "int8") -> np.ndarray:
-  """[U, T] RMS L reconstruction error of each unit at each completion position, pooled over the batches (the
-  run-time score's stand-in for the per-token errors only a forward pass would show)."""
+def error_profile(hooks: StepHooks, params: Sequence, batches: Sequence, units, group_size: int,
+                  fmt: str = "int8") -> tuple[np.ndarray, np.ndarray, list]:
+  """(prompt profile [U, P-1], completion profile [U, N], each batch's token_errors): RMS L reconstruction error of
+  each unit at each position, pooled over the batches, each forward at its own params (the run-time score's stand-in
+  for the per-token errors only a forward pass would show)."""
   fn = jax.jit(lambda p, b: token_errors(hooks, p, b, units, group_size, fmt))
-  err = jnp.concatenate([fn(params, b) for b in batches], axis=1)
-  mask = jnp.concatenate([jnp.asarray(b.mask) for b in batches], axis=0)
-  return np.asarray(exposure.position_profile(err, mask))
+  per = [fn(p, b) for p, b in zip(params, batches)]
+  mask = jnp.concatenate([exposure.position_mask(jnp.asarray(b.prompt_mask), jnp.asarray(b.mask))
+                          for b in batches], axis=0)
+  prof = np.asarray(exposure.position_profile(jnp.concatenate(per, axis=1), mask))
+  P1 = batches[0].prompt_len - 1
+  return prof[:, :P1], prof[:, P1:], per
 
 
-def runtime_raw(hooks: StepHooks, batch, profile_UT, switches=ExposureSwitches(), logp=None) -> jax.Array:
-  """[U] the run-time exposure score without susceptibility, from what the batch carries (no forward pass) and the
-  current log-probs where known."""
-  w = hooks.token_weights(None, batch, switches, logp)
-  profile_UT = jnp.asarray(profile_UT, jnp.float32)
-  return exposure.runtime_scores(w, profile_UT, jnp.ones(profile_UT.shape[0]),
-                                 dataclasses.replace(switches, susceptibility=False))
-
-
-def norm(tree) -> jax.Array:
-  """Euclidean norm of a pytree, leaf by leaf (no flattened copy of the model)."""
-  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree_util.tree_leaves(tree)))
-
-
-@jax.jit
-def _relative_error(g, exact) -> jax.Array:
-  diff = jax.tree_util.tree_map(lambda a, b: a.astype(jnp.float32) - b.astype(jnp.float32), g, exact)
-  return norm(diff) / jnp.maximum(norm(exact), 1e-30)
+def raw_exposure(hooks: StepHooks, params, batch, units, switches=ExposureSwitches(), group_size: int = 64,
+                 fmt: str = "int8", logp=None, norm_=predictors.Normalisation(), grad_scale=1.0) -> jax.Array:
+  """[U] the predictor's weights (switches.predictor) times a forward pass's own per-token errors at params, without
+  susceptibility; the current log-probs are logp or, if None, the forward's."""
+  lp = hooks.logprobs(params, batch) if logp is None else logp
+  w = hooks.token_weights(None, batch, switches, lp)
+  sw = dataclasses.replace(switches, susceptibility=False)
+  err = token_errors(hooks, params, batch, units, group_size, fmt)
+  c = predictors.weights(sw.predictor, w, lp)
+  scale = exposure.normaliser(jnp.sum(c), norm_.metric, grad_scale, norm_.max_grad_norm)
+  return exposure.unit_exposure(exposure.sequence_weights(c, batch.prompt_mask, sw.prompt), err,
+                                jnp.ones(len(units)), sw, scale)
 
 
 def relative_error(g, exact) -> float:
-  """||g - exact|| / ||exact|| over pytrees (one compiled program per tree structure: calibration measures
-  thousands, and op-by-op dispatch over every leaf cost more than the gradients)."""
-  return float(_relative_error(g, exact))
+  """||g - exact|| / ||exact|| over pytrees."""
+  return risk.as_reference(exact).errors(g, ("relative",))["relative"]
 
 
 def cosine(g, exact) -> float:
@@ -97,15 +100,33 @@ def cosine(g, exact) -> float:
 
 def exact_gradient(hooks: StepHooks, params, batch):
   """The reference gradient: full checkpointing (no low-precision code anywhere, and the configuration that fits
-  whenever training does) with float32 matmuls at full precision (on H100/H200 "default" means TF32)."""
-  with jax.default_matmul_precision("highest"):
+  whenever training does) at PRECISION."""
+  with measuring():
     return hooks.gradient(params, batch, model.uniform(hooks.model_cfg.num_hidden_layers, model.FULL_REMAT))
 
 
+@dataclasses.dataclass(frozen=True)
+class UpdateContext:
+  """Where a calibration minibatch is measured: the params (and optimizer state) its update saw, and the current
+  log-probs as run-time scoring reads them (None: the batch's old ones)."""
+
+  params: Any
+  opt_state: Any = None
+  logp: Any = None
+
+
+def reference(hooks: StepHooks, ctx: UpdateContext, batch, metric: str = "relative") -> risk.Reference:
+  """The minibatch's exact gradient at ctx and what `metric` needs (the optimizer where the hooks give it)."""
+  g = exact_gradient(hooks, ctx.params, batch)
+  return risk.Reference(g, float(norm(g)), metric, hooks.max_grad_norm, hooks.optimizer_update, ctx.opt_state,
+                        ctx.params)
+
+
 def gradient_error(hooks: StepHooks, params, batch, policies, exact=None) -> float:
-  """||g - g_exact|| / ||g_exact|| with g under `policies` and g_exact the reference (exact_gradient)."""
-  exact = exact_gradient(hooks, params, batch) if exact is None else exact
-  return relative_error(hooks.gradient(params, batch, tuple(policies)), exact)
+  """The reference's error (relative for a bare gradient) of the gradient under `policies`."""
+  ref = risk.as_reference(exact_gradient(hooks, params, batch) if exact is None else exact)
+  with measuring():
+    return ref.error(hooks.gradient(params, batch, tuple(policies)))
 
 
 def probe_mix(num_layers: int, units, chosen) -> np.ndarray:
@@ -118,24 +139,31 @@ def probe_mix(num_layers: int, units, chosen) -> np.ndarray:
 
 
 def set_errors(hooks: StepHooks, params, batch, units, sets, group_size: int, fmt: str = "int8",
-               exact=None) -> np.ndarray:
-  """[len(sets)] relative gradient error with exactly each set (indices into units) L, measured."""
-  exact = exact_gradient(hooks, params, batch) if exact is None else exact
+               exact=None, metrics: Sequence[str] | None = None) -> np.ndarray:
+  """[len(sets)] error with exactly each set (indices into units) L, measured, of the reference's metric (exact: a
+  risk.Reference, or a bare gradient for the relative error); with metrics, [len(sets), len(metrics)]."""
+  ref = risk.as_reference(exact_gradient(hooks, params, batch) if exact is None else exact)
   n = hooks.model_cfg.num_hidden_layers
-  return np.array([relative_error(hooks.probe_gradient(params, batch, probe_mix(n, units, s), fmt, group_size),
-                                  exact) for s in sets])
+  out = []
+  with measuring():
+    for s in sets:
+      g = hooks.probe_gradient(params, batch, probe_mix(n, units, s), fmt, group_size)
+      out.append(ref.error(g) if metrics is None else [ref.errors(g, metrics)[m] for m in metrics])
+  return np.array(out)
 
 
-def measure_unit_errors(hooks: StepHooks, params, batch, units, group_size: int,
-                        fmt: str = "int8", exact=None, layers: Sequence[int] | None = None) -> np.ndarray:
-  """[U] true relative gradient error ||g_u - g|| / ||g|| when only unit u is L (one probe gradient each); with
+def measure_unit_errors(hooks: StepHooks, params, batch, units, group_size: int, fmt: str = "int8", exact=None,
+                        layers: Sequence[int] | None = None, metrics: Sequence[str] | None = None) -> np.ndarray:
+  """[U] true error of each unit alone as L (one probe gradient each; set_errors' reference and metrics); with
   `layers`, only units there are measured and every other unit's error is interpolated over depth from its kind's
   (interpolate_layers)."""
   chosen = [i for i, (layer, _) in enumerate(units) if layers is None or layer in layers]
-  measured = set_errors(hooks, params, batch, units, [[i] for i in chosen], group_size, fmt, exact)
+  measured = set_errors(hooks, params, batch, units, [[i] for i in chosen], group_size, fmt, exact, metrics)
   if layers is None:
     return measured
-  return interpolate_layers(units, {tuple(units[i]): e for i, e in zip(chosen, measured)})
+  cols = measured.reshape(len(chosen), -1).T
+  out = np.stack([interpolate_layers(units, {tuple(units[i]): e for i, e in zip(chosen, col)}) for col in cols], 1)
+  return out[:, 0] if metrics is None else out
 
 
 def calibration_rows(batch, rows: int):
@@ -237,76 +265,3 @@ def lowp_policies(num_layers: int, chosen: Sequence[tuple[int, str]], group_size
     if lowp:
       pols[layer] = model.LayerPolicy(remat=False, lowp=lowp, formats=(fmt,) * len(lowp), group_size=group_size)
   return tuple(pols)
-
-
-def calibrate_delta(hooks: StepHooks, params, batches: Sequence, units, risk: np.ndarray, tolerance: float,
-                    group_size: int, fmt: str = "int8", max_halvings: int = 8, exact=None) -> tuple[float, float]:
-  """Largest risk budget delta (from the tolerance, halving) whose lowest-risk L set (risk: each unit's predicted
-  error, coherence included) measures under the tolerance on every calibration batch. Returns (delta, its
-  measured error)."""
-  risk = np.asarray(risk, float)
-  exact = exact or [None] * len(batches)
-  delta = tolerance
-  for _ in range(max_halvings + 1):
-    chosen, total = [], 0.0
-    for i in np.argsort(risk, kind="stable"):
-      if total + risk[i] > delta:
-        break
-      chosen.append(int(i))
-      total += risk[i]
-    if not chosen:
-      return delta, 0.0
-    err = max(float(set_errors(hooks, params, b, units, [chosen], group_size, fmt, ex)[0])
-              for b, ex in zip(batches, exact))
-    if err <= tolerance:
-      return delta, err
-    delta /= 2
-  return 0.0, 0.0
-
-
-# ----------------------------------------------------------------------------- risk report
-
-ABLATIONS = ("ratio_clip", "update_mask", "kl", "activation", "susceptibility")
-
-
-def risk_report(hooks: StepHooks, params, cal_batches: Sequence, eval_batches: Sequence, units,
-                group_size: int, fmt: str = "int8", err_cal=None, err_ev=None) -> dict[str, dict[str, float]]:
-  """How well each score predicts the measured per-unit error on held-out batches (pooled over batches and units,
-  so mostly fixed per-unit differences; bench/exposure.py reports the within-unit figures):
-  the full exposure score, each component switched off, and simple baselines. Scores are fit on cal_batches
-  (err_cal / err_ev: their per-unit errors if already measured)."""
-  measure = lambda bs: np.stack([measure_unit_errors(hooks, params, b, units, group_size, fmt) for b in bs])
-  err_cal = measure(cal_batches) if err_cal is None else np.asarray(err_cal)
-  err_ev = measure(eval_batches) if err_ev is None else np.asarray(err_ev)
-  # the run-time score (what allocations use: no forward pass), its ablations, and the same score with the
-  # forward's own per-token errors in place of the calibrated profile (not available at run time)
-  prof = error_profile(hooks, params, cal_batches, units, group_size, fmt)
-  run_fn = jax.jit(lambda b, sw: runtime_raw(hooks, b, prof, sw), static_argnums=1)
-  fwd_fn = jax.jit(lambda p, b, sw: raw_exposure(hooks, p, b, units, sw, group_size, fmt), static_argnums=2)
-  rows = {}
-  variants = {"run-time score": (run_fn, ExposureSwitches())}
-  variants.update({f"without {a}": (run_fn, ExposureSwitches(**{a: False})) for a in ABLATIONS})
-  variants["with the forward's per-token errors"] = (lambda b, sw: fwd_fn(params, b, sw), ExposureSwitches())
-  for name, (fn, sw) in variants.items():
-    raw_cal = np.stack([np.asarray(fn(b, sw)) for b in cal_batches])
-    raw_ev = np.stack([np.asarray(fn(b, sw)) for b in eval_batches])
-    sus = fit_susceptibility(raw_cal, err_cal) if sw.susceptibility else np.ones(len(units))
-    rows[name] = risk_metrics((raw_ev * sus).ravel(), err_ev.ravel())
-  # baselines: the unit's reconstruction error alone; its calibrated mean error (type/layer, batch-independent);
-  # the batch's total |advantage| (the same for every unit of a batch)
-  recon = jax.jit(lambda p, b: jnp.sqrt(jnp.sum(token_errors(hooks, p, b, units, group_size, fmt) ** 2,
-                                                 axis=(1, 2))))
-  rows["baseline: reconstruction error only"] = risk_metrics(
-      np.stack([np.asarray(recon(params, b)) for b in eval_batches]).ravel(), err_ev.ravel())
-  rows["baseline: static type/layer"] = risk_metrics(np.tile(err_cal.mean(0), len(eval_batches)), err_ev.ravel())
-  rows["baseline: advantage only"] = risk_metrics(
-      np.repeat([np.abs(np.asarray(b.adv)).sum() for b in eval_batches], len(units)), err_ev.ravel())
-  return rows
-
-
-def risk_table(rows: dict[str, dict[str, float]]) -> str:
-  """The risk report as a markdown table."""
-  lines = ["| score | Spearman rho | top-10% recall | AUROC |", "|---|---:|---:|---:|"]
-  for name, m in rows.items():
-    lines.append(f"| {name} | {m['spearman']:.3f} | {m['top10_recall']:.3f} | {m['auroc']:.3f} |")
-  return "\n".join(lines)

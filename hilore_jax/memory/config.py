@@ -11,6 +11,11 @@ from hilore_jax.model.codec import FORMATS
 # exposure; the rest are the benchmark's baselines (memory/methods.py implements one planner per name)
 MEMORY_POLICIES = ("none", "gc", "sac", "optimal_hr", "uniform_int8", "uniform_int8_gc", "greedy_bits",
                    "greedy_bits_gc", "adacc_style", "hilore")
+# memory.risk_metric: what a unit's risk is the error of (memory/risk.py): the gradient's relative error, the error
+# after global-norm clipping, or the error of the optimizer's update
+RISK_METRICS = ("relative", "clipped", "update")
+# memory.exposure.predictor: the run-time score of a unit's risk (memory/predictors.py)
+PREDICTORS = ("exposure_v1", "cotangent", "cotangent_forward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +27,13 @@ class ExposureSwitches:
   kl: bool = True  # include the beta * KL part of w_t
   activation: bool = True  # weight by the unit's per-token reconstruction error; off: 1
   susceptibility: bool = True  # per-unit measured factor; off: 1
+  prompt: bool = True  # prompt positions count too, weighted by the attention cotangent reaching them
+  # exposure_v1: |w_t| x the calibrated per-position error; cotangent: |w_t| (1 - p_t) x the same; cotangent_forward:
+  # |w_t| (1 - p_t) x a forward pass's per-token errors where one is given, else the calibrated profile
+  predictor: str = "exposure_v1"
+
+  def __post_init__(self):
+    check_choice("memory.exposure.predictor", self.predictor, PREDICTORS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +41,8 @@ class MemoryConfig:
   policy: str = "none"  # one of MEMORY_POLICIES
   budget_ratio: float = 1.05  # memory budget as a multiple of the GC step's peak bytes
   budget_bytes: int | None = None  # absolute budget (overrides budget_ratio)
-  grad_err_tolerance: float = 0.01  # relative gradient error the risk budget is calibrated to
+  grad_err_tolerance: float = 0.01  # error (of risk_metric) the risk budget is calibrated to
+  risk_metric: str = "relative"  # relative | clipped | update (RISK_METRICS)
   buckets: int = 4  # hilore: exposure buckets, one allocation (and compiled step) each
   refresh_every: int = 0  # recalibrate every N steps (0: only at the start)
   group_size: int = 64  # L codes: one scale per group along the last axis
@@ -52,6 +65,7 @@ class MemoryConfig:
   def __post_init__(self):
     check_choice("memory.policy", self.policy, MEMORY_POLICIES)
     check_choice("memory.lowp_format", self.lowp_format, FORMATS)
+    check_choice("memory.risk_metric", self.risk_metric, RISK_METRICS)
     check_positive("memory.calib_batches", self.calib_batches)
     check_positive("memory.calib_sets", self.calib_sets, allow_zero=True)
     check_positive("memory.calib_rows", self.calib_rows, allow_zero=True)

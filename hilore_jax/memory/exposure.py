@@ -1,15 +1,18 @@
-"""Policy-update exposure: how much error in a saved unit can reach this step's parameter gradient.
+"""Policy-update exposure: how much error in a saved unit can reach this step's update, as pure functions.
 
-A unit's L error e_t enters only its own weight gradient, as sum_t e_t (x) delta_t, where the cotangent delta_t at
-token t scales with the token's loss coefficient w_t = d loss / d logp_t. Rounding errors of different tokens are
-independent, so the error's norm adds in quadrature, and the gradient itself scales with w. The exposure of unit u,
-a predictor of its relative gradient error, is therefore
+A unit's L error e_t at position t reaches the gradient through the cotangent delta_t there: in its own weight
+gradient as e_t (x) delta_t, and, for the units backward reads exactly (a norm, softmax or nonlinearity derivative),
+through the input gradients of every earlier layer too (most of their error lands outside their own layer). Either
+way it scales with the cotangent, and delta_t scales with the token's loss coefficient w_t = d loss / d logp_t.
+Rounding errors of different tokens are independent, so their contributions add in quadrature:
 
-    exposure_u = s_u * sqrt(sum_t w_t^2 * |e_{u,t}|^2) / sqrt(sum_t w_t^2)
+    exposure_u = s_u * sqrt(sum_t w_t^2 |e_{u,t}|^2) / scale
 
-with |e_{u,t}| the unit's per-token reconstruction error (proportional to its activation magnitude) and s_u its
-measured susceptibility. Everything is known after the forward pass, before backward. Different units' errors land
-in disjoint weight gradients, so squared exposures add: the risk of a set of L units is the sum of their squares.
+|e_{u,t}| the unit's per-token reconstruction error, s_u its measured susceptibility (how much of it reaches the
+update, wherever it lands), and scale what the risk is relative to (normaliser: the gradient's scale for the
+relative error, the clip for the clipped one). Positions t cover the prompt too: completion tokens attend to it, so
+the cotangent reaches its activations (prompt_weights). Everything is known after the forward pass, before backward;
+at run time a calibrated per-position profile stands in for |e_{u,t}| (runtime_scores).
 """
 
 from __future__ import annotations
@@ -34,24 +37,66 @@ def token_weights(logp, old_logp, ref_logp, adv_B, mask_BT, lc,
     num_seqs, num_tokens = grpo.normalisers(mask)
     w = adv_B[:, None] * grpo.token_weights(mask, lc, num_seqs, num_tokens)
     if sw.kl and lc.beta > 0:
-      w = w + lc.beta * grpo.kl_grad(logp, ref_logp, lc.kl_estimator) * grpo.token_weights(
+      w = w + lc.beta * grpo.kl_grad(logp, ref_logp, lc.kl_estimator, lc.kl_clamp) * grpo.token_weights(
           mask, lc, num_seqs, num_tokens)
   return jnp.abs(w)
 
 
+def softmax_cotangent(logp_BN: jax.Array) -> jax.Array:
+  """1 - p_t, p_t = exp(logp_t) the sampled token's probability: the softmax cotangent e_y - pi_t of a confident
+  token is about 0, so its loss coefficient barely reaches backward. A log-prob of exactly 0 is a placeholder (rows
+  whose log-probs no forward filled in, see update_batch) and counts as unknown: 1."""
+  return jnp.where(logp_BN < 0, -jnp.expm1(jnp.minimum(logp_BN, 0.0)), 1.0)
+
+
+def prompt_weights(c_BN: jax.Array, prompt_mask_BP: jax.Array) -> jax.Array:
+  """[B, P-1] the weight of each prompt position but the last (which predicts the first completion token: a
+  completion position): the attention cotangent reaching it under uniform attention. Completion token j's query (at
+  position P-1+j) sees the row's P_b real prompt tokens and its j predecessors, so each key receives 1/(P_b + j) of
+  that token's coefficient c_j, and a prompt position sum_j c_j / (P_b + j). Uniform attention is what is known
+  without a forward pass; the per-unit susceptibility absorbs how far real attention departs from it."""
+  pm = prompt_mask_BP.astype(jnp.float32)
+  keys = jnp.sum(pm, axis=1, keepdims=True) + jnp.arange(c_BN.shape[1], dtype=jnp.float32)[None]
+  share = jnp.sum(c_BN / jnp.maximum(keys, 1.0), axis=1, keepdims=True)
+  return pm[:, :-1] * share
+
+
+def position_mask(prompt_mask_BP: jax.Array, mask_BN: jax.Array) -> jax.Array:
+  """[B, P-1+N] the real positions among those whose activations reach a completion log-prob: the prompt's but the
+  last, then the completion's (the order of StepHooks.unit_tensors)."""
+  return jnp.concatenate([prompt_mask_BP[:, :-1], mask_BN], axis=1).astype(jnp.float32)
+
+
+def sequence_weights(c_BN: jax.Array, prompt_mask_BP: jax.Array, prompt: bool = True) -> jax.Array:
+  """[B, P-1+N] per-position weights: prompt_weights (zeros with prompt off), then the completion's c_BN."""
+  pw = prompt_weights(c_BN, prompt_mask_BP)
+  return jnp.concatenate([pw if prompt else jnp.zeros_like(pw), c_BN], axis=1)
+
+
+def normaliser(l1, metric: str, grad_scale, max_grad_norm: float):
+  """What a unit's predicted error is relative to, from the sum of the completion weights l1 (the gradient's scale:
+  token contributions add coherently): l1 itself for the relative error; max(grad_scale * l1, c) for the clipped
+  error and the update's (grad_scale, calibrated, turns l1 into ||g||; c the clip, the largest update)."""
+  if metric == "relative":
+    return jnp.maximum(l1, 1e-30)
+  return jnp.maximum(jnp.maximum(grad_scale * l1, max_grad_norm), 1e-30)
+
+
 def unit_exposure(w_abs_BT: jax.Array, err_UBT: jax.Array, susceptibility_U: jax.Array,
-                  sw: ExposureSwitches = ExposureSwitches()) -> jax.Array:
-  """[U] exposure from |w_t| [B, T], per-token reconstruction errors [U, B, T] and per-unit susceptibility."""
+                  sw: ExposureSwitches = ExposureSwitches(), scale=None) -> jax.Array:
+  """[U] exposure from per-position weights [B, T], per-token reconstruction errors [U, B, T] and per-unit
+  susceptibility, relative to scale (default sum |w|: the same normalisation as runtime_scores, so one fitted
+  susceptibility serves both)."""
   err = err_UBT if sw.activation else jnp.ones_like(err_UBT)
   s = susceptibility_U if sw.susceptibility else jnp.ones_like(susceptibility_U)
-  w2 = w_abs_BT * w_abs_BT
+  scale = jnp.maximum(jnp.sum(w_abs_BT) if scale is None else scale, 1e-30)
   # 0 when no token is updated (every group had zero advantage): nothing can reach the gradient
-  return s * jnp.sqrt(jnp.einsum("bt,ubt->u", w2, err * err) / jnp.maximum(jnp.sum(w2), 1e-30))
+  return s * jnp.sqrt(jnp.einsum("bt,ubt->u", w_abs_BT * w_abs_BT, err * err)) / scale
 
 
 def position_profile(err_UBT: jax.Array, mask_BT: jax.Array) -> jax.Array:
-  """[U, T] root-mean-square reconstruction error of each unit at each completion position over the rows that
-  have a token there (positions no row reaches take the unit's overall RMS)."""
+  """[U, T] root-mean-square reconstruction error of each unit at each position over the rows that have a token
+  there (positions no row reaches take the unit's overall RMS)."""
   m = mask_BT.astype(jnp.float32)
   sq = jnp.einsum("bt,ubt->ut", m, err_UBT * err_UBT)
   count = jnp.sum(m, axis=0)
@@ -59,20 +104,29 @@ def position_profile(err_UBT: jax.Array, mask_BT: jax.Array) -> jax.Array:
   return jnp.where(count > 0, jnp.sqrt(sq / jnp.maximum(count, 1.0)), overall[:, None])
 
 
+def fit_length(profile_UT: jax.Array, T: int, from_end: bool = False) -> jax.Array:
+  """A profile cut or edge-padded to T positions: at its end for a completion (longer ones read the last position),
+  at its start with from_end (a prompt, aligned to its last token)."""
+  have = profile_UT.shape[1]
+  if have == 0:
+    return jnp.zeros((profile_UT.shape[0], T), profile_UT.dtype)
+  if from_end:
+    return profile_UT[:, have - T:] if have >= T else jnp.pad(profile_UT, ((0, 0), (T - have, 0)), mode="edge")
+  return profile_UT[:, :T] if have >= T else jnp.pad(profile_UT, ((0, 0), (0, T - have)), mode="edge")
+
+
 def runtime_scores(w_abs_BT: jax.Array, profile_UT: jax.Array, susceptibility_U: jax.Array,
-                   sw: ExposureSwitches = ExposureSwitches()) -> jax.Array:
-  """[U] run-time exposure of each unit from the batch's |w_t| alone (no forward pass):
+                   sw: ExposureSwitches = ExposureSwitches(), scale=None) -> jax.Array:
+  """[U] run-time exposure of each unit from per-position weights alone (no forward pass):
 
-      score_u = s_u * sqrt(sum_t w_t^2 p_u[pos t]^2) / sum_t |w_t|
+      score_u = s_u * sqrt(sum_t w_t^2 p_u[pos t]^2) / scale
 
-  p_u the unit's calibrated per-position reconstruction error (what the forward would show, on average). The
-  numerator is the error that reaches the gradient (rounding errors of different tokens add in quadrature); the
-  denominator the gradient's scale (token contributions add coherently). A unit with a flat profile scores
-  s_u * p_u * ||w||_2 / ||w||_1; 0 when no token is updated (nothing can reach the gradient)."""
-  T = w_abs_BT.shape[1]
-  prof = profile_UT[:, :T] if profile_UT.shape[1] >= T else jnp.pad(
-      profile_UT, ((0, 0), (0, T - profile_UT.shape[1])), mode="edge")  # longer completions: the last position's
+  p_u the unit's calibrated per-position reconstruction error (what the forward would show, on average), scale as
+  in unit_exposure. A unit with a flat profile and the default scale scores s_u * p_u * ||w||_2 / ||w||_1; 0 when
+  no token is updated (nothing can reach the gradient)."""
+  prof = fit_length(profile_UT, w_abs_BT.shape[1])
   prof = prof if sw.activation else jnp.ones_like(prof)
   s = susceptibility_U if sw.susceptibility else jnp.ones_like(susceptibility_U)
+  scale = jnp.maximum(jnp.sum(w_abs_BT) if scale is None else scale, 1e-30)
   w2 = jnp.sum(w_abs_BT * w_abs_BT, axis=0)  # [T]: rows at one position share the profile
-  return s * jnp.sqrt(jnp.einsum("t,ut->u", w2, prof * prof)) / jnp.maximum(jnp.sum(w_abs_BT), 1e-30)
+  return s * jnp.sqrt(jnp.einsum("t,ut->u", w2, prof * prof)) / scale

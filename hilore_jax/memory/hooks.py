@@ -28,10 +28,14 @@ class StepHooks:
   token_weights(params, batch, switches, logp=None): |w_t| [B, N], the loss coefficient of every completion token;
     params None means from what the batch carries alone (no forward pass), with logp [B, N] the current policy's
     log-probs where known.
-  unit_tensors(params, batch): per layer, the L-capable units' activations [B, N, ...] at the positions whose
-    log-probs enter the loss (for per-token reconstruction errors).
-  Batches are the trainer's own; calibration reads only their completion mask `batch.mask` [B, N] besides what
-  these callables read.
+  unit_tensors(params, batch): per layer, the L-capable units' activations [B, P-1+N, ...] at every position whose
+    activations reach a completion log-prob: the prompt's but its last, then the N that predict the completion
+    tokens (for per-token reconstruction errors).
+  logprobs(params, batch): the current policy's log-probs of the completion tokens [B, N] (a forward pass).
+  optimizer_update(grads, opt_state, params) -> (updates, opt_state): the optimizer (optax), for the update risk
+    metric; max_grad_norm: its global-norm clip (0: none), for the clipped one.
+  Batches are the trainer's own; calibration reads only their masks `batch.mask` [B, N] and `batch.prompt_mask`
+  [B, P] besides what these callables read.
   """
 
   model_cfg: ModelConfig
@@ -41,6 +45,9 @@ class StepHooks:
   token_weights: Callable[..., jax.Array] | None = None
   unit_tensors: Callable[[Any, Any], list[dict[str, jax.Array]]] | None = None
   probe_gradient: Callable[[Any, Any, Any, str, int], Any] | None = None
+  logprobs: Callable[[Any, Any], jax.Array] | None = None
+  optimizer_update: Callable[[Any, Any, Any], Any] | None = None
+  max_grad_norm: float = 0.0
 
   @property
   def calibrates(self) -> bool:

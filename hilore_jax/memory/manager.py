@@ -1,9 +1,7 @@
 """The memory manager: budget from the GC step, unit profile, risk calibration on K batches, per-unit run-time
 exposure of all of a step's minibatches in one jitted call, and per bucket (a vector of unit exposure levels) one
-plan fitted to the budget on the compiled step.
-
-It reaches the trainer only through `StepHooks` (compile a step, take a gradient, read loss coefficients), so it
-never imports a train step; its state is a typed, JSON-serialisable dataclass saved with every checkpoint.
+plan fitted to the budget on the compiled step. It reaches the trainer only through `StepHooks` (compile a step, take
+a gradient, read loss coefficients); its state is a typed, JSON-serialisable dataclass saved with every checkpoint.
 """
 
 from __future__ import annotations
@@ -13,14 +11,12 @@ import logging
 import time
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hilore_jax import model
 from hilore_jax.memory import buckets as bucketing
 from hilore_jax.memory import budget as budgets
-from hilore_jax.memory import calibration, exposure, methods, profile
+from hilore_jax.memory import calibrate, calibration, methods, predictors, profile
 from hilore_jax.memory.buckets import AllocationCache
 from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.memory.hooks import StepHooks
@@ -57,64 +53,54 @@ class MemoryManager:
     self.lowp_ids = calibration.lowp_units(self.num_layers)
     if mc.offload:
       methods.require_offload("memory.offload=true")
-    sw = mc.exposure
-    if hooks.token_weights is not None:
-      score = lambda b, lp, prof, sus: exposure.runtime_scores(hooks.token_weights(None, b, sw, lp), prof, sus, sw)
-      self._scores = jax.jit(jax.vmap(score, in_axes=(0, 0, None, None)))
+    self.scorer = predictors.Scorer(hooks)
+    self.normalisation = predictors.Normalisation(mc.risk_metric, hooks.max_grad_norm)
+    # the last calibration's measurements, kept only when asked (they hold exact gradients): to refit a predictor;
+    # forward_errors: allocate is given a forward's per-token errors (cotangent_forward; the trainer does not yet pass
+    # them), so calibration fits the predictor to the score it will run, forward errors or the profile
+    self.keep_measured, self.measured, self.forward_errors = False, None, False
 
   # ------------------------------------------------------------------ set-up
 
-  def setup(self, params, batches: list, step: int, calibration_state: Calibration | None = None):
+  def setup(self, params, batches: list, step: int, calibration_state: Calibration | None = None, logp=None,
+            opt_state=None, contexts: list | None = None):
     """Budget from the GC step, unit profile, and (for calibrated methods) risk calibration on K batches (or a
-    given calibration, another manager's, to compare methods on one calibration)."""
+    given calibration, another manager's, to compare methods on one calibration). Each calibration batch is
+    measured at its own calibration.UpdateContext (contexts; default: params and opt_state for all, with logp[i]
+    the current log-probs as run-time scoring reads them)."""
     mc, cfg, batch = self.mc, self.hooks.model_cfg, batches[0]
     gc_bytes = self.hooks.compile_peak(model.uniform(self.num_layers, model.FULL_REMAT), batch)
     budget = budgets.budget_bytes(gc_bytes, mc.budget_ratio, mc.budget_bytes)
     rows, seq = self.hooks.batch_shape(batch)
     st = ManagerState(gc_bytes, budget, profile.profile_ops(cfg, rows, seq, mc.group_size), calibrated_at=step)
     if self.method in methods.CALIBRATED:
-      st.calibration = calibration_state or self._calibrate(params, batches[:mc.calib_batches])
+      K = mc.calib_batches
+      logp = [None] * len(batches) if logp is None else logp
+      contexts = contexts or [calibration.UpdateContext(params, opt_state, lp) for lp in logp]
+      st.calibration = calibration_state or self._calibrate(batches[:K], contexts[:K])
     self.load_state(st, f"set up at step {step}")
     cal = st.calibration
     log.info("memory (%s): GC %d B, budget %d B%s", self.method, gc_bytes, budget, "" if cal is None else
              f", calibration on {cal.calib_batches} minibatches: delta {cal.delta:.3g} (measured "
              f"{cal.calibration_error:.3g}), coherence {cal.coherence:.2f}, fit {cal.fit}")
 
-  def _calibrate(self, params, batches: list) -> Calibration:
-    mc, hooks = self.mc, self.hooks
-    if not hooks.calibrates:
+  def _calibrate(self, batches: list, contexts: list) -> Calibration:
+    if not self.hooks.calibrates:
       raise ValueError(f"memory.policy={self.method} calibrates risk: StepHooks needs gradient, token_weights and "
                        "unit_tensors")
-    # probes on a row subsample and, per unit kind, a few layers: their number and size do not grow with depth
-    batches = [calibration.calibration_rows(b, mc.calib_rows) for b in batches]
-    layers = calibration.probed_layers(self.num_layers, mc.calib_layers)
-    exact = [calibration.exact_gradient(hooks, params, b) for b in batches]
-    # a minibatch with no gradient (every advantage zero, no KL yet) has no relative error to measure
-    live = [i for i, g in enumerate(exact) if float(calibration.norm(g)) > 0]
-    if live and len(live) < len(batches):
-      log.warning("memory: %d of %d calibration minibatches have a zero gradient; calibrating on the others",
-                  len(batches) - len(live), len(batches))
-      batches, exact = [batches[i] for i in live], [exact[i] for i in live]
-    err = np.stack([calibration.measure_unit_errors(hooks, params, b, self.lowp_ids, mc.group_size, mc.lowp_format,
-                                                    ex, layers) for b, ex in zip(batches, exact)])
-    # the run-time score reads only the batch; the forward's per-token errors enter as a per-position profile
-    prof = calibration.error_profile(hooks, params, batches, self.lowp_ids, mc.group_size, mc.lowp_format)
-    raw = self.unit_scores(batches, prof, np.ones(len(self.lowp_ids)))
-    sus = calibration.fit_susceptibility(raw, err) if mc.exposure.susceptibility else np.ones(len(self.lowp_ids))
-    pred = raw * sus
-    # units' errors are not orthogonal: fit how coherently they add on random sets of these batches
-    sets = calibration.random_sets(len(self.lowp_ids), mc.calib_sets, np.random.default_rng(len(self.lowp_ids)))
-    set_err = np.stack([calibration.set_errors(hooks, params, b, self.lowp_ids, sets, mc.group_size, mc.lowp_format,
-                                               ex) for b, ex in zip(batches, exact)])
-    kappa = calibration.fit_coherence(err, sets, set_err)
-    delta, measured = calibration.calibrate_delta(hooks, params, batches, self.lowp_ids, kappa * pred.mean(0),
-                                                  mc.grad_err_tolerance, mc.group_size, mc.lowp_format, exact=exact)
-    total = pred.sum(1)
-    return Calibration(sus.tolist(), pred.mean(0).tolist(), err.mean(0).tolist(), delta, measured,
-                       float(np.mean(total)), float(np.max(total)),
-                       calibration.risk_metrics(pred.ravel(), err.ravel()), len(batches), kappa,
-                       calibration.set_fit(err.mean(0), sets, set_err.mean(0), kappa), err.tolist(),
-                       prof.tolist(), pred.max(0).tolist())
+    m = calibrate.measure(self.hooks, self.mc, self.lowp_ids, batches, contexts, log)
+    self.measured = m if self.keep_measured else None
+    return self.fit_calibration(m)
+
+  def fit_calibration(self, m: calibrate.Measured, sw=None) -> Calibration:
+    """A calibration of predictor sw (default memory.exposure) on measurements m: its scores of m's minibatches at
+    the normalisation it runs with, the susceptibility fitted to them, coherence and delta."""
+    sw = sw or self.mc.exposure
+    logp = [c.logp for c in m.contexts]
+    gamma = predictors.fit_grad_scale([r.grad_norm for r in m.refs], self.scorer.l1(m.batches, sw, logp))
+    inputs = predictors.ScoreInputs(m.prompt_profile, m.profile, np.ones(len(self.lowp_ids)), gamma)
+    raw = self.scorer(m.batches, inputs, sw, self.normalisation, logp, m.token_err if self.forward_errors else None)
+    return calibrate.fit(self.hooks, dataclasses.replace(self.mc, exposure=sw), self.lowp_ids, m, raw, gamma)
 
   def load_state(self, state: ManagerState | dict, reason: str = "restored from checkpoint"):
     self.state = state if isinstance(state, ManagerState) else ManagerState.from_json(state)
@@ -125,20 +111,18 @@ class MemoryManager:
 
   # ------------------------------------------------------------------ per step
 
-  def unit_scores(self, minibatches: list, profile_UT=None, susceptibility_U=None, logp=None) -> np.ndarray:
-    """[M, U] run-time exposure of every unit in every minibatch, in one jitted call and one host read (no
+  def unit_scores(self, minibatches: list, logp=None, token_err=None,
+                  inputs: predictors.ScoreInputs | None = None) -> np.ndarray:
+    """[M, U] run-time predicted error of every unit in every minibatch, in one jitted call and one host read (no
     forward pass): from advantages, masks, old / reference log-probs and, where given, the current log-probs
     (`logp`, one [B, N] per minibatch or None: a previous pass's, or replayed rows'), whose ratio decides which
-    tokens clip; a minibatch without them is on its old policy."""
+    tokens clip; a minibatch without them is on its old policy. token_err: per minibatch a forward pass's per-token
+    reconstruction errors [U, B, P-1+N] (the cotangent_forward predictor); inputs: other than the calibration's."""
     cal = self.state.calibration if self.state else None
-    prof = np.asarray(cal.profile if profile_UT is None else profile_UT, np.float32)
-    sus = np.asarray(cal.susceptibility if susceptibility_U is None else susceptibility_U, np.float32)
-    logp = [None] * len(minibatches) if logp is None else logp
-    current = [b.old_logp if lp is None else lp for b, lp in zip(minibatches, logp)]
-    if any(lp is None for lp in current):  # no old log-probs either: on-policy rows alone, ratio 1
-      current = [jnp.zeros(b.mask.shape, jnp.float32) if lp is None else lp for b, lp in zip(minibatches, current)]
-    stacked = jax.tree.map(lambda *xs: jnp.stack([jnp.asarray(x) for x in xs]), *minibatches)
-    return np.asarray(jax.device_get(self._scores(stacked, jnp.stack(current), prof, sus)), np.float64)
+    if inputs is None:
+      inputs = predictors.ScoreInputs(np.asarray(cal.prompt_profile or np.zeros((len(self.lowp_ids), 0))),
+                                      np.asarray(cal.profile), np.asarray(cal.susceptibility), cal.grad_scale)
+    return self.scorer(minibatches, inputs, self.mc.exposure, self.normalisation, logp, token_err)
 
   def _unit_list(self, batch: dict) -> list[profile.Unit]:
     shape = self.hooks.batch_shape(batch)
@@ -238,6 +222,17 @@ class MemoryManager:
                                                      rtol=max(1e-6, gap))  # a gap-sized win is solver noise
     return plan
 
+  def plan_at(self, bucket: int, delta: float, allowance: int | None = None):
+    """(plan, policies) of a known bucket at another risk budget delta, within a byte allowance (default: the
+    bucket's fitted one). No compile: a delta sweep."""
+    st = self.state
+    if allowance is None:
+      if bucket in st.fallback_gc:
+        return self.gc_plan(), self.policies(self.gc_plan())
+      allowance = st.allowance.get(str(bucket), st.budget_bytes - st.gc_bytes)
+    plan = self._plan(bucket, max(allowance, 0), delta=delta)
+    return plan, self.policies(plan)
+
   def gc_plan(self) -> methods.Plan:
     """Full checkpointing under the last allocated shape's cost model: what every plan's rerun time is against."""
     return methods.plan("gc", self._units[self._shape], self.state.profile["ops"], 0)
@@ -270,20 +265,19 @@ class MemoryManager:
 
   def _floor(self, batch) -> budgets.Fit:
     """The risk-free subset's own fit (the search its own manager runs, so its plan), once: it ignores risks."""
-    if self._floor_fit is None:
-      self._floor_fit = self._fit_to_budget(lambda a: self._plan(0, a, method=methods.RISK_FREE_SUBSET[self.method]),
-                                            batch)
+    subset = methods.RISK_FREE_SUBSET[self.method]
+    self._floor_fit = self._floor_fit or self._fit_to_budget(lambda a: self._plan(0, a, method=subset), batch)
     return self._floor_fit
 
-  def allocate(self, minibatches: list, logp=None) -> list[Allocation]:
+  def allocate(self, minibatches: list, logp=None, token_err=None) -> list[Allocation]:
     """Every minibatch's bucket, plan and policies, in order; a new bucket is fitted first (its probe compiles
     are not counted as scheduling time). Exposure levels come from one jitted call; logp: the minibatches'
-    current log-probs where known (unit_scores)."""
+    current log-probs where known, token_err their forward's per-token errors where known (unit_scores)."""
     t0 = time.perf_counter()
     self._unit_list(minibatches[0])
     keys = [()] * len(minibatches)
     if self.method == "hilore" and self.mc.buckets > 1:  # exposure off (one bucket): nothing to score
-      keys = self.bucket_levels(self.unit_scores(minibatches, logp=logp))
+      keys = self.bucket_levels(self.unit_scores(minibatches, logp=logp, token_err=token_err))
     fit_s, chosen = 0.0, []
     for key in keys:
       bucket = 0
@@ -305,15 +299,20 @@ class MemoryManager:
       out.append(Allocation(bucket, plan, self.policies(plan), metrics, self._active.get(bucket, "none")))
     return out
 
-  def step(self, params, minibatches: list, step: int, logp=None) -> list[Allocation]:
-    """Set up (or refresh) when due, then allocate this step's minibatches."""
-    mc = self.mc
-    stale = (self.state is not None and self.method == "hilore" and mc.buckets > 1
-             and not self.state.calibration.profile)
+  def step(self, params, minibatches: list, step: int, logp=None, opt_state=None) -> list[Allocation]:
+    """Set up (or refresh) when due, then allocate this step's minibatches (opt_state: the optimizer's, for
+    memory.risk_metric=update)."""
+    mc, cal = self.mc, self.state.calibration if self.state else None
+    stale = cal is not None and self.method == "hilore" and mc.buckets > 1 and not cal.profile
     if stale:
       log.warning("memory: the checkpoint's hilore calibration predates per-unit exposure: recalibrating")
-    if self.state is None or stale or (mc.refresh_every and step - self.state.calibrated_at >= mc.refresh_every):
-      self.setup(params, minibatches, step)
+    other = cal is not None and (cal.risk_metric, cal.predictor) != (mc.risk_metric, mc.exposure.predictor)
+    if other:
+      log.warning("memory: the checkpoint's calibration is of %s / %s, this run's of %s / %s: recalibrating",
+                  cal.risk_metric, cal.predictor, mc.risk_metric, mc.exposure.predictor)
+    if (self.state is None or stale or other
+        or (mc.refresh_every and step - self.state.calibrated_at >= mc.refresh_every)):
+      self.setup(params, minibatches, step, logp=logp, opt_state=opt_state)
     return self.allocate(minibatches, logp)
 
   def state_json(self) -> Any:

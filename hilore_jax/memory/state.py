@@ -28,6 +28,10 @@ class Calibration:
   unit_errors: list = dataclasses.field(default_factory=list)  # [K][U] measured per-unit errors
   profile: list = dataclasses.field(default_factory=list)  # [U][T] per-position RMS reconstruction error
   score_max: list = dataclasses.field(default_factory=list)  # [U] largest run-time score over calibration batches
+  prompt_profile: list = dataclasses.field(default_factory=list)  # [U][P-1] the same at prompt positions
+  grad_scale: float = 1.0  # ||g|| per unit of the predictor's summed token weights (the clipped score's scale)
+  risk_metric: str = "relative"  # what the errors above are errors of (memory.risk_metric)
+  predictor: str = "exposure_v1"  # the run-time score susceptibility was fitted to (memory.exposure.predictor)
 
 
 @dataclasses.dataclass

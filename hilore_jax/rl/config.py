@@ -63,6 +63,9 @@ class GRPOConfig:
   dual_clip: float | None = None  # c > 1 caps the loss of negative-advantage tokens at c * |A|
   beta: float = 0.0  # KL coefficient
   kl_estimator: str = "k3"
+  # k3 only: clip the log-ratio log(ref / pi) to [-kl_clamp, kl_clamp] in the KL term and its gradient (tokens
+  # beyond it get no KL gradient), bounding the 1 - r that collapsed tokens give; None: off
+  kl_clamp: float | None = None
   max_completion_len: int = 0  # Dr.GRPO's constant normaliser; 0: rollout.max_new_tokens
   num_iterations: int = 1  # passes over each rollout batch
   filter_zero_std: bool = True  # drop groups whose rewards are all equal
@@ -78,6 +81,10 @@ class GRPOConfig:
     if self.dual_clip is not None and self.dual_clip <= 1:
       raise ConfigError(f"grpo.dual_clip must be > 1 (or null), got {self.dual_clip}")
     check_positive("grpo.beta", self.beta, allow_zero=True)
+    if self.kl_clamp is not None:
+      check_positive("grpo.kl_clamp", self.kl_clamp)
+      if self.kl_estimator != "k3":
+        raise ConfigError(f"grpo.kl_clamp bounds the k3 estimator's log-ratio; kl_estimator is {self.kl_estimator}")
     check_positive("grpo.max_completion_len", self.max_completion_len, allow_zero=True)
     check_positive("grpo.num_iterations", self.num_iterations)
 

@@ -4,7 +4,8 @@ The advantage functions use array methods only, so numpy rewards give numpy adva
 batch is built there) and jax arrays give jax arrays.
 
 Imports nothing from the package: the settings arrive as `lc`, any object with the loss fields of
-config.GRPOConfig (loss_agg, eps_low, eps_high, dual_clip, beta, kl_estimator, max_completion_len), validated there.
+config.GRPOConfig (loss_agg, eps_low, eps_high, dual_clip, beta, kl_estimator, kl_clamp,
+max_completion_len), validated there.
 """
 
 from __future__ import annotations
@@ -74,9 +75,12 @@ def zero_std_groups(rewards_PG: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- per-token terms
 
 
-def kl_estimate(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Array:
-  """Per-token KL(pi || ref) estimators of Schulman: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r."""
+def kl_estimate(logp: jax.Array, ref_logp: jax.Array, estimator: str, clamp: float | None = None) -> jax.Array:
+  """Per-token KL(pi || ref) estimators of Schulman: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r; with
+  clamp, log r is clipped to [-clamp, clamp] first (its gradient is then 0 outside)."""
   log_r = ref_logp - logp
+  if clamp is not None:
+    log_r = jnp.clip(log_r, -clamp, clamp)
   if estimator == "k1":
     return -log_r
   if estimator == "k2":
@@ -86,10 +90,13 @@ def kl_estimate(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Arr
   raise ValueError(f"kl_estimator must be one of {list(KL_ESTIMATORS)}, got {estimator!r}")
 
 
-def kl_grad(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Array:
-  """d kl_estimate / d logp."""
+def kl_grad(logp: jax.Array, ref_logp: jax.Array, estimator: str, clamp: float | None = None) -> jax.Array:
+  """d kl_estimate / d logp (with clamp: 0 where the log-ratio lies outside [-clamp, clamp], as autodiff of the
+  clipped estimate gives, so a token whose probability collapsed against the reference adds no unbounded
+  1 - r)."""
   log_r = ref_logp - logp
-  return {"k1": jnp.ones_like(logp), "k2": -log_r, "k3": 1.0 - jnp.exp(log_r)}[estimator]
+  g = {"k1": jnp.ones_like(logp), "k2": -log_r, "k3": 1.0 - jnp.exp(log_r)}[estimator]
+  return g if clamp is None else jnp.where(jnp.abs(log_r) <= clamp, g, 0.0)
 
 
 def policy_loss(logp, old_logp, adv, lc) -> tuple[jax.Array, jax.Array]:
@@ -142,7 +149,7 @@ def grpo_loss(logp, old_logp, ref_logp, adv_B, mask_BT, lc, num_seqs=None, num_t
   per_token = pg
   kl = jnp.zeros_like(logp)
   if lc.beta > 0:
-    kl = kl_estimate(logp, ref_logp, lc.kl_estimator)
+    kl = kl_estimate(logp, ref_logp, lc.kl_estimator, lc.kl_clamp)
     per_token = per_token + lc.beta * kl
   weights = token_weights(mask_BT, lc, num_seqs, num_tokens)
   per_token, kl, log_ratio = _selected(mask_BT, per_token, kl, jnp.abs(logp - old_logp))
@@ -164,5 +171,5 @@ def loss_coefficients(logp, old_logp, ref_logp, adv_B, mask_BT, lc, num_seqs=Non
   _, clipped = policy_loss(logp, old_logp, adv, lc)
   w = jnp.where(clipped, 0.0, -adv * ratio)
   if lc.beta > 0:
-    w = w + lc.beta * kl_grad(logp, ref_logp, lc.kl_estimator)
+    w = w + lc.beta * kl_grad(logp, ref_logp, lc.kl_estimator, lc.kl_clamp)
   return _selected(mask_BT, w)[0] * token_weights(mask_BT, lc, num_seqs, num_tokens)

@@ -1,0 +1,108 @@
+"""Calibration as the memory manager runs it, in two phases: measure (each unit's and random sets' errors of
+memory.risk_metric, the per-position reconstruction profiles) on K minibatches, each at the params and optimizer
+state its update saw; then fit a predictor to it (susceptibility, coherence, and the risk budget delta measured
+against the tolerance). calibration.py holds the measurements and fits both use."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from hilore_jax.memory import risk
+from hilore_jax.memory.calibration import (UpdateContext, calibration_rows, error_profile, fit_coherence,
+                                           fit_susceptibility, measure_unit_errors, probed_layers, random_sets,
+                                           reference, risk_metrics, set_errors, set_fit)
+from hilore_jax.memory.config import MemoryConfig
+from hilore_jax.memory.hooks import StepHooks
+from hilore_jax.memory.state import Calibration
+
+
+def calibrate_delta(hooks: StepHooks, params: Sequence, batches: Sequence, units, risk_U: np.ndarray,
+                    tolerance: float, group_size: int, fmt: str = "int8", max_halvings: int = 8,
+                    exact=None) -> tuple[float, float]:
+  """Largest risk budget delta (from the tolerance, halving) whose lowest-risk L set (risk_U: each unit's predicted
+  error, coherence included) measures under the tolerance on every calibration batch, each at its own params (one
+  per batch) against its reference (exact, one per batch). Returns (delta, its measured error)."""
+  risk_U = np.asarray(risk_U, float)
+  exact = exact or [None] * len(batches)
+  delta = tolerance
+  for _ in range(max_halvings + 1):
+    chosen, total = [], 0.0
+    for i in np.argsort(risk_U, kind="stable"):
+      if total + risk_U[i] > delta:
+        break
+      chosen.append(int(i))
+      total += risk_U[i]
+    if not chosen:
+      return delta, 0.0
+    err = max(float(set_errors(hooks, p, b, units, [chosen], group_size, fmt, ex)[0])
+              for p, b, ex in zip(params, batches, exact))
+    if err <= tolerance:
+      return delta, err
+    delta /= 2
+  return 0.0, 0.0
+
+
+@dataclasses.dataclass
+class Measured:
+  """What calibration measured on its minibatches, before any predictor is fitted to it (so a benchmark can fit
+  several on one measurement)."""
+
+  batches: list
+  contexts: list[UpdateContext]
+  refs: list[risk.Reference]
+  err: np.ndarray  # [K, U] each unit's error alone
+  sets: list[list[int]]
+  set_err: np.ndarray  # [K, S]
+  prompt_profile: np.ndarray  # [U, P-1]
+  profile: np.ndarray  # [U, N]
+  token_err: list  # per batch [U, B, P-1+N]
+
+
+def measure(hooks: StepHooks, mc: MemoryConfig, units, batches: Sequence, contexts: Sequence[UpdateContext],
+            log=None) -> Measured:
+  """Per-unit and random-set errors of memory.risk_metric and the per-position reconstruction profiles, each
+  minibatch at its own context; minibatches without a gradient are skipped (no error to measure)."""
+  # probes on a row subsample and, per unit kind, a few layers: their number and size do not grow with depth
+  batches = [calibration_rows(b, mc.calib_rows) for b in batches]
+  contexts = [c if c.logp is None else dataclasses.replace(c, logp=calibration_rows(c.logp, mc.calib_rows))
+              for c in contexts]
+  layers = probed_layers(hooks.model_cfg.num_hidden_layers, mc.calib_layers)
+  refs = [reference(hooks, c, b, mc.risk_metric) for c, b in zip(contexts, batches)]
+  live = [i for i, r in enumerate(refs) if r.grad_norm > 0]
+  if live and len(live) < len(batches):
+    if log is not None:
+      log.warning("memory: %d of %d calibration minibatches have a zero gradient; calibrating on the others",
+                  len(batches) - len(live), len(batches))
+    batches, contexts, refs = ([x[i] for i in live] for x in (batches, contexts, refs))
+  if not live and log is not None:
+    log.warning("memory: no calibration minibatch has a gradient (every advantage zero, no KL yet): the measured "
+                "risks are undefined and this calibration is not meaningful")
+  err = np.stack([measure_unit_errors(hooks, c.params, b, units, mc.group_size, mc.lowp_format, r, layers)
+                  for c, b, r in zip(contexts, batches, refs)])
+  pprof, prof, token_err = error_profile(hooks, [c.params for c in contexts], batches, units, mc.group_size,
+                                         mc.lowp_format)
+  # units' errors are not orthogonal: how coherently they add is fitted on random sets of these batches
+  sets = random_sets(len(units), mc.calib_sets, np.random.default_rng(len(units)))
+  set_err = np.stack([set_errors(hooks, c.params, b, units, sets, mc.group_size, mc.lowp_format, r)
+                      for c, b, r in zip(contexts, batches, refs)])
+  return Measured(batches, contexts, refs, err, sets, set_err, pprof, prof, token_err)
+
+
+def fit(hooks: StepHooks, mc: MemoryConfig, units, m: Measured, raw_KU: np.ndarray, grad_scale: float) -> Calibration:
+  """The calibration of mc's predictor (raw_KU: its scores of the calibration minibatches without susceptibility,
+  at the same normalisation it is applied with): susceptibility, coherence, and delta measured on m's minibatches."""
+  n = len(units)
+  sus = fit_susceptibility(raw_KU, m.err) if mc.exposure.susceptibility else np.ones(n)
+  pred = raw_KU * sus
+  kappa = fit_coherence(m.err, m.sets, m.set_err)
+  delta, measured = calibrate_delta(hooks, [c.params for c in m.contexts], m.batches, units, kappa * pred.mean(0),
+                                    mc.grad_err_tolerance, mc.group_size, mc.lowp_format, exact=m.refs)
+  total = pred.sum(1)
+  return Calibration(sus.tolist(), pred.mean(0).tolist(), m.err.mean(0).tolist(), delta, measured,
+                     float(np.mean(total)), float(np.max(total)), risk_metrics(pred.ravel(), m.err.ravel()),
+                     len(m.batches), kappa, set_fit(m.err.mean(0), m.sets, m.set_err.mean(0), kappa), m.err.tolist(),
+                     m.profile.tolist(), pred.max(0).tolist(), m.prompt_profile.tolist(), float(grad_scale),
+                     mc.risk_metric, mc.exposure.predictor)
