@@ -125,7 +125,8 @@ class Stepper:
   """Compiles the train step once per StepSpec and batch shapes, and counts and logs every compilation.
 
   The update program does not depend on the remat policies: it is compiled once (with KL control: once per
-  minibatch shape) and shared by every Step.
+  minibatch shape) and shared by every Step. Both are named functions, so their XLA modules (and a profiler's
+  events) read jit_grad_program and jit_update_program.
   """
 
   def __init__(self, mesh, optimizer, state, state_shardings, kl_control: KLControlConfig | None = None):
@@ -163,9 +164,11 @@ class Stepper:
     param_sh, metrics_sh = self.state_shardings["params"], sharding.replicated(self.mesh)
     if self.kl is None:
       if None not in self._updates:
-        fn = jax.jit(lambda s, g: train_step.update_step(s, g, self.optimizer),
-                     in_shardings=(self.state_shardings, param_sh), out_shardings=(self.state_shardings, metrics_sh),
-                     donate_argnums=0)
+        def update_program(s, g):
+          return train_step.update_step(s, g, self.optimizer)
+
+        fn = jax.jit(update_program, in_shardings=(self.state_shardings, param_sh),
+                     out_shardings=(self.state_shardings, metrics_sh), donate_argnums=0)
         self._updates[None] = fn.lower(self.state_abstract, self.state_abstract["params"]).compile()
       return self._updates[None]
     spec = dataclasses.replace(spec, policies=())  # the KL's forward has no backward: no remat to choose
@@ -173,8 +176,11 @@ class Stepper:
     key = (spec, kl_batch.signature())
     if key not in self._updates:
       batch_sh = self.batch_shardings(kl_batch)
-      fn = jax.jit(lambda s, g, b: train_step.update_step(s, g, self.optimizer, b, spec, self.kl),
-                   in_shardings=(self.state_shardings, param_sh, batch_sh),
+
+      def update_program(s, g, b):
+        return train_step.update_step(s, g, self.optimizer, b, spec, self.kl)
+
+      fn = jax.jit(update_program, in_shardings=(self.state_shardings, param_sh, batch_sh),
                    out_shardings=(self.state_shardings, metrics_sh), donate_argnums=0)
       self._updates[key] = fn.lower(self.state_abstract, self.state_abstract["params"],
                                     abstract(kl_batch, batch_sh)).compile()
@@ -185,8 +191,11 @@ class Stepper:
     param_sh, metrics_sh = self.state_shardings["params"], sharding.replicated(self.mesh)
     metrics_sh = {**{k: metrics_sh for k in train_step.SCALAR_METRICS},
                   train_step.TOKEN_LOGP: sharding.batch_sharding(self.mesh)}
-    fn = jax.jit(lambda p, b: train_step.gradient_step(p, b, spec), in_shardings=(param_sh, batch_sh),
-                 out_shardings=(param_sh, metrics_sh))
+
+    def grad_program(p, b):
+      return train_step.gradient_step(p, b, spec)
+
+    fn = jax.jit(grad_program, in_shardings=(param_sh, batch_sh), out_shardings=(param_sh, metrics_sh))
     grad = fn.lower(self.state_abstract["params"], abstract(batch, batch_sh)).compile()
     update = self.update_program(spec, batch)
     grad_temp, grad_out = _memory(grad)

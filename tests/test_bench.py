@@ -5,6 +5,7 @@ import os
 import pytest
 
 from hilore_jax.bench import config as bench_config
+from hilore_jax.bench import plan_profile
 from hilore_jax.bench import run as bench
 
 
@@ -43,6 +44,7 @@ def test_bench_writes_all_outputs_with_every_method_under_budget(tmp_path):
     if r["budget_bytes"]:
       assert r["peak_bytes"] <= r["budget_bytes"], r["method"]
     assert abs(r["frac_H"] + r["frac_L"] + r["frac_R"] - 1) < 1e-9
+    assert len(plan_profile.policies_of(r)) == 2  # each row carries its plan (train.bench_profile rebuilds it)
     assert r["active_constraint"] in ("memory", "risk", "both", "none")
     assert r["gain_ci_low"] <= r["gain_vs_gc_pct"] <= r["gain_ci_high"] or r["method"] == "gc"
   by = {(r["method"], r["budget_ratio"]): r for r in rows}

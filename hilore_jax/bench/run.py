@@ -61,9 +61,10 @@ def control_step(eng: engine.Engine, state, cfg: Config, spec, batch) -> engine.
   return stepper.get(spec, batch, reason=f"bench {CONTROL}")
 
 
-def _call(e: Entry, batch):
+def call(compiled: engine.Step, batch):
+  """compiled's train step on batch as a function of the state, blocking until its results are ready."""
   def step(state):
-    state, m = e.compiled(state, batch)
+    state, m = compiled(state, batch)
     jax.block_until_ready((state, m))
     return state
   return step
@@ -78,10 +79,28 @@ def _median_s(fn, reps: int = 50) -> float:
   return float(np.median(times))
 
 
-def run(cfg: Config, bc: BenchConfig, out_dir: str, progress=print) -> dict:
-  """Run the benchmark and write results.json, results.md, frontier.png (and risk.md when asked) into out_dir."""
+@dataclasses.dataclass
+class Setup:
+  """What every configuration of one bench run shares: engine and state, the step, the minibatches (the timed one,
+  calibration's, the held-out ones), their exact gradients, the calibration and the cost model's end plans."""
+
+  eng: engine.Engine
+  state: dict
+  spec: train_step.StepSpec
+  hooks: object
+  batch: object
+  cal_batches: list
+  risk_batches: list
+  err_batches: list  # the timed minibatch and the held-out ones
+  exact: list  # the exact gradient of each of err_batches
+  calib: object
+  predicted: dict  # the cost model's seconds of No-GC and GC
+  setup_s: dict
+
+
+def prepare(cfg: Config, bc: BenchConfig, progress=print) -> Setup:
+  """The run's engine, minibatches (drawn from cfg.seed), exact gradients and calibration."""
   mcfg = engine.model_config(cfg)
-  os.makedirs(out_dir, exist_ok=True)
   eng, state = engine.build(cfg, mcfg, 10_000)
   mesh, stepper = eng.mesh, eng.stepper
   completion = bc.seq_len - bc.prompt_len
@@ -98,12 +117,11 @@ def run(cfg: Config, bc: BenchConfig, out_dir: str, progress=print) -> dict:
   batches = [jax.device_put(b, sh) for b in batches]
   batch, cal_batches, risk_batches = batches[0], batches[1:1 + K], batches[1 + K:]
   params = state["params"]
-  setup_s, t0 = {}, time.perf_counter()
+  setup_s = {}
   # the reference: full checkpointing at full float32 precision, whatever the model's compute dtype; errors are
   # measured on the timed batch and the held-out ones
   ref_hooks = step_hooks.memory_hooks(stepper, dataclasses.replace(spec, model_cfg=mcfg.replace(dtype="float32")))
-  err_batches = [batch] + risk_batches
-  exact = [calibration.exact_gradient(ref_hooks, params, b) for b in err_batches]
+  exact = [calibration.exact_gradient(ref_hooks, params, b) for b in [batch] + risk_batches]
   calib = None
   if any(m in methods.CALIBRATED for m in bc.methods):
     mc = cfg.memory
@@ -116,18 +134,33 @@ def run(cfg: Config, bc: BenchConfig, out_dir: str, progress=print) -> dict:
     setup_s["calibration"] = time.perf_counter() - t1
     progress(f"bench: calibration took {setup_s['calibration']:.0f}s, delta {calib.delta:.3g}, "
              f"measured {calib.calibration_error:.3g}")
+  return Setup(eng, state, spec, hooks, batch, cal_batches, risk_batches, [batch] + risk_batches, exact, calib,
+               _end_plans(cfg, hooks, batch), setup_s)
 
-  t1 = time.perf_counter()
-  predicted = _end_plans(cfg, hooks, batch)
+
+def configure_all(cfg: Config, bc: BenchConfig, s: Setup, progress=print) -> list[Entry]:
+  """Every (method, budget) configuration, planned and compiled in bc.methods' order (none and GC once)."""
   entries: list[Entry] = []
   for method in bc.methods:
     for ratio in ([None] if method in ("none", "gc") else bc.budget_ratios):
-      entries.append(_configure(cfg, method, ratio, spec, hooks, stepper, params, batch, calib, err_batches, exact,
-                                predicted))
+      entries.append(_configure(cfg, method, ratio, s.spec, s.hooks, s.eng.stepper, s.state["params"], s.batch,
+                                s.calib, s.err_batches, s.exact, s.predicted))
       e = entries[-1]
       progress(f"bench: {method} @ {ratio}: peak {e.row['peak_bytes'] / 2**20:.1f} MiB, H/L/R "
                f"{e.row['frac_H']:.2f}/{e.row['frac_L']:.2f}/{e.row['frac_R']:.2f}, "
                f"grad err {e.row['grad_rel_err_mean']:.2e}")
+  return entries
+
+
+def run(cfg: Config, bc: BenchConfig, out_dir: str, progress=print) -> dict:
+  """Run the benchmark and write results.json, results.md, frontier.png (and risk.md when asked) into out_dir."""
+  os.makedirs(out_dir, exist_ok=True)
+  t0 = time.perf_counter()
+  s = prepare(cfg, bc, progress)
+  eng, state, stepper, hooks, batch, params = s.eng, s.state, s.eng.stepper, s.hooks, s.batch, s.state["params"]
+  mcfg, calib, setup_s, exact = hooks.model_cfg, s.calib, s.setup_s, s.exact
+  t1 = time.perf_counter()
+  entries = configure_all(cfg, bc, s, progress)
   gc = next((e for e in entries if e.method == "gc"), None)
   if gc is not None:  # the control: GC's program in its own executables, timed like any other row
     step = control_step(eng, state, cfg, gc.spec, batch)
@@ -144,9 +177,10 @@ def run(cfg: Config, bc: BenchConfig, out_dir: str, progress=print) -> dict:
             "nogc_over_gc_temp": (by["none"].row["peak_bytes"] / by["gc"].row["peak_bytes"]
                                   if {"none", "gc"} <= set(by) else None),
             "all_l_grad_err": float(np.mean([calibration.relative_error(hooks.gradient(params, b, all_l), ref)
-                                             for b, ref in zip(err_batches, exact)]))}
+                                             for b, ref in zip(s.err_batches, exact)]))}
   progress(f"bench: regime {regime}")
-  risk_rows, risk_fit = _diagnostics(cfg, bc, hooks, params, calib, cal_batches, risk_batches, exact[1:], progress)
+  risk_rows, risk_fit = _diagnostics(cfg, bc, hooks, params, calib, s.cal_batches, s.risk_batches, exact[1:],
+                                       progress)
   setup_s["diagnostics"] = time.perf_counter() - t1
   if bc.roofline:
     t1 = time.perf_counter()
@@ -162,7 +196,7 @@ def run(cfg: Config, bc: BenchConfig, out_dir: str, progress=print) -> dict:
   progress(f"bench: timing {len(entries)} configurations, interleaved: at least {bc.reps} rounds, then until every "
            f"gain CI is within +/-{bc.ci_halfwidth_pct:g} points or {bc.time_cap_s:g} s")
   base = next((i for i, e in enumerate(entries) if e.method == "gc"), None)
-  times, state, timed = timing.interleave([_call(e, batch) for e in entries], state, rounds, base, cfg.seed + 1,
+  times, state, timed = timing.interleave([call(e.compiled, batch) for e in entries], state, rounds, base, cfg.seed + 1,
                                           progress=progress)
   progress(f"bench: {timed['rounds']} rounds in {timed['elapsed_s']:.0f}s, stopped by {timed['stopped_by']}")
   for e, t in zip(entries, times):
@@ -271,16 +305,16 @@ def _configure(cfg, method, ratio, spec, hooks, stepper, params, batch, calib, e
          "active_constraint": active, "greedy_gap_pct": gap,
          "solver": (cfg.memory.solver if method in methods.SOLVED else "none" if method in ("none", "gc") else
                     "heuristic"),
-         "grad_rel_err_mean": float(np.mean(errs)),
-         "grad_rel_err_max": float(np.max(errs)), "grad_cos": float(np.min(coss)), **fr, "schedule_overhead_pct": None,
+         "grad_rel_err_mean": float(np.mean(errs)), "grad_rel_err_max": float(np.max(errs)),
+         "grad_cos": float(np.min(coss)), **fr, "schedule_overhead_pct": None,
          "same_as_gc": method != "none" and all(p == model.FULL_REMAT for p in spec_m.policies),
          "compiles": compiles, "probe_compiles": stepper.probe_compiles - probes,
          "flops": flops.program_flops(lambda p, b: hooks.gradient(p, b, spec_m.policies), params, batch),
-         "xla_flops": compiled.flops,
-         "bytes_accessed": compiled.bytes_accessed,
+         "xla_flops": compiled.flops, "bytes_accessed": compiled.bytes_accessed,
          # the cost model's prediction (what the solvers minimise): rerun + codec seconds above No-GC's step
          "predicted_rerun_s": rerun_s,
          "predicted_removed_pct": (100 * (predicted["gc"] - rerun_s) / (predicted["gc"] - predicted["none"])
                                    if predicted["gc"] > predicted["none"] else None),
-         "risk_free_floor": floor_plan, "beats_floor": None}
+         "risk_free_floor": floor_plan, "beats_floor": None,
+         "policies": [dataclasses.asdict(p) for p in spec_m.policies]}  # to rebuild the plan (train.bench_profile)
   return Entry(method, ratio, spec_m, compiled, row, sched)
