@@ -23,8 +23,9 @@ from hilore_jax.tasks.prompts import Prompter
 def evaluate(cfg, params, prompter: Prompter, examples: Sequence[Example], reward_fn, *, max_prompt_len: int,
              max_new_tokens: int, pass_k: int = 4, temperature: float = 1.0, batch_size: int = 128,
              rng: jax.Array | None = None) -> dict:
-  """{'eval/accuracy': greedy accuracy, 'eval/completion_len': mean greedy completion tokens (stop token
-  included), 'eval/pass@k': any of k samples correct, 'eval/n': examples}."""
+  """{'eval/accuracy': greedy accuracy, 'eval/accuracy_ci95': its Wilson interval across examples,
+  'eval/correct': '0'/'1' per example (for paired comparisons), 'eval/completion_len': mean greedy completion tokens
+  (stop token included), 'eval/pass@k': any of k samples correct, 'eval/n': examples}."""
   rng = jax.random.PRNGKey(0) if rng is None else rng
   greedy = SamplingConfig(max_new_tokens=max_new_tokens, greedy=True)
   sampled = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature)
@@ -38,11 +39,29 @@ def evaluate(cfg, params, prompter: Prompter, examples: Sequence[Example], rewar
       rng, key = jax.random.split(rng)
       r = rollout.sample_completions(cfg, params, prompter, chunk, pass_k, max_prompt_len, sampled, key, reward_fn)
       passed.extend((r.rewards.reshape(len(chunk), pass_k) >= 1.0).any(axis=1))
-  out = {"eval/accuracy": float(np.mean(correct)), "eval/completion_len": float(np.mean(lens)),
+  out = {"eval/accuracy": float(np.mean(correct)), "eval/accuracy_ci95": wilson_ci(int(np.sum(correct)), len(correct)),
+         "eval/correct": "".join("1" if c else "0" for c in correct), "eval/completion_len": float(np.mean(lens)),
          "eval/n": len(examples)}
   if pass_k > 0:
     out[f"eval/pass@{pass_k}"] = float(np.mean(passed))
   return out
+
+
+def wilson_ci(successes: int, n: int, z: float = 1.96) -> list[float]:
+  """[lo, hi] Wilson score interval of a proportion (exact at 0 and n, unlike the normal one)."""
+  p, z2 = successes / n, z * z
+  centre, half = (p + z2 / (2 * n)) / (1 + z2 / n), z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+  return [max(0.0, float(centre - half)), min(1.0, float(centre + half))]
+
+
+def paired_gain_ci(before: str, after: str, z: float = 1.96) -> tuple[float, list[float]]:
+  """(gain, [lo, hi]) in points of accuracy between two evaluations of the same examples ('0'/'1' strings): the
+  mean per-example difference and its normal interval, which pairing narrows where both runs solve the same ones."""
+  if len(before) != len(after):
+    raise ValueError(f"paired evaluations differ in length: {len(before)} vs {len(after)}")
+  d = np.array([int(a) - int(b) for a, b in zip(after, before)], np.float64)
+  half = z * d.std(ddof=1) / np.sqrt(len(d)) if len(d) > 1 else float("inf")
+  return 100 * float(d.mean()), [100 * float(d.mean() - half), 100 * float(d.mean() + half)]
 
 
 # ----------------------------------------------------------------------------- saved policies

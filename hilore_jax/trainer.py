@@ -224,7 +224,7 @@ class Trainer:
         self.ref_params = jax.tree_util.tree_map(jnp.copy, self.state["params"])
       if c.eval.at_start:
         self.eval_before = self.evaluate(self.state["params"], jax.random.PRNGKey(c.seed + 1))
-        log.info("eval before GRPO: %s", self.eval_before)
+        log.info("eval before GRPO: %s", {k: v for k, v in self.eval_before.items() if k != "eval/correct"})
       self.save(0)
     writer = metrics.MetricsWriter(self.out_dir, self.start_step if resumed else None, c.logging.tensorboard,
                                    enabled=self.primary)
@@ -315,6 +315,9 @@ class Trainer:
       if self.eval_before:
         summary["accuracy_gain_pp"] = 100 * (summary["eval_after"]["eval/accuracy"] -
                                              self.eval_before["eval/accuracy"])
+        if "eval/correct" in self.eval_before:  # a run resumed from an older checkpoint may lack it
+          _, summary["accuracy_gain_ci95_pp"] = evaluation.paired_gain_ci(self.eval_before["eval/correct"],
+                                                                          summary["eval_after"]["eval/correct"])
     params = sharding.gather_to_host(self.state["params"]) if c.checkpoint.export_hf else None  # every process
     if c.checkpoint.export_hf and self.primary:
       for stale in glob.glob(os.path.join(self.out_dir, ".tmp-hf*")):  # left by an export killed mid-write

@@ -93,3 +93,5 @@ def test_cli_end_to_end_writes_everything(tmp_path):
     evals.append(json.loads(proc.stdout))
   assert evals[0]["eval/accuracy"] == evals[1]["eval/accuracy"] == summary["eval_after"]["eval/accuracy"]
   assert evals[0]["eval/n"] == 8 and "eval/pass@2" in evals[0]
+  lo, hi = summary["accuracy_gain_ci95_pp"]  # paired across the same 8 examples, around the gain
+  assert lo <= summary["accuracy_gain_pp"] <= hi and len(summary["eval_after"]["eval/correct"]) == 8
