@@ -91,6 +91,9 @@ class ExposureBenchConfig:
       check_positive("bench_exposure.kl_clamps", c)
 
 
+REAL_PARTS = ("setup", "l_error", "memory", "logra")
+
+
 @dataclasses.dataclass(frozen=True)
 class RealBenchConfig:
   """`python -m train.bench_real`: a pretrained model's memory table, L error and set-up cost (bench/real_model.py)."""
@@ -103,8 +106,11 @@ class RealBenchConfig:
   logra_rank: int = 32
   formats: tuple[str, ...] = ("int8", "fp8_e4m3", "int4")
   lerror_minibatches: int = 2  # rollout minibatches the L-error table measures (besides the calibration's)
+  parts: tuple[str, ...] = REAL_PARTS  # what to measure; results are written after each part, so a long run keeps them
 
   def __post_init__(self):
+    for part in self.parts:
+      check_choice("bench_real.parts", part, REAL_PARTS)
     for s in self.shapes:
       rows, _, seq = s.lower().partition("x")
       if not (rows.isdigit() and seq.isdigit() and int(rows) > 0 and int(seq) > 1):

@@ -207,39 +207,56 @@ def setup_cost(cfg: Config, trainer, hooks, spec, batches, progress=print) -> tu
   return out, mm
 
 
-def run(cfg: Config, br: RealBenchConfig, out_dir: str, progress=print) -> dict:
-  """Rollouts of the model on its task, the set-up cost, the L-error and memory tables; writes real_model.json and
-  real_model.md."""
+def _write(out_dir: str, result: dict):
+  """real_model.json and .md of what has been measured so far (atomically: an interrupted run keeps the last)."""
   from hilore_jax.bench import real_report
+
+  for name, text in (("real_model.json", json.dumps(result, indent=1, default=float)),
+                     ("real_model.md", real_report.report(result))):
+    tmp = os.path.join(out_dir, f".{name}.tmp")
+    with open(tmp, "w") as f:
+      f.write(text)
+    os.replace(tmp, os.path.join(out_dir, name))
+
+
+def run(cfg: Config, br: RealBenchConfig, out_dir: str, progress=print) -> dict:
+  """Rollouts of the model on its task, then br.parts in order (set-up cost, L-error table, memory table, LoGRA);
+  real_model.json and real_model.md are rewritten after each part."""
   from hilore_jax.trainer import Trainer
 
   os.makedirs(out_dir, exist_ok=True)
-  trainer = Trainer(dataclasses.replace(cfg, out_dir=os.path.join(out_dir, "rollouts"),
-                                        memory=dataclasses.replace(cfg.memory, policy="none")))
-  t0 = time.perf_counter()
-  batches = rollout_minibatches(trainer, br.lerror_minibatches + cfg.memory.calib_batches)
-  progress(f"{len(batches)} rollout minibatches of {batches[0].rows} x "
-           f"{batches[0].prompt_len + batches[0].completion_len} tokens in {time.perf_counter() - t0:.0f}s")
-  spec = trainer.spec  # the run's own step: old log-probs only where the run has several updates per rollout
-  hooks = step_hooks.memory_hooks(trainer.stepper, spec)
-  params = jax.tree.map(jnp.copy, trainer.state["params"])  # the timed steps below donate the state's
-  L = trainer.model_cfg.num_hidden_layers
-  layers = calibration.probed_layers(L, cfg.memory.calib_layers)
-  setup, mm = setup_cost(cfg, trainer, hooks, spec, batches, progress)
-  progress("L error per unit kind and format on the rollouts")
-  held = [calibration.calibration_rows(b, cfg.memory.calib_rows) for b in batches[cfg.memory.calib_batches:]]
-  result = {"config": {**cfg.to_dict(), "bench_real": dataclasses.asdict(br)}, "setup": setup,
-            "calibration": {"delta": mm.state.calibration.delta, "coherence": mm.state.calibration.coherence,
-                            "probed_layers": layers, "rows": held[0].rows, "batches": cfg.memory.calib_batches},
-            "tolerance": cfg.memory.grad_err_tolerance,
-            "l_error": l_error_rows(hooks, lambda i: params, held, calibration.lowp_units(L), br.formats,
-                                    cfg.memory.group_size, layers),
-            "l_error_tiny": tiny_l_error(cfg, br, br.formats)}
-  progress("memory of every method at the fixed shapes (compile only)")
-  result["memory"] = memory_rows(cfg, br, mm.state.calibration, progress)
-  result["logra"] = logra_rows(cfg, br, progress)
-  with open(os.path.join(out_dir, "real_model.json"), "w") as f:
-    json.dump(result, f, indent=1, default=float)
-  with open(os.path.join(out_dir, "real_model.md"), "w") as f:
-    f.write(real_report.report(result))
+  result = {"config": {**cfg.to_dict(), "bench_real": dataclasses.asdict(br)},
+            "tolerance": cfg.memory.grad_err_tolerance}
+  if {"setup", "l_error", "memory"} & set(br.parts):  # each needs the rollouts and the calibration on them
+    trainer = Trainer(dataclasses.replace(cfg, out_dir=os.path.join(out_dir, "rollouts"),
+                                          memory=dataclasses.replace(cfg.memory, policy="none")))
+    t0 = time.perf_counter()
+    batches = rollout_minibatches(trainer, br.lerror_minibatches + cfg.memory.calib_batches)
+    progress(f"{len(batches)} rollout minibatches of {batches[0].rows} x "
+             f"{batches[0].prompt_len + batches[0].completion_len} tokens in {time.perf_counter() - t0:.0f}s")
+    spec = trainer.spec  # the run's own step: old log-probs only where the run has several updates per rollout
+    hooks = step_hooks.memory_hooks(trainer.stepper, spec)
+    params = jax.tree.map(jnp.copy, trainer.state["params"])  # the timed steps below donate the state's
+    L = trainer.model_cfg.num_hidden_layers
+    layers = calibration.probed_layers(L, cfg.memory.calib_layers)
+    setup, mm = setup_cost(cfg, trainer, hooks, spec, batches, progress)
+    held = [calibration.calibration_rows(b, cfg.memory.calib_rows) for b in batches[cfg.memory.calib_batches:]]
+    result["calibration"] = {"delta": mm.state.calibration.delta, "coherence": mm.state.calibration.coherence,
+                             "probed_layers": layers, "rows": held[0].rows, "batches": cfg.memory.calib_batches}
+    if "setup" in br.parts:
+      result["setup"] = setup
+      _write(out_dir, result)
+  if "l_error" in br.parts:
+    progress("L error per unit kind and format on the rollouts")
+    result["l_error"] = l_error_rows(hooks, lambda i: params, held, calibration.lowp_units(L), br.formats,
+                                     cfg.memory.group_size, layers)
+    result["l_error_tiny"] = tiny_l_error(cfg, br, br.formats)
+    _write(out_dir, result)
+  if "memory" in br.parts:
+    progress("memory of every method at the fixed shapes (compile only)")
+    result["memory"] = memory_rows(cfg, br, mm.state.calibration, progress)
+    _write(out_dir, result)
+  if "logra" in br.parts:
+    result["logra"] = logra_rows(cfg, br, progress)
+    _write(out_dir, result)
   return result

@@ -43,30 +43,38 @@ def memory_table(rows: list[dict]) -> list[str]:
 
 
 def report(result: dict) -> str:
-  """real_model.md."""
-  s, c = result["setup"], result["calibration"]
+  """real_model.md: the parts measured so far."""
   m = result["config"]["model"]
-  lines = [f"# {m.get('path') or 'model'}: memory, L error and set-up cost", "",
-           "## The manager's set-up on the run's shape", "",
-           f"GC compile, op profile and calibration: {s['setup_s']:.0f} s ({s['probe_gradients']} probe gradients on "
-           f"{c['rows']}-row minibatches, unit kinds measured at layers {c['probed_layers'] or 'all'}); the first "
-           f"bucket's budget fit: {s['first_fit_s']:.0f} s ({s['probe_compiles']} compiles). One step of the run: "
-           f"{s['step_s']:.1f} s (rollout {s['rollout_s']:.1f} s + {s['updates_per_step']} x update "
-           f"{s['update_s']:.1f} s). Set-up = **{s['share_of_100_steps_pct']:.1f}%** of a 100-step run.", "",
-           f"Calibration: delta {c['delta']:.3g}, coherence {c['coherence']:.2f}.", "",
-           "## Relative gradient error of each unit kind alone as L", "",
-           f"On the model's own rollouts (real) and on the tiny random model (bench_binding's shape, synthetic "
-           f"minibatches); ||g_u - g|| / ||g||, median over the measured layers and minibatches. Tolerance "
-           f"{result['tolerance']:g}.", ""]
-  lines += l_error_table(result["l_error"], result["l_error_tiny"], result["tolerance"])
-  lines += ["", "## Compiled memory per method (compile only, MiB per device)", ""]
-  lines += memory_table(result["memory"])
-  first = result["memory"][0]
-  lines += ["", f"Params {_mib(first['params_bytes'])} MiB and AdamW state {_mib(first['opt_state_bytes'])} MiB come "
-            f"on top of every row (the step's peak is the larger program's temp plus the gradients between them).",
-            "", "## LoGRA's step memory", "", "| optimizer | shape | opt state | step peak | total |",
-            "|---|---|---:|---:|---:|"]
-  for r in result["logra"]:
-    lines.append(f"| {r['optimizer']} | {r['shape']} | {_mib(r['opt_state_bytes'])} | {_mib(r['peak_bytes'])} | "
-                 f"{_mib(r['total_bytes'])} |")
+  lines = [f"# {m.get('path') or 'model'}: memory, L error and set-up cost", ""]
+  c = result.get("calibration")
+  if "setup" in result:
+    s = result["setup"]
+    lines += ["## The manager's set-up on the run's shape", "",
+              f"GC compile, op profile and calibration: {s['setup_s']:.0f} s ({s['probe_gradients']} probe gradients "
+              f"on {c['rows']}-row minibatches, unit kinds measured at layers {c['probed_layers'] or 'all'}); the "
+              f"first bucket's budget fit: {s['first_fit_s']:.0f} s ({s['probe_compiles']} compiles). One step of the "
+              f"run: {s['step_s']:.1f} s (rollout {s['rollout_s']:.1f} s + {s['updates_per_step']} x update "
+              f"{s['update_s']:.1f} s). Set-up = **{s['share_of_100_steps_pct']:.1f}%** of a 100-step run.", ""]
+  if c:
+    lines += [f"Calibration: delta {c['delta']:.3g}, coherence {c['coherence']:.2f}.", ""]
+  if "l_error" in result:
+    lines += ["## Relative gradient error of each unit kind alone as L", "",
+              f"On the model's own rollouts (real) and on the tiny random model (bench_binding's shape, synthetic "
+              f"minibatches); ||g_u - g|| / ||g||, median over the measured layers and minibatches. Tolerance "
+              f"{result['tolerance']:g}.", ""]
+    lines += l_error_table(result["l_error"], result["l_error_tiny"], result["tolerance"])
+    lines.append("")
+  if "memory" in result:
+    lines += ["## Compiled memory per method (compile only, MiB per device)", ""]
+    lines += memory_table(result["memory"])
+    first = result["memory"][0]
+    lines += ["", f"Params {_mib(first['params_bytes'])} MiB and AdamW state {_mib(first['opt_state_bytes'])} MiB "
+              f"come on top of every row (the step's peak is the larger program's temp plus the gradients between "
+              f"them).", ""]
+  if "logra" in result:
+    lines += ["## LoGRA's step memory", "", "| optimizer | shape | opt state | step peak | total |",
+              "|---|---|---:|---:|---:|"]
+    for r in result["logra"]:
+      lines.append(f"| {r['optimizer']} | {r['shape']} | {_mib(r['opt_state_bytes'])} | {_mib(r['peak_bytes'])} | "
+                   f"{_mib(r['total_bytes'])} |")
   return "\n".join(lines) + "\n"
