@@ -68,6 +68,7 @@ def _steps(clock, durations):
   return [make(i) for i in range(len(durations))], calls
 
 
+@pytest.mark.slow
 def test_rounds_continue_until_every_gain_ci_is_tight_or_the_time_cap():
   clock = _Clock()
   # base 1.0 s; a row 10% faster exactly: its paired gain has no spread, so min_rounds decide
@@ -125,6 +126,7 @@ def _program(compiled) -> str:
   return re.sub(r", (metadata|stack_frame_id)=(\{[^}]*\}|\d+)", "", "\n".join(lines[start:]))
 
 
+@pytest.mark.slow
 def test_the_control_is_a_separate_compilation_of_the_same_program():
   from hilore_jax.bench import run
 
@@ -141,6 +143,7 @@ def test_the_control_is_a_separate_compilation_of_the_same_program():
   assert control.peak_bytes == gc.peak_bytes
 
 
+@pytest.mark.slow
 def test_unrolled_counts_every_layer_and_changes_no_computation():
   cfg, bc, mcfg, spec, completion = _tiny()
   L = mcfg.num_hidden_layers
@@ -161,6 +164,7 @@ def test_unrolled_counts_every_layer_and_changes_no_computation():
   assert scanned.program_costs("flops")[0] < c.matmul_flops
 
 
+@pytest.mark.slow
 def test_projection_is_compile_only_for_any_shape(tmp_path, capsys):
   import json
 

@@ -94,6 +94,7 @@ def _risk_free_case(method):
   return alloc, compile_peak(alloc.policies, None), budget_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["hilore", "adacc_style"])
 def test_an_l_method_is_never_slower_than_its_risk_free_subset(method):
   hr, hr_peak, budget_bytes = _risk_free_case("optimal_hr")

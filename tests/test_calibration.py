@@ -100,6 +100,7 @@ def test_zero_advantage_rows_carry_no_exposure(grpo_setup):
   assert float(np.asarray(calibration.raw_exposure(hooks, p, batch, units)).min()) > 0
 
 
+@pytest.mark.slow
 def test_calibrated_delta_meets_tolerance(grpo_setup):
   hooks, p, batch = grpo_setup
   units = calibration.lowp_units(3)
@@ -122,6 +123,7 @@ def test_layers_probed_and_interpolated_by_hand():
   assert all(err[(layer, "v")] == pytest.approx(2e-3) for layer in range(5))
 
 
+@pytest.mark.slow
 def test_depth_sampled_calibration_measures_fewer_units_on_fewer_rows(grpo_setup):
   hooks, p, batch = grpo_setup
   units = calibration.lowp_units(3)
@@ -144,6 +146,7 @@ def test_depth_sampled_calibration_measures_fewer_units_on_fewer_rows(grpo_setup
   assert set(calls) == {5}
 
 
+@pytest.mark.slow
 def test_token_errors_are_what_the_l_unit_decodes(grpo_setup):
   """Defect 2: calibration quantised after flattening a token's trailing axes, while the L unit's code groups along
   the tensor's own last axis (q's head size 6 here against groups of 8; the probabilities' key axis): each token's
@@ -164,6 +167,7 @@ def test_token_errors_are_what_the_l_unit_decodes(grpo_setup):
   assert np.all(err[:, :, :batch.prompt_len - 1].sum(-1) > 0)  # the prompt's activations carry errors too
 
 
+@pytest.mark.slow
 def test_exact_gradient_and_probes_run_at_one_precision(grpo_setup):
   """Defect 4: the exact gradient ran at highest matmul precision, the probes at the default (TF32 on a GPU, whose
   floor would count as unit error): every measured gradient runs at calibration.PRECISION, and a probe with no

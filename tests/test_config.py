@@ -56,6 +56,7 @@ def test_bad_values_name_the_key(override, message):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_cli_reports_config_errors():
   out = subprocess.run([sys.executable, "-m", "train.grpo", "--config", "configs/tiny.yaml", "train.nope=1"],
                        capture_output=True, text=True, cwd=ROOT)

@@ -81,6 +81,7 @@ def test_the_pages_have_python_blocks():
   assert (tag, line, code) == ("python", 3, "x = 1\n\ny = 2")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", [p for p in CODE_PAGES if python_blocks(p)], ids=lambda p: p.name)
 def test_python_blocks_run(page, tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)

@@ -90,6 +90,7 @@ def test_each_minibatch_is_allocated_from_its_own_unit_scores(setup):
   np.testing.assert_allclose(off.bucket_risk(0), kappa * np.asarray(on.state.calibration.score_max))
 
 
+@pytest.mark.slow
 def test_oracle_allocates_from_measured_errors(setup):
   hooks, params, on, mc, rng, adv = setup
   oracle = bench_exposure.OracleManager(mc, hooks)
@@ -118,6 +119,7 @@ def test_split_holds_out_whole_later_rollouts():
     bench_exposure.split(records, 12)
 
 
+@pytest.mark.slow
 def test_manager_state_round_trips_and_converts_the_scalar_bucket_version(setup):
   from hilore_jax.errors import CheckpointError
   from hilore_jax.memory.state import ManagerState
@@ -135,6 +137,7 @@ def test_manager_state_round_trips_and_converts_the_scalar_bucket_version(setup)
     ManagerState.from_json({**saved, "version": 4})
 
 
+@pytest.mark.slow
 def test_calibration_skips_minibatches_without_a_gradient(setup):
   hooks, params, _, mc, rng, adv = setup
   dead = _batch(rng, adv).replace(adv=np.zeros(B, np.float32))  # every group's rewards equal, no KL: no gradient
@@ -189,6 +192,7 @@ def test_unit_error_level_weighs_every_kind_alike():
   assert v["clip"]["spearman_vs_unit_error"] == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 def test_calibration_measures_each_minibatch_at_its_own_params(setup):
   """Defect 1: every calibration minibatch was measured at the first one's params, so later passes looked
   on-policy; each is now measured at the params its update saw."""
@@ -234,6 +238,7 @@ def test_at_violation_by_hand():
   assert not e["interpolated"] and e["violation_rate"] == 0.2
 
 
+@pytest.mark.slow
 def test_plan_flops_add_up_per_layer(setup):
   """The sweep counts a plan's FLOPs as No-GC's plus each layer's extra: the same as tracing the plan itself."""
   from hilore_jax.bench import flops
@@ -249,6 +254,7 @@ def test_plan_flops_add_up_per_layer(setup):
       calibration.lowp_units(2).index((1, k)) for k in (U.Q, U.ATTN_PROBS)))
 
 
+@pytest.mark.slow
 def test_calibration_measures_the_configured_risk_metric(setup):
   """memory.risk_metric reaches every calibration measurement: clipped errors are the relative ones times
   ||g|| / max(||g||, c), and the update error of plain SGD (u = -lr g) is the gradient's relative error."""

@@ -9,12 +9,14 @@ HILORE = ["memory.policy=hilore", "memory.group_size=8", "memory.buckets=3", "me
           "grpo.filter_zero_std=false"]
 
 
+@pytest.mark.slow
 def test_budget_below_full_checkpointing_is_a_clear_error(tmp_path):
   t = Trainer(tiny_config(tmp_path, *HILORE, "memory.budget_bytes=1000"))
   with pytest.raises(errors.InfeasibleBudget, match=r"below full checkpointing's \d+ bytes, the minimum"):
     t.train()
 
 
+@pytest.mark.slow
 def test_baseline_policy_trains_under_the_same_budget_rule(tmp_path):
   Trainer(tiny_config(tmp_path, "memory.policy=uniform_int8_gc", "memory.group_size=8", "memory.budget_ratio=1.5",
                       "memory.budget_probes=2", "train.steps=1", "eval.at_start=false", "eval.at_end=false",

@@ -127,6 +127,7 @@ def _times(tree, s):
   return jax.tree.map(lambda x: x * s, tree)
 
 
+@pytest.mark.slow
 def test_tiny_model_prediction_matches_realized_and_is_second_order():
   params, update, mask, pk, rk, _ = _tiny_model()
   errors = []

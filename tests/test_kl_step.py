@@ -105,6 +105,7 @@ def test_control_off_is_the_plain_update_program_bit_for_bit():
   jax.tree.map(np.testing.assert_array_equal, after, jax.device_get(before))
 
 
+@pytest.mark.slow
 def test_peak_bytes_count_the_kl_forward():
   *_, plain = _run(0.0)
   *_, step = _run(1e9)
@@ -114,6 +115,7 @@ def test_peak_bytes_count_the_kl_forward():
   assert step.grad_temp_bytes == plain.grad_temp_bytes  # the gradient program is untouched
 
 
+@pytest.mark.slow
 def test_microbatched_kl_is_the_token_weighted_mean():
   params, batch = _host()
   rng = np.random.default_rng(1)

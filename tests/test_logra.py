@@ -140,6 +140,7 @@ def _run(update, params, state, steps):
   return params, jax.device_get(state)
 
 
+@pytest.mark.slow
 def test_exact_resume_through_host_numpy_and_orbax(tmp_path):
   tx = logra.logra(1e-2, 2, refresh_every=2, weight_decay=0.05, seed=3)  # refreshes at 0, 2 | 4
   params, update = _params(), jax.jit(tx.update)

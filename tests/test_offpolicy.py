@@ -66,6 +66,7 @@ def test_on_policy_rows_ignore_old_logp_in_one_compiled_program():
   assert step._cache_size() == 1
 
 
+@pytest.mark.slow
 def test_sequence_logprobs_in_row_slices_equal_one_forward():
   params = _params(1)
   batch = _batch()

@@ -77,6 +77,7 @@ def test_replayed_rows_carry_their_behaviour_logprobs_into_the_ratio(trainer):
   assert want > 1 and got == pytest.approx(want, rel=1e-4, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_replayed_token_outside_the_clip_range_has_zero_exposure(trainer):
   t = trainer
   hooks = step_hooks.memory_hooks(t.stepper, t.spec)

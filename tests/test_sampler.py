@@ -47,6 +47,7 @@ def test_greedy_with_cache_equals_full_recompute(setup, side):
     assert out["prompt_ids"][b, P - len(p):].tolist() == p  # returned left-aligned
 
 
+@pytest.mark.slow
 def test_stops_on_eos_and_logprobs_are_policy_logprobs(setup):
   cfg, params = setup
   # make EOS the argmax after token 20 by boosting its logit through a large lm-head column
@@ -67,6 +68,7 @@ def test_stops_on_eos_and_logprobs_are_policy_logprobs(setup):
   assert_close(out["logprobs"][b, :n], want, ulps=64, scale=max_abs(model.forward(cfg, params, seq)))
 
 
+@pytest.mark.slow
 def test_stops_on_any_of_several_stop_ids(setup):
   cfg, params = setup
   ids = jnp.array([[3, 4, 5, 6, 7], [0, 0, 10, 11, 12]])

@@ -20,6 +20,7 @@ def test_existing_run_is_not_overwritten(tmp_path):
   assert sorted(os.listdir(tmp_path / "checkpoints")) == before
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
   t = Trainer(tiny_config(tmp_path, "train.steps=6", "checkpoint.every=2", "grpo.filter_zero_std=false"))
   run_step = t.run_step

@@ -227,7 +227,7 @@ def run(cfg: Config, br: RealBenchConfig, out_dir: str, progress=print) -> dict:
   os.makedirs(out_dir, exist_ok=True)
   result = {"config": {**cfg.to_dict(), "bench_real": dataclasses.asdict(br)},
             "tolerance": cfg.memory.grad_err_tolerance}
-  if {"setup", "l_error", "memory"} & set(br.parts):  # each needs the rollouts and the calibration on them
+  if {"setup", "l_error", "memory"} & set(br.parts):  # each needs the model's rollouts
     trainer = Trainer(dataclasses.replace(cfg, out_dir=os.path.join(out_dir, "rollouts"),
                                           memory=dataclasses.replace(cfg.memory, policy="none")))
     t0 = time.perf_counter()
@@ -239,10 +239,11 @@ def run(cfg: Config, br: RealBenchConfig, out_dir: str, progress=print) -> dict:
     params = jax.tree.map(jnp.copy, trainer.state["params"])  # the timed steps below donate the state's
     L = trainer.model_cfg.num_hidden_layers
     layers = calibration.probed_layers(L, cfg.memory.calib_layers)
-    setup, mm = setup_cost(cfg, trainer, hooks, spec, batches, progress)
     held = [calibration.calibration_rows(b, cfg.memory.calib_rows) for b in batches[cfg.memory.calib_batches:]]
-    result["calibration"] = {"delta": mm.state.calibration.delta, "coherence": mm.state.calibration.coherence,
-                             "probed_layers": layers, "rows": held[0].rows, "batches": cfg.memory.calib_batches}
+    if {"setup", "memory"} & set(br.parts):  # the L-error table needs no calibration
+      setup, mm = setup_cost(cfg, trainer, hooks, spec, batches, progress)
+      result["calibration"] = {"delta": mm.state.calibration.delta, "coherence": mm.state.calibration.coherence,
+                               "probed_layers": layers, "rows": held[0].rows, "batches": cfg.memory.calib_batches}
     if "setup" in br.parts:
       result["setup"] = setup
       _write(out_dir, result)
@@ -250,6 +251,7 @@ def run(cfg: Config, br: RealBenchConfig, out_dir: str, progress=print) -> dict:
     progress("L error per unit kind and format on the rollouts")
     result["l_error"] = l_error_rows(hooks, lambda i: params, held, calibration.lowp_units(L), br.formats,
                                      cfg.memory.group_size, layers)
+    result["l_error_where"] = {"layers": layers, "rows": held[0].rows, "minibatches": len(held)}
     result["l_error_tiny"] = tiny_l_error(cfg, br, br.formats)
     _write(out_dir, result)
   if "memory" in br.parts:

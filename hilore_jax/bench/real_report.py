@@ -61,7 +61,9 @@ def report(result: dict) -> str:
     lines += ["## Relative gradient error of each unit kind alone as L", "",
               f"On the model's own rollouts (real) and on the tiny random model (bench_binding's shape, synthetic "
               f"minibatches); ||g_u - g|| / ||g||, median over the measured layers and minibatches. Tolerance "
-              f"{result['tolerance']:g}.", ""]
+              f"{result['tolerance']:g}." + (" Real: layers {layers} of {rows} rows of {minibatches} minibatch(es)."
+                                             .format(**result["l_error_where"]) if "l_error_where" in result else ""),
+              ""]
     lines += l_error_table(result["l_error"], result["l_error_tiny"], result["tolerance"])
     lines.append("")
   if "memory" in result:
