@@ -63,7 +63,7 @@ def test_bench_writes_all_outputs_with_every_method_under_budget(tmp_path):
     md = f.read()
   assert "| hilore | 1.30 |" in md and "## Targets" in md and "| status | claim | rests on |" in md
   assert "## Noise floor and timing" in md and "(a roofline projection, not a measurement)" in md
-  assert ("**win**" in md) == any(r["beats_floor"] for r in rows)
+  assert ("**win** (beats floor)" in md) == any(r["beats_floor"] for r in rows)  # the legend names wins too
   with open(os.path.join(out, "risk.md")) as f:
     assert "| run-time score |" in f.read()
   assert not math.isnan(result["risk"]["run-time score"]["spearman"])
