@@ -166,6 +166,7 @@ def test_masked_inf_and_huge_values_never_reach_loss_or_gradient(beta, est):
   np.testing.assert_allclose(w, grpo.loss_coefficients(logp, old, ref, adv, mask, lc), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_kl_clamp_by_hand():
   # defect 7: a token whose probability collapsed against the reference (1e-3 vs 0.5: log r = log 500 = 6.21) has
   # k3 gradient 1 - r = -499; clamping log r at 2 bounds the term (e^2 - 3) and gives that token no KL gradient

@@ -94,6 +94,7 @@ def test_sharded_save_and_load(tmp_path):
                              m(torch.tensor(_ids())).logits.detach().numpy(), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bf16_load(tmp_path):
   m = _torch_model(*CASES["qwen2_tied"])
   m.save_pretrained(tmp_path)

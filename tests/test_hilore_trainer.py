@@ -26,6 +26,7 @@ def test_baseline_policy_trains_under_the_same_budget_rule(tmp_path):
   assert row["memory/compiled_bytes"] <= row["memory/budget_bytes"]
 
 
+@pytest.mark.slow
 def test_offload_on_cpu_is_a_clear_cli_error(tmp_path):
   from trainer_util import TINY
 

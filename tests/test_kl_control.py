@@ -142,6 +142,7 @@ def test_tiny_model_prediction_matches_realized_and_is_second_order():
   assert float(pk(params, _times(update, 0.5), mask)) == pytest.approx(float(pk(params, update, mask)) / 4, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_scaled_update_caps_kl_at_target():
   params, update, mask, pk, rk, su = _tiny_model()
   update = _times(update, 0.25)

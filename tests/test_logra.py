@@ -56,6 +56,7 @@ def test_leaf_rule_and_matrix_view():
   chex.assert_trees_all_equal(logra.from_matrix(logra.to_matrix(x, p), p), x)
 
 
+@pytest.mark.slow
 def test_projection_shapes_orthonormal_and_captures_low_rank_gradient():
   rank = 2
   tx = logra.logra(1e-2, rank, refresh_every=3)
@@ -90,6 +91,7 @@ def _structured(rng, name, rank):
   return (g_MN.T if p.transpose else g_MN).reshape(p.shape)
 
 
+@pytest.mark.slow
 def test_full_rank_equals_adamw_across_refreshes():
   """r = M: P is a signed permutation of the axes, so LoGRA must be AdamW exactly, moments carried through refreshes.
 
@@ -116,6 +118,7 @@ def test_full_rank_equals_adamw_across_refreshes():
   chex.assert_trees_all_close(p_ours, p_ref, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_low_rank_update_lies_in_span_of_projection():
   rank, scale = 2, 0.5
   tx = logra.logra(3e-2, rank, refresh_every=3, scale=scale)

@@ -161,6 +161,7 @@ def _layer_saved(cfg, policy):
   return res
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("unit", U.UNITS)
 def test_each_unit_l_keeps_only_its_code(tiny_cfg, unit):
   # without remat every other unit is kept (H); with remat (not for the layer input, which a checkpointed layer

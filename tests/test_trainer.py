@@ -11,6 +11,7 @@ from hilore_jax import metrics
 from hilore_jax.trainer import Trainer, TrainingDiverged
 
 
+@pytest.mark.slow
 def test_existing_run_is_not_overwritten(tmp_path):
   Trainer(tiny_config(tmp_path, "train.steps=1", "train.warmstart_steps=0", "eval.at_start=false",
                       "eval.at_end=false")).train()
