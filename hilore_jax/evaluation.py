@@ -54,14 +54,15 @@ def wilson_ci(successes: int, n: int, z: float = 1.96) -> list[float]:
   return [max(0.0, float(centre - half)), min(1.0, float(centre + half))]
 
 
-def paired_gain_ci(before: str, after: str, z: float = 1.96) -> tuple[float, list[float]]:
-  """(gain, [lo, hi]) in points of accuracy between two evaluations of the same examples ('0'/'1' strings): the
-  mean per-example difference and its normal interval, which pairing narrows where both runs solve the same ones."""
+def paired_gain_ci(before: str, after: str) -> list[float]:
+  """[lo, hi] in points of accuracy: the bench's bootstrap CI of the per-example difference between two evaluations
+  of the same examples ('0'/'1' strings), which pairing narrows where both solve the same ones."""
+  from hilore_jax.bench import stats
+
   if len(before) != len(after):
     raise ValueError(f"paired evaluations differ in length: {len(before)} vs {len(after)}")
-  d = np.array([int(a) - int(b) for a, b in zip(after, before)], np.float64)
-  half = z * d.std(ddof=1) / np.sqrt(len(d)) if len(d) > 1 else float("inf")
-  return 100 * float(d.mean()), [100 * float(d.mean() - half), 100 * float(d.mean() + half)]
+  lo, hi = stats.bootstrap_ci([int(a) - int(b) for a, b in zip(after, before)])
+  return [100 * lo, 100 * hi]
 
 
 # ----------------------------------------------------------------------------- saved policies

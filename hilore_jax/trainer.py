@@ -316,8 +316,8 @@ class Trainer:
         summary["accuracy_gain_pp"] = 100 * (summary["eval_after"]["eval/accuracy"] -
                                              self.eval_before["eval/accuracy"])
         if "eval/correct" in self.eval_before:  # a run resumed from an older checkpoint may lack it
-          _, summary["accuracy_gain_ci95_pp"] = evaluation.paired_gain_ci(self.eval_before["eval/correct"],
-                                                                          summary["eval_after"]["eval/correct"])
+          summary["accuracy_gain_ci95_pp"] = evaluation.paired_gain_ci(self.eval_before["eval/correct"],
+                                                                       summary["eval_after"]["eval/correct"])
     params = sharding.gather_to_host(self.state["params"]) if c.checkpoint.export_hf else None  # every process
     if c.checkpoint.export_hf and self.primary:
       for stale in glob.glob(os.path.join(self.out_dir, ".tmp-hf*")):  # left by an export killed mid-write

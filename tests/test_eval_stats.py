@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from hilore_jax import evaluation
+from hilore_jax.bench import stats
 
 
 def test_wilson_interval_matches_hand_computed_values():
@@ -13,10 +14,11 @@ def test_wilson_interval_matches_hand_computed_values():
   assert lo == 0.0 and hi == pytest.approx(0.27754, abs=1e-5)
 
 
-def test_paired_gain_is_the_mean_difference_with_its_normal_interval():
-  gain, (lo, hi) = evaluation.paired_gain_ci("0011", "0111")  # differences 0, 1, 0, 0: mean 0.25, sd 0.5
-  assert gain == 25.0 and (lo, hi) == pytest.approx((25 - 1.96 * 0.5 / 2 * 100, 25 + 1.96 * 0.5 / 2 * 100))
+def test_paired_gain_interval_is_the_bootstrap_of_per_example_differences():
+  lo, hi = evaluation.paired_gain_ci("0011", "0111")  # differences 0, 1, 0, 0
+  assert [lo, hi] == pytest.approx([100 * v for v in stats.bootstrap_ci([0, 1, 0, 0])])
+  assert lo == 0.0 and 50.0 <= hi <= 75.0  # resampled means of one 1 in four: 0, 0.25, 0.5, 0.75 (1.0 at 0.4%)
   # the same examples solved before and after: no uncertainty left, unlike two unpaired proportions
-  assert evaluation.paired_gain_ci("0101", "0101") == (0.0, [0.0, 0.0])
+  assert evaluation.paired_gain_ci("0101", "0101") == [0.0, 0.0]
   with pytest.raises(ValueError, match="differ in length"):
     evaluation.paired_gain_ci("01", "011")
