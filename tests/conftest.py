@@ -22,7 +22,10 @@ def tiny_cfg():
 def _session_cache(tmp_path_factory):
   """One HILORE_CACHE (profiles, tokenizers, compiled programs) for the session, inherited by every subprocess a
   test starts: the same tiny programs compile once, not once per Trainer or per process."""
-  root = str(tmp_path_factory.getbasetemp() / "hilore_cache")
+  base = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest-xdist: each worker's basetemp sits in the run's shared one
+    base = base.parent
+  root = str(base / "hilore_cache")
   os.environ["HILORE_CACHE"] = root
   runtime.enable_compilation_cache()
   yield root

@@ -10,13 +10,15 @@ from hilore_jax.bench import run as bench
 
 
 @pytest.mark.slow
-def test_bench_writes_all_outputs_with_every_method_under_budget(tmp_path):
+def test_bench_writes_all_outputs_with_each_kind_of_method_under_budget(tmp_path):
+  # one method of each kind (greedy_bits and uniform_int8's other arm plan in tests/test_methods.py)
   cfg, bc = bench_config.load(None, [
       "model.vocab_size=37", "model.hidden_size=24", "model.intermediate_size=40", "model.num_hidden_layers=2",
       "model.num_attention_heads=4", "model.num_key_value_heads=2", "memory.group_size=8", "memory.budget_probes=2",
       "bench.batch_size=4", "bench.group_size=2", "bench.seq_len=15", "bench.prompt_len=5", "bench.reps=3",
       "bench.budget_ratios=[1.3]", "bench.risk_batches=2", "grpo.beta=0.02", "bench.unit_risk_table=true",
-      "bench.risk_sets=2", "bench.time_cap_s=5", "bench.roofline=true"], "bench")
+      "bench.risk_sets=2", "bench.time_cap_s=5", "bench.roofline=true", "memory.calib_sets=2",
+      "bench.methods=[none,gc,sac,optimal_hr,uniform_int8_gc,adacc_style,hilore]"], "bench")
   out = str(tmp_path / "bench")
   result = bench.run(cfg, bc, out, progress=lambda s: None)
   assert sorted(os.listdir(out)) == ["frontier.png", "results.json", "results.md", "risk.md"]
@@ -34,7 +36,7 @@ def test_bench_writes_all_outputs_with_every_method_under_budget(tmp_path):
   assert set(saved["regime"]) >= {"nogc_over_gc_temp", "all_l_grad_err", "tolerance"}
   assert saved["regime"]["all_l_grad_err"] > 0 and saved["regime"]["nogc_over_gc_temp"] > 1
   assert [(r["method"], r["budget_ratio"]) for r in rows][:3] == [("none", None), ("gc", None), ("sac", 1.3)]
-  assert len(rows) == 2 + 8 + 1 and rows[-1]["method"] == "gc_control" and rows[-1]["control"]
+  assert len(rows) == 2 + 5 + 1 and rows[-1]["method"] == "gc_control" and rows[-1]["control"]
   for r in rows:
     assert set(bench.ROW_KEYS) <= set(r)
     assert isinstance(r["beats_floor"], bool)
