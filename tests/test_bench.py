@@ -29,6 +29,13 @@ def test_bench_writes_all_outputs_with_each_kind_of_method_under_budget(tmp_path
           "projection"} <= set(saved)
   floor = saved["noise_floor_pct"]
   assert set(floor) >= {"gain", "ci_low", "ci_high", "abs"} and floor["ci_low"] <= floor["gain"] <= floor["ci_high"]
+  # rows the stepper compiled once (the same plan) widen the floor: every pair of them is a noise measurement
+  plans = {}
+  for r in rows[:-1]:
+    plans.setdefault(json.dumps(r["policies"]), []).append(r)
+  same = floor["same_program"]
+  assert same["pairs"] == sum(len(g) * (len(g) - 1) // 2 for g in plans.values())
+  assert floor["bound"] == max(floor["control_bound"], same["bound"] if same["pairs"] else floor["control_bound"])
   timed = saved["timing"]
   assert timed["rounds"] >= 3 and timed["stopped_by"] in ("min_rounds", "ci", "time_cap")
   assert timed["measures"]["warmup_rounds"] == 1 and {"calibration", "configure", "projection"} <= set(saved["setup_s"])

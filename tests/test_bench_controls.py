@@ -47,6 +47,22 @@ def test_noise_floor_is_the_controls_far_edge_and_only_wins_beyond_it_count():
   assert not stats.beats_floor(5.0, None) and not stats.beats_floor(None, floor)
 
 
+def test_rows_sharing_one_program_raise_the_floor_to_their_widest_pair():
+  # two groups: a pair 2 points apart in every round, and a pair (plus a third row) within 0.5
+  groups = {1: [("a", [10.0, 12.0, 11.0]), ("b", [8.0, 10.0, 9.0])],
+            2: [("c", [1.0, 1.0, 1.0]), ("d", [1.5, 1.5, 1.5]), ("e", [1.0, 1.0, 1.0])]}
+  same = stats.same_program_floor(groups)
+  assert same["pairs"] == 1 + 3 and same["worst_pair"] == ["a", "b"]
+  assert same["diff"] == pytest.approx(2.0) and same["bound"] == pytest.approx(2.0)  # constant difference: CI = 2
+  floor = stats.noise_floor([-1.0, 0.0, 1.0])
+  raised = stats.with_same_program(floor, same)
+  assert raised["control_bound"] == floor["bound"] <= 1.0 and raised["bound"] == pytest.approx(2.0)
+  assert not stats.beats_floor(1.5, raised) and stats.beats_floor(1.5, floor)
+  # no pair: the control's floor stands
+  alone = stats.same_program_floor({1: [("a", [1.0, 2.0])], 2: [("b", [3.0, 4.0])]})
+  assert alone["pairs"] == 0 and stats.with_same_program(floor, alone)["bound"] == floor["bound"]
+
+
 class _Clock:
   def __init__(self):
     self.t = 0.0

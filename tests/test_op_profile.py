@@ -108,11 +108,12 @@ def test_profile_traces_every_plan_and_its_ops_account_for_the_program(tmp_path)
       assert s["runs"] == reps and s["unknown_ops"] == [], (label, prog)  # every traced op is in the program's HLO
       cats = sum(c["time_s"] for c in s["by_category"].values())
       assert cats == pytest.approx(s["span_s"], rel=1e-9)  # ops + the executor's gaps = the program's span
-      # the ops cover most of the span: between thunks the executor takes a share, large at these toy sizes where
-      # a thunk runs for microseconds (6-10% of the gradient program, 30-40% of the short update program measured
-      # here), small at real ones; a broken attribution (a loop double-counting its body, ops missing) lands
-      # outside [0.3, 1]
-      assert 0.3 <= s["ops_s"] / s["span_s"] <= 1 + 1e-9, (label, prog, s["ops_s"], s["span_s"])
+      # ops never cover more than the span (a loop double-counting its body would); the gradient program's ops
+      # cover most of it (6-10% goes to the executor between microsecond thunks at these toy sizes). The short
+      # update program's share varies with the machine's load (22-70% measured), so it gets only the upper bound.
+      assert s["ops_s"] / s["span_s"] <= 1 + 1e-9, (label, prog, s["ops_s"], s["span_s"])
+      if prog == "grad":
+        assert s["ops_s"] / s["span_s"] >= 0.3, (label, s["ops_s"], s["span_s"])
     # both programs ran inside the host's wall time around each traced step
     assert t["grad"]["span_s"] + t["update"]["span_s"] <= np.mean(t["host_step_s"]) * 1.01
     grad_ops = t["grad"]["ops"]

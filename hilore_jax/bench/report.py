@@ -81,8 +81,8 @@ def goals(rows: list[dict], floor: dict | None = None) -> list[tuple[str, str, s
   out = []
   if floor:
     out.append(("floor", f"the control (GC compiled again) measured {floor['gain']:+.1f}% [{floor['ci_low']:+.1f}, "
-                         f"{floor['ci_high']:+.1f}] against GC: a win needs its CI low above {floor['bound']:.1f}%",
-                "measured time (control)"))
+                         f"{floor['ci_high']:+.1f}] against GC{_same_program(floor)}: a win needs its CI low above "
+                         f"{floor['bound']:.1f}%", "measured time (control, rows sharing one program)"))
   same = [r for r in rows if r.get("same_as_gc") and r["method"] != "gc" and r.get("gain_ci_low") is not None]
   if same:
     g = [r["gain_vs_gc_pct"] for r in same]
@@ -141,6 +141,16 @@ def goal_table(rows: list[dict], floor: dict | None = None) -> str:
   return "\n".join(lines + [f"| {s} | {c} | {f} |" for s, c, f in goals(rows, floor)])
 
 
+def _same_program(floor: dict) -> str:
+  """The same-program spread's clause of the floor's line ('' when no two rows shared a program)."""
+  same = floor.get("same_program") or {}
+  if not same.get("worst_pair"):
+    return ""
+  a, b = same["worst_pair"]
+  return (f"; of {same['pairs']} pairs of rows running one executable, {a} - {b} measured {same['diff']:+.1f} "
+          f"[{same['ci'][0]:+.1f}, {same['ci'][1]:+.1f}] points")
+
+
 def floor_lines(floor: dict | None, timed: dict | None) -> list[str]:
   """The control's noise floor and how the timing rounds ended."""
   if not timed:
@@ -148,8 +158,8 @@ def floor_lines(floor: dict | None, timed: dict | None) -> list[str]:
   out = ["## Noise floor and timing", ""]
   if floor:
     out.append(f"- control `gc_control` (GC's program, compiled separately): {floor['gain']:+.2f}% "
-               f"[{floor['ci_low']:+.2f}, {floor['ci_high']:+.2f}] vs GC; floor {floor['bound']:.2f}% (a row's CI low "
-               "must clear it to count as a win)")
+               f"[{floor['ci_low']:+.2f}, {floor['ci_high']:+.2f}] vs GC{_same_program(floor)}; floor "
+               f"{floor['bound']:.2f}% (a row's CI low must clear it to count as a win)")
   widest = timed.get("max_halfwidth_pct")
   out.append(f"- {timed['rounds']} interleaved rounds (at least {timed['min_rounds']}) in {timed['elapsed_s']:.0f} s, "
              f"stopped by {timed['stopped_by']}; widest gain CI +/-{_fmt(widest, '.2f')} points (target "

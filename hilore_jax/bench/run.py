@@ -229,6 +229,12 @@ def _summarise(entries: list[Entry], gc: Entry | None, tokens: int, seed: int) -
       e.row["recompute_removed_pct"] = 100 * (f_gc - e.row["flops"]) / (f_gc - f_none)
   control = next((e for e in entries if e.method == CONTROL), None)
   floor = stats.noise_floor(control.row["gains_pct"], seed) if control is not None else None
+  if floor is not None:  # rows the stepper gave one executable (same plan): their spread is noise too
+    groups: dict = {}
+    for e in entries:
+      if e.method != CONTROL and "gains_pct" in e.row:
+        groups.setdefault(id(e.compiled), []).append((f"{e.method}@{e.budget_ratio}", e.row["gains_pct"]))
+    floor = stats.with_same_program(floor, stats.same_program_floor(groups, seed))
   for e in entries:
     e.row["beats_floor"] = e.method not in ("gc", CONTROL) and stats.beats_floor(e.row.get("gain_ci_low"), floor)
   return floor

@@ -40,6 +40,28 @@ def noise_floor(control_gains_pct, seed: int = 0) -> dict[str, float]:
   return {"gain": mean, "ci_low": lo, "ci_high": hi, "abs": abs(mean), "bound": max(hi, -lo)}
 
 
+def same_program_floor(groups: dict[str, list[tuple[str, list[float]]]], seed: int = 0) -> dict:
+  """The spread of rows that run one executable: for every pair within a group (label, per-round gains), the far
+  edge of their paired difference's CI; `bound` is the largest (nan without a pair). Rows timing the same program
+  differ only by noise the per-row CI may not cover (drift the rounds share unevenly)."""
+  worst = {"pairs": 0, "bound": float("nan"), "worst_pair": None, "diff": None, "ci": None}
+  for rows in groups.values():
+    for i, (a, ga) in enumerate(rows):
+      for b, gb in rows[i + 1:]:
+        d = np.asarray(ga, float) - np.asarray(gb, float)
+        lo, hi = bootstrap_ci(d, seed=seed)
+        worst["pairs"] += 1
+        if not np.isnan(lo) and not max(hi, -lo) <= worst["bound"]:
+          worst.update(bound=max(hi, -lo), worst_pair=[a, b], diff=float(d.mean()), ci=[lo, hi])
+  return worst
+
+
+def with_same_program(floor: dict, same: dict) -> dict:
+  """The run's floor: the control's, raised to the same-program spread where that is larger."""
+  bound = max(floor["bound"], same["bound"]) if not np.isnan(same["bound"]) else floor["bound"]
+  return {**floor, "control_bound": floor["bound"], "same_program": same, "bound": bound}
+
+
 def beats_floor(ci_low: float | None, floor: dict | None) -> bool:
   """A win the control cannot explain: the gain's CI low above the floor's bound (the control's CI high, mirrored)."""
   return bool(floor is not None and ci_low is not None and not np.isnan(floor["bound"]) and ci_low > floor["bound"])
