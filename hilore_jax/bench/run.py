@@ -113,13 +113,10 @@ def prepare(cfg: Config, bc: BenchConfig, progress=print) -> Setup:
                                   bc.zero_adv_frac, bc.logp_noise) for _ in range(1 + K + bc.risk_batches)]
   if not spec.use_ref_logp:
     batches = [b.replace(ref_logp=None) for b in batches]
-  sh = sharding.batch_sharding(mesh)
-  batches = [jax.device_put(b, sh) for b in batches]
+  batches = [jax.device_put(b, sharding.batch_sharding(mesh)) for b in batches]
   batch, cal_batches, risk_batches = batches[0], batches[1:1 + K], batches[1 + K:]
-  params = state["params"]
-  setup_s = {}
-  # the reference: full checkpointing at full float32 precision, whatever the model's compute dtype; errors are
-  # measured on the timed batch and the held-out ones
+  params, setup_s = state["params"], {}
+  # the reference: full checkpointing in float32 whatever the compute dtype, on the timed and held-out batches
   ref_hooks = step_hooks.memory_hooks(stepper, dataclasses.replace(spec, model_cfg=mcfg.replace(dtype="float32")))
   exact = [calibration.exact_gradient(ref_hooks, params, b) for b in [batch] + risk_batches]
   calib = None
@@ -228,13 +225,10 @@ def _summarise(entries: list[Entry], gc: Entry | None, tokens: int, seed: int) -
     if f_gc is not None and f_none is not None and f_gc > f_none:
       e.row["recompute_removed_pct"] = 100 * (f_gc - e.row["flops"]) / (f_gc - f_none)
   control = next((e for e in entries if e.method == CONTROL), None)
-  floor = stats.noise_floor(control.row["gains_pct"], seed) if control is not None else None
-  if floor is not None:  # rows the stepper gave one executable (same plan): their spread is noise too
-    groups: dict = {}
-    for e in entries:
-      if e.method != CONTROL and "gains_pct" in e.row:
-        groups.setdefault(id(e.compiled), []).append((f"{e.method}@{e.budget_ratio}", e.row["gains_pct"]))
-    floor = stats.with_same_program(floor, stats.same_program_floor(groups, seed))
+  # rows the stepper gave one executable (the same plan) measure noise too
+  floor = None if control is None else stats.run_floor(control.row["gains_pct"], [
+      (f"{e.method}@{e.budget_ratio}", id(e.compiled), e.row["gains_pct"]) for e in entries
+      if e.method != CONTROL and "gains_pct" in e.row], seed)
   for e in entries:
     e.row["beats_floor"] = e.method not in ("gc", CONTROL) and stats.beats_floor(e.row.get("gain_ci_low"), floor)
   return floor

@@ -62,6 +62,14 @@ def with_same_program(floor: dict, same: dict) -> dict:
   return {**floor, "control_bound": floor["bound"], "same_program": same, "bound": bound}
 
 
+def run_floor(control_gains_pct, rows, seed: int = 0) -> dict:
+  """A run's floor from its control's gains and rows (label, program key, gains): rows sharing a key are grouped."""
+  groups: dict = {}
+  for label, key, gains in rows:
+    groups.setdefault(key, []).append((label, gains))
+  return with_same_program(noise_floor(control_gains_pct, seed), same_program_floor(groups, seed))
+
+
 def beats_floor(ci_low: float | None, floor: dict | None) -> bool:
   """A win the control cannot explain: the gain's CI low above the floor's bound (the control's CI high, mirrored)."""
   return bool(floor is not None and ci_low is not None and not np.isnan(floor["bound"]) and ci_low > floor["bound"])
