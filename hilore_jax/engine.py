@@ -9,6 +9,7 @@ program (calibration's exact and probe gradients), the sampler's decode loop (rl
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -129,12 +130,17 @@ class Stepper:
   events) read jit_grad_program and jit_update_program.
   """
 
-  def __init__(self, mesh, optimizer, state, state_shardings, kl_control: KLControlConfig | None = None):
+  def __init__(self, mesh, optimizer, state, state_shardings, kl_control: KLControlConfig | None = None,
+               probe_cache: int = 16):
     self.mesh, self.optimizer, self.state_shardings = mesh, optimizer, state_shardings
     self.kl = kl_control if kl_control is not None and kl_control.target > 0 else None
     self.state_abstract = abstract(state, state_shardings)
     self._compiled: dict[tuple, Step] = {}
-    self._probed: dict[tuple, Step] = {}  # compiled only to read their memory; promoted (not recompiled) if run
+    # compiled only to read their memory; promoted (not recompiled) if run. Bounded, least recently used out: every
+    # XLA:CPU executable holds JIT-mapped code, and a run that probes hundreds of plans (the exposure bench's arms)
+    # hit the process's map limit ("LLVM compilation error: Cannot allocate memory", then a crash)
+    self._probed: collections.OrderedDict[tuple, Step] = collections.OrderedDict()
+    self.probe_cache = probe_cache
     self._updates: dict[Any, Any] = {}
     self._forwards: dict[Any, Any] = {}
     self.compile_count = 0
@@ -215,6 +221,7 @@ class Stepper:
     key = (spec, batch.signature())
     if key in self._probed:
       if not count:
+        self._probed.move_to_end(key)
         return self._probed[key]
       self._compiled[key] = self._probed.pop(key)
       self._count(reason, 0.0, key)
@@ -224,6 +231,8 @@ class Stepper:
       if not count:
         self.probe_compiles += 1
         self._probed[key] = step
+        while len(self._probed) > self.probe_cache:
+          self._probed.popitem(last=False)
         return step
       self._compiled[key] = step
       self._count(reason, time.perf_counter() - t0, key)

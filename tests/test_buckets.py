@@ -66,3 +66,31 @@ def test_second_step_in_the_same_bucket_compiles_nothing(tiny_cfg):
     state, _ = stepper(spec, state, batch(), reason=f"bucket {bucket}")
   assert stepper.compile_count == 2  # one per bucket used, none for repeats
   assert [e["reason"] for e in stepper.compile_log] == ["bucket 0", "bucket 1"]
+
+
+def test_probe_compiles_are_bounded_and_the_recent_ones_promoted(tiny_cfg):
+  # a run that probes many plans keeps only the last few executables (each holds JIT-mapped code; hundreds hit the
+  # process's map limit), and a kept probe that is then run is promoted without compiling again
+  import optax
+
+  from hilore_jax import sharding
+  mesh = sharding.make_mesh(1, 1)
+  params = model.init_params(tiny_cfg, jax.random.PRNGKey(0))
+  opt = optax.adam(1e-3)
+  state = {"params": params, "opt_state": opt.init(params), "step": jnp.int32(0)}
+  stepper = engine.Stepper(mesh, opt, state, jax.tree_util.tree_map(lambda _: sharding.replicated(mesh), state),
+                           probe_cache=2)
+  batch = UpdateBatch(np.full((4, 3), 5, np.int32), np.ones((4, 3), np.int32), np.full((4, 2), 7, np.int32),
+                      np.ones((4, 2), np.int32), np.ones(4, np.float32))
+  L = tiny_cfg.num_hidden_layers
+  plans = [model.uniform(L, model.FULL_REMAT), model.uniform(L, model.NO_REMAT),
+           model.uniform(L, model.LayerPolicy(remat=True, save=(model.MLP_GATE,)))]
+  specs = [train_step.StepSpec(tiny_cfg, GRPOConfig(), p) for p in plans]
+  for spec in specs:
+    assert stepper.get(spec, batch, count=False).peak_bytes > 0
+  assert stepper.probe_compiles == 3 and len(stepper._probed) == 2  # the oldest probe was let go
+  stepper.get(specs[1], batch, count=False)  # used again: now the most recent
+  stepper.get(specs[2], batch)  # run: promoted from the probes, no compile
+  assert stepper.probe_compiles == 3 and [e["seconds"] for e in stepper.compile_log] == [0.0]
+  stepper.get(specs[0], batch, count=False)  # evicted earlier: compiled again
+  assert stepper.probe_compiles == 4
