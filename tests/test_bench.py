@@ -14,7 +14,7 @@ def test_bench_writes_all_outputs_with_each_kind_of_method_under_budget(tmp_path
   # one method of each kind (greedy_bits and uniform_int8's other arm plan in tests/test_methods.py)
   cfg, bc = bench_config.load(None, [
       "model.vocab_size=37", "model.hidden_size=24", "model.intermediate_size=40", "model.num_hidden_layers=2",
-      "model.num_attention_heads=4", "model.num_key_value_heads=2", "memory.group_size=8", "memory.budget_probes=2",
+      "model.num_attention_heads=4", "model.num_key_value_heads=2", "memory.group_size=8", "memory.budget_probes=1",
       "bench.batch_size=4", "bench.group_size=2", "bench.seq_len=15", "bench.prompt_len=5", "bench.reps=3",
       "bench.budget_ratios=[1.3]", "bench.risk_batches=2", "grpo.beta=0.02", "bench.unit_risk_table=true",
       "bench.risk_sets=2", "bench.time_cap_s=5", "bench.roofline=true", "memory.calib_sets=2",
@@ -83,7 +83,7 @@ def test_bench_clip_command_writes_the_clipping_table(tmp_path, capsys):
   from train import bench_clip
 
   bench_clip.main(["--out", str(tmp_path), "model.vocab_size=37", "model.hidden_size=24",
-                   "model.intermediate_size=40", "model.num_hidden_layers=3", "model.num_attention_heads=4",
+                   "model.intermediate_size=40", "model.num_hidden_layers=2", "model.num_attention_heads=4",
                    "model.num_key_value_heads=2", "bench.batch_size=2", "bench.group_size=2", "bench.seq_len=13",
                    "bench.prompt_len=5"])
   with open(tmp_path / "clip.json") as f:

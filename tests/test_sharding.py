@@ -30,5 +30,11 @@ def test_four_device_fsdp_matches_one_device(tmp_path):
     scale = np.abs(one[k]).max() + 1e-12
     assert np.abs(four[k] - one[k]).max() / scale <= 1e-5, k
   np.testing.assert_allclose(four["metric_loss"], one["metric_loss"], rtol=1e-5)
-  # Adam divides by sqrt(v): a 1e-5 gradient difference can move a near-zero-gradient weight by ~1e-6
-  np.testing.assert_allclose(four["new_wgate"], one["new_wgate"], rtol=1e-5, atol=5e-6)
+  # Adam's first step moves a weight by lr * g / (|g| + eps): where |g| is near eps (1e-8) a gradient that agrees to
+  # 1e-5 of its scale still changes the step by a few percent of lr (measured: g = -1.7e-8, 1.7e-5 apart), so the
+  # tight check covers the weights whose gradient resolves the step and the rest are held to one step (lr = 1e-3)
+  g = one["g/layers/0/mlp/wgate_DF"]
+  resolved = np.abs(g) > 1e-4 * np.abs(g).max()
+  assert resolved.mean() > 0.9
+  np.testing.assert_allclose(four["new_wgate"][resolved], one["new_wgate"][resolved], rtol=1e-5, atol=5e-6)
+  assert np.abs(four["new_wgate"] - one["new_wgate"]).max() <= 1e-3

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 
-from tokenizers import Tokenizer, decoders, models
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
 
 from hilore_jax import runtime
+
+if TYPE_CHECKING:
+  from transformers import PreTrainedTokenizerFast
 
 CHAR_TOKENIZER = "char"  # built locally at first use, so the embedded default needs no download
 PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
@@ -17,6 +19,10 @@ _VERSION = "v1"
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
   """A character-level tokenizer over digits, operators, letters and a few symbols."""
+  # transformers (and the torch it may pull in) loads here, not at import: `import hilore_jax` stays seconds faster
+  from tokenizers import Tokenizer, decoders, models
+  from transformers import PreTrainedTokenizerFast
+
   vocab = {tok: i for i, tok in enumerate([PAD, EOS, BOS, *_CHARS])}
   # BPE with no merges splits any string into its characters; Fuse joins them back without spaces.
   tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
@@ -44,7 +50,11 @@ def load_tokenizer(name_or_path: str):
   path = char_tokenizer_dir() if name_or_path == CHAR_TOKENIZER else name_or_path
   if not os.path.isdir(path):
     raise FileNotFoundError(f"tokenizer {name_or_path!r}: not a local directory (and not {CHAR_TOKENIZER!r})")
-  tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+  if name_or_path == CHAR_TOKENIZER:  # its saved class: AutoTokenizer would resolve the same one via torch's import
+    from transformers import PreTrainedTokenizerFast as cls
+  else:
+    from transformers import AutoTokenizer as cls
+  tok = cls.from_pretrained(path, local_files_only=True)
   if tok.pad_token_id is None:
     tok.pad_token = tok.eos_token
   return tok
