@@ -23,11 +23,11 @@ CPU_COLLECTIVE_FLAGS = ("--xla_cpu_collective_call_terminate_timeout_seconds=600
                         "--xla_cpu_collective_timeout_seconds=600")
 
 
-def configure_xla_flags() -> bool:
-  """Add the CPU scheduler and collective-timeout flags to XLA_FLAGS (each unless set); False (with a warning) if a
-  backend already started, so they cannot take effect."""
+def configure_xla_flags(extra: tuple[str, ...] = ()) -> bool:
+  """Add the CPU scheduler and collective-timeout flags, and `extra`, to XLA_FLAGS (each unless set); False (with a
+  warning) if a backend already started, so they cannot take effect."""
   flags = os.environ.get("XLA_FLAGS", "")
-  missing = [f for f in (CPU_SCHEDULER_FLAG, *CPU_COLLECTIVE_FLAGS) if f.split("=")[0] not in flags]
+  missing = [f for f in (CPU_SCHEDULER_FLAG, *CPU_COLLECTIVE_FLAGS, *extra) if f.split("=")[0] not in flags]
   if not missing:
     return True
   os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()

@@ -4,17 +4,18 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# Tests compile hundreds of tiny programs and run each a few times, so LLVM's optimisations cost far more than they
-# save (about a third of the suite's time). The memory figures tests check come from XLA's HLO schedule, which these
-# flags leave alone; subprocess tests inherit them.
-TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *(
-    f for f in TEST_XLA_FLAGS if f.split("=")[0] not in os.environ.get("XLA_FLAGS", ""))]).strip()
 
 import pytest  # noqa: E402
 
 from hilore_jax import runtime  # noqa: E402
+
 from hilore_jax.model import ModelConfig  # noqa: E402
+
+# Tests compile hundreds of tiny programs and run each a few times, so LLVM's optimisations cost far more than they
+# save (about a third of the suite's time). The memory figures tests check come from XLA's HLO schedule, which these
+# flags leave alone; subprocess tests inherit them. Set before any test starts JAX's backend.
+if not runtime.configure_xla_flags(("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")):
+  raise RuntimeError("a JAX backend started before tests/conftest.py set the test XLA flags")
 
 
 @pytest.fixture

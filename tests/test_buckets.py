@@ -90,7 +90,7 @@ def test_probe_compiles_are_bounded_and_the_recent_ones_promoted(tiny_cfg):
     assert stepper.get(spec, batch, count=False).peak_bytes > 0
   assert stepper.probe_compiles == 3 and len(stepper._probed) == 2  # the oldest probe was let go
   stepper.get(specs[1], batch, count=False)  # used again: now the most recent
-  stepper.get(specs[2], batch)  # run: promoted from the probes, no compile
-  assert stepper.probe_compiles == 3 and [e["seconds"] for e in stepper.compile_log] == [0.0]
-  stepper.get(specs[0], batch, count=False)  # evicted earlier: compiled again
-  assert stepper.probe_compiles == 4
+  stepper.get(specs[0], batch, count=False)  # evicted earlier: compiled again, letting go of specs[2], least recent
+  assert stepper.probe_compiles == 4 and len(stepper._probed) == 2
+  stepper.get(specs[1], batch)  # run: promoted from the probes, no compile
+  assert stepper.probe_compiles == 4 and [e["seconds"] for e in stepper.compile_log] == [0.0]
