@@ -11,10 +11,12 @@ from hilore_jax import runtime  # noqa: E402
 
 from hilore_jax.model import ModelConfig  # noqa: E402
 
-# Tests compile hundreds of tiny programs and run each a few times, so LLVM's optimisations cost far more than they
-# save (about a third of the suite's time). The memory figures tests check come from XLA's HLO schedule, which these
-# flags leave alone; subprocess tests inherit them. Set before any test starts JAX's backend.
-if not runtime.configure_xla_flags(("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")):
+# Tests compile hundreds of tiny programs and run each a few times, so compiling costs far more than running: LLVM's
+# optimisations cost about a third of the suite's time and XLA:CPU's MLIR fusion emitters 2.7x the compile time of
+# its classic ones. The memory figures tests check come from XLA's HLO schedule, which the first two flags leave alone
+# and the third moves by bytes (a fusion's padding); subprocess tests inherit them. Set before any test starts JAX.
+if not runtime.configure_xla_flags(("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+                                  "--xla_cpu_use_fusion_emitters=false")):
   raise RuntimeError("a JAX backend started before tests/conftest.py set the test XLA flags")
 
 
@@ -36,3 +38,14 @@ def _session_cache(tmp_path_factory):
   os.environ["HILORE_CACHE"] = root
   runtime.enable_compilation_cache()
   yield root
+
+
+# the files whose tests take a minute or more on two cores (measured with --durations), dealt out first: with one
+# file per worker at a time (--dist loadfile), a long file dealt last leaves the other worker idle until it ends
+LONG_FILES = ("test_resume.py", "test_real_model.py", "test_bench.py", "test_multiprocess.py", "test_calibration.py",
+              "test_op_profile.py", "test_hilore_trainer.py", "test_bench_controls.py")
+
+
+def pytest_collection_modifyitems(items):
+  first = {name: i for i, name in enumerate(LONG_FILES)}
+  items.sort(key=lambda it: first.get(it.path.name, len(LONG_FILES)))  # stable: file order kept otherwise

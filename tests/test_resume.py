@@ -5,6 +5,8 @@ HiLoRe's manager state (profile, calibration, buckets). One run, interrupted and
 feature."""
 
 import json
+import os
+import shutil
 
 import jax
 import numpy as np
@@ -41,7 +43,11 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_metrics(tmp_path):
     assert r["memory/compiled_bytes"] <= r["memory/budget_bytes"] and r["alloc/greedy_gap"] >= -1e-9
   assert full[-1]["compile/count"] <= len({r["alloc/bucket"] for r in full}) + 1  # + KL control's update program
 
-  Trainer(tiny_config(tmp_path / "b", *COMMON, "train.steps=2")).train()
+  # run a as if killed after step 4's metrics and before its checkpoint: its directory without the step-4
+  # checkpoint or summary.json, steps 3-4 still in metrics.jsonl (the resume drops them and runs them again)
+  shutil.copytree(tmp_path / "a", tmp_path / "b")
+  shutil.rmtree(tmp_path / "b" / "checkpoints" / "4")
+  os.remove(tmp_path / "b" / "summary.json")
   t = Trainer(tiny_config(tmp_path / "b", *COMMON, "train.resume=true"))
   assert t.restore_latest()
   restored = logra.find_state(t.state["opt_state"])
