@@ -12,11 +12,12 @@ from hilore_jax import runtime  # noqa: E402
 from hilore_jax.model import ModelConfig  # noqa: E402
 
 # Tests compile hundreds of tiny programs and run each a few times, so compiling costs far more than running: LLVM's
-# optimisations cost about a third of the suite's time and XLA:CPU's MLIR fusion emitters 2.7x the compile time of
-# its classic ones. The memory figures tests check come from XLA's HLO schedule, which the first two flags leave alone
-# and the third moves by bytes (a fusion's padding); subprocess tests inherit them. Set before any test starts JAX.
+# optimisations cost about a third of the suite's time, XLA:CPU's MLIR fusion emitters 2.7x the compile time of its
+# classic ones, and splitting codegen over threads a third more where two workers share two cores. The memory figures
+# tests check come from XLA's HLO schedule, which the LLVM and codegen flags leave alone and the emitters move by
+# bytes (a fusion's padding); subprocess tests inherit them. Set before any test starts JAX.
 if not runtime.configure_xla_flags(("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-                                  "--xla_cpu_use_fusion_emitters=false")):
+                                  "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")):
   raise RuntimeError("a JAX backend started before tests/conftest.py set the test XLA flags")
 
 
