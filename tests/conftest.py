@@ -1,6 +1,8 @@
 """Shared test fixtures: tiny odd-shaped configs, no network, and one compilation cache for the whole session."""
 
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -15,9 +17,23 @@ from hilore_jax.model import ModelConfig  # noqa: E402
 # optimisations cost about a third of the suite's time, XLA:CPU's MLIR fusion emitters 2.7x the compile time of its
 # classic ones, and splitting codegen over threads a third more where two workers share two cores. The memory figures
 # tests check come from XLA's HLO schedule, which the LLVM and codegen flags leave alone and the emitters move by
-# bytes (a fusion's padding); subprocess tests inherit them. Set before any test starts JAX.
-if not runtime.configure_xla_flags(("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-                                  "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")):
+# bytes (a fusion's padding); subprocess tests (and xdist's workers) inherit them. Set before any test starts JAX.
+# The emitter switch is jaxlib 0.10's (0.11.2 has no flag of that name, and XLA aborts on an unknown one): it is
+# added only where this XLA starts with it, checked once per run.
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+                "--xla_cpu_parallel_codegen_split_count=1")
+EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_accepts(flag: str) -> bool:
+  """Whether this XLA starts with the flag added to XLA_FLAGS: one CPU backend, in a subprocess."""
+  env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flag}", "JAX_PLATFORMS": "cpu"}
+  return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True,
+                        timeout=300).returncode == 0
+
+
+inherited = EMITTERS in os.environ.get("XLA_FLAGS", "")
+if not runtime.configure_xla_flags(FAST_COMPILE + ((EMITTERS,) if inherited or _xla_accepts(EMITTERS) else ())):
   raise RuntimeError("a JAX backend started before tests/conftest.py set the test XLA flags")
 
 
