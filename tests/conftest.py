@@ -18,22 +18,27 @@ from hilore_jax.model import ModelConfig  # noqa: E402
 # classic ones, and splitting codegen over threads a third more where two workers share two cores. The memory figures
 # tests check come from XLA's HLO schedule, which the LLVM and codegen flags leave alone and the emitters move by
 # bytes (a fusion's padding); subprocess tests (and xdist's workers) inherit them. Set before any test starts JAX.
-# The emitter switch is jaxlib 0.10's (0.11.2 has no flag of that name, and XLA aborts on an unknown one): it is
-# added only where this XLA starts with it, checked once per run.
-FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-                "--xla_cpu_parallel_codegen_split_count=1")
-EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+# XLA aborts on a flag it does not know, and they come and go between releases (jax 0.11.2 has no fusion-emitter
+# switch of this name), so only the flags this XLA starts with are added: checked once per run, in a subprocess.
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+                  "--xla_cpu_parallel_codegen_split_count=1", "--xla_cpu_use_fusion_emitters=false")
 
 
-def _xla_accepts(flag: str) -> bool:
-  """Whether this XLA starts with the flag added to XLA_FLAGS: one CPU backend, in a subprocess."""
-  env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flag}", "JAX_PLATFORMS": "cpu"}
+def _xla_accepts(*flags: str) -> bool:
+  """Whether this XLA starts with the flags added to XLA_FLAGS: one CPU backend, in a subprocess."""
+  env = {**os.environ, "XLA_FLAGS": " ".join([os.environ.get("XLA_FLAGS", ""), *flags]), "JAX_PLATFORMS": "cpu"}
   return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True,
                         timeout=300).returncode == 0
 
 
-inherited = EMITTERS in os.environ.get("XLA_FLAGS", "")
-if not runtime.configure_xla_flags(FAST_COMPILE + ((EMITTERS,) if inherited or _xla_accepts(EMITTERS) else ())):
+def _test_flags() -> tuple[str, ...]:
+  new = tuple(f for f in TEST_XLA_FLAGS if f.split("=")[0] not in os.environ.get("XLA_FLAGS", ""))
+  if not new or _xla_accepts(*new):  # xdist's workers inherit the first process's choice
+    return new
+  return tuple(f for f in new if _xla_accepts(f))
+
+
+if not runtime.configure_xla_flags(_test_flags()):
   raise RuntimeError("a JAX backend started before tests/conftest.py set the test XLA flags")
 
 
