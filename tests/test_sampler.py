@@ -131,3 +131,70 @@ def test_bad_sampling_config():
     SamplingConfig(top_p=0.0)
   with pytest.raises(ValueError, match="temperature"):
     SamplingConfig(temperature=0.0)
+
+
+# 3 prompts of different lengths, padded left, right and right (left_align must handle both), each sampled G=5 times
+GROUP_IDS = np.array([[0, 3, 4, 5, 6, 7, 8], [9, 10, 0, 0, 0, 0, 0], [11, 12, 13, 14, 0, 0, 0]])
+GROUP_MASK = (GROUP_IDS > 0).astype(np.int32)
+G = 5
+
+
+@pytest.fixture
+def group_setup():
+  cfg = model.ModelConfig(vocab_size=37, hidden_size=24, intermediate_size=37, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+  return cfg, model.init_params(cfg, jax.random.PRNGKey(3), init_std=0.4)
+
+
+def _assert_stops_at(out, stops, N):
+  """Each row's mask ends at its first stop id (kept) or at N tokens; pad after."""
+  for toks, m in zip(np.asarray(out["tokens"]), np.asarray(out["mask"])):
+    n = int(m.sum())
+    assert m.tolist() == [1] * n + [0] * (N - n)
+    hits = np.flatnonzero(np.isin(toks[:n], stops)).tolist()
+    assert hits in ([], [n - 1]) and (hits or n == N)
+    assert (toks[n:] == PAD).all()
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "temperature1"])
+def test_shared_prefill_samples_what_repeated_prompts_sample(group_setup, greedy):
+  cfg, params = group_setup
+  N = 9
+  sc = SamplingConfig(N, greedy=greedy, temperature=1.0)
+  rep_ids, rep_mask = np.repeat(GROUP_IDS, G, 0), np.repeat(GROUP_MASK, G, 0)
+  free = sampler.generate(cfg, params, rep_ids, rep_mask, jax.random.PRNGKey(7), sc, (EOS,), PAD)
+  stops = (EOS, int(free["tokens"][G, 1]))  # say the second prompt's second token ends a chat turn
+  ref = sampler.generate(cfg, params, rep_ids, rep_mask, jax.random.PRNGKey(7), sc, stops, PAD)
+  out = sampler.generate(cfg, params, GROUP_IDS, GROUP_MASK, jax.random.PRNGKey(7), sc, stops, PAD, num_generations=G)
+  for k in ("prompt_ids", "prompt_mask", "tokens", "mask"):
+    assert out[k].shape == ref[k].shape == (3 * G, {"tokens": N, "mask": N}.get(k, 7))
+    np.testing.assert_array_equal(out[k], ref[k], err_msg=k)
+  # the prefill ran on 3 rows rather than 15, which may round its float32 sums differently: log-probs stay close
+  assert_close(out["logprobs"], ref["logprobs"], ulps=64)
+  _assert_stops_at(out, stops, N)
+  assert int(out["mask"][G].sum()) <= 2  # the chosen stop id really cut a row
+  if not greedy:  # a group's rows really sample different completions
+    assert len({tuple(r) for r in np.asarray(out["tokens"][:G])}) > 1
+
+
+def test_shared_prefill_runs_on_the_distinct_prompts_only(group_setup):
+  # XLA's flop count of the shared call is below the repeated one's by the prefill of the (G-1) * Bp extra rows: it
+  # would be equal if the prefill ran on all B rows (the decode loop is the same [B, ...] program in both)
+  cfg = group_setup[0]
+  params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.PRNGKey(0)))
+  Bp, P = GROUP_IDS.shape
+  sds = lambda b: jax.ShapeDtypeStruct((b, P), jnp.int32)
+  sc = SamplingConfig(4)
+  flops = lambda b, g: sampler.generate.lower(cfg, params, sds(b), sds(b), jax.random.PRNGKey(0), sc, (EOS,), PAD,
+                                              num_generations=g).compile().cost_analysis()["flops"]
+  prefill = lambda b: jax.jit(sampler.prefill, static_argnums=0).lower(cfg, params, sds(b), sds(b)).compile(
+  ).cost_analysis()["flops"]
+  saved, want = flops(Bp * G, 1) - flops(Bp, G), prefill(Bp * G) - prefill(Bp)
+  assert want > 0 and abs(saved - want) < 0.05 * want, (saved, want)
+
+
+def test_bad_num_generations(group_setup):
+  cfg, params = group_setup
+  with pytest.raises(ValueError, match="num_generations"):
+    sampler.generate(cfg, params, GROUP_IDS, GROUP_MASK, jax.random.PRNGKey(0), SamplingConfig(2), EOS, PAD,
+                     num_generations=0)

@@ -41,9 +41,9 @@ def sample_completions(cfg: ModelConfig, params, prompter: Prompter, examples: S
                        reward_fn) -> Rollout:
   """G completions for every example, scored by reward_fn(completion_text, reference)."""
   ids, mask, truncated = prompter.encode(examples, max_prompt_len)
-  ids, mask = np.repeat(ids, num_generations, 0), np.repeat(mask, num_generations, 0)
+  # the distinct prompts: the sampler prefills each once and copies its cache to the group's G rows
   out = jax.device_get(sampler.generate(cfg, params, ids, mask, rng, sc, prompter.stop_ids,
-                                        prompter.tokenizer.pad_token_id))
+                                        prompter.tokenizer.pad_token_id, num_generations=num_generations))
   texts = prompter.decode(out["tokens"], out["mask"])
   refs = [e.reference for e in examples for _ in range(num_generations)]
   rewards = np.array([reward_fn(t, r) for t, r in zip(texts, refs)], np.float32)

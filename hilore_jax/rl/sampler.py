@@ -35,27 +35,49 @@ def left_align(ids_BP: jax.Array, mask_BP: jax.Array) -> tuple[jax.Array, jax.Ar
   return jnp.take_along_axis(ids_BP, order, -1), jnp.take_along_axis(mask_BP, order, -1)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sc", "stop_ids", "pad_id"))
-def generate(cfg: ModelConfig, params: dict, prompt_ids_BP: jax.Array, prompt_mask_BP: jax.Array,
-             rng: jax.Array, sc: SamplingConfig, stop_ids: int | tuple[int, ...], pad_id: int) -> dict:
-  """Sample completions. Returns left-aligned prompt ids/mask and completion tokens/logprobs/mask [B, N].
+def prefill(cfg: ModelConfig, params: dict, ids_BpP: jax.Array, mask_BpP: jax.Array) -> tuple[jax.Array, tuple]:
+  """Last-token logits [Bp, V] and the prompt's KV cache [L, Bp, P, K, H] of left-aligned prompts."""
+  Bp, P = ids_BpP.shape
+  cache = model.init_cache(cfg, Bp, P)
+  positions = model.default_positions(mask_BpP)
+  if P > 1:  # prefill all but the last prompt token: its unused [Bp, P-1, V] logits are dead code, never allocated
+    cache = model.forward_cached(cfg, params, ids_BpP[:, :-1], positions[:, :-1], mask_BpP, cache, 0)[1]
+  logits, cache = model.forward_cached(cfg, params, ids_BpP[:, -1:], positions[:, -1:], mask_BpP, cache, P - 1)
+  return logits[:, -1], cache
 
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sc", "stop_ids", "pad_id", "num_generations"))
+def generate(cfg: ModelConfig, params: dict, prompt_ids_BpP: jax.Array, prompt_mask_BpP: jax.Array,
+             rng: jax.Array, sc: SamplingConfig, stop_ids: int | tuple[int, ...], pad_id: int,
+             num_generations: int = 1) -> dict:
+  """Sample G completions of each of Bp prompts. Returns left-aligned prompt ids/mask [B, P] and completion
+  tokens/logprobs/mask [B, N], B = Bp * G, row i * G + g being prompt i's g-th completion.
+
+  Each prompt is prefilled once and its KV cache, last logits and mask copied to its G rows, so a group's rows
+  sample what np.repeat-ed prompts with num_generations=1 would (same rng key, same tokens).
   logprobs are under the sampling distribution (after temperature/top-k/top-p; plain softmax if greedy).
   The completion mask covers generated tokens up to and including the first stop id (eos, a chat end-of-turn).
   """
+  if not (isinstance(num_generations, int) and num_generations >= 1):
+    raise ValueError(f"num_generations must be an int >= 1, got {num_generations!r}")
+  G = num_generations
   stop_S = jnp.asarray(stop_ids if isinstance(stop_ids, tuple) else (stop_ids,), jnp.int32)
   # the decode loop scans over layers: stack their params once per call, not once per token
   params = {**params, "layers": model.stack_layers(params["layers"])}
-  B, P = prompt_ids_BP.shape
-  N = sc.max_new_tokens
-  ids, mask = left_align(prompt_ids_BP, prompt_mask_BP)
-  mask = mask.astype(jnp.int32)
+  Bp, P = prompt_ids_BpP.shape
+  B, N = Bp * G, sc.max_new_tokens
+  ids_BpP, mask_BpP = left_align(prompt_ids_BpP, prompt_mask_BpP)
+  mask_BpP = mask_BpP.astype(jnp.int32)
+  last_BpV, (k_LBpPKH, v_LBpPKH) = prefill(cfg, params, ids_BpP, mask_BpP)
+  rows = lambda x, axis=0: x if G == 1 else jnp.repeat(x, G, axis=axis)  # prompt i -> rows i*G .. i*G+G-1
+  # The prompt's keys/values are copied to each of its G rows rather than shared by index: decode then stays one
+  # attention over a contiguous [B, P + N] cache (forward_cached unchanged) that writes each row's own slots. The
+  # copy holds the B-row cache that prefilling repeated prompts held too; sharing would save its prompt part's
+  # (G-1)/G but needs a two-part attention (prompt keys per Bp, completion keys per B) in the decode step.
+  fresh = jnp.zeros((cfg.num_hidden_layers, B, N, *k_LBpPKH.shape[3:]), k_LBpPKH.dtype)
+  cache = tuple(jnp.concatenate([rows(x, 1), fresh], axis=2) for x in (k_LBpPKH, v_LBpPKH))
+  ids, mask, logits = rows(ids_BpP), rows(mask_BpP), rows(last_BpV)
   key_mask = jnp.concatenate([mask, jnp.zeros((B, N), jnp.int32)], axis=1)
-  cache = model.init_cache(cfg, B, P + N)
-  positions = model.default_positions(mask)
-  if P > 1:  # prefill all but the last prompt token: its unused [B, P-1, V] logits are dead code, never allocated
-    cache = model.forward_cached(cfg, params, ids[:, :-1], positions[:, :-1], key_mask, cache, 0)[1]
-  logits, cache = model.forward_cached(cfg, params, ids[:, -1:], positions[:, -1:], key_mask, cache, P - 1)
   lengths_B = mask.sum(-1)
 
   def pick(logits_BV, key):
@@ -84,7 +106,7 @@ def generate(cfg: ModelConfig, params: dict, prompt_ids_BP: jax.Array, prompt_ma
   def cond(carry):
     return (carry[0] < N) & ~jnp.all(carry[4])
 
-  init = (jnp.int32(0), logits[:, -1], cache, key_mask, jnp.zeros((B,), bool),
+  init = (jnp.int32(0), logits, cache, key_mask, jnp.zeros((B,), bool),
           jnp.full((B, N), pad_id, jnp.int32), jnp.zeros((B, N), jnp.float32), rng)
   _, _, _, key_mask, _, toks, logps, _ = jax.lax.while_loop(cond, body, init)
   return {"prompt_ids": ids, "prompt_mask": mask, "tokens": toks, "logprobs": logps,
