@@ -179,7 +179,8 @@ def test_shared_prefill_samples_what_repeated_prompts_sample(group_setup, greedy
 
 def test_shared_prefill_runs_on_the_distinct_prompts_only(group_setup):
   # XLA's flop count of the shared call is below the repeated one's by the prefill of the (G-1) * Bp extra rows: it
-  # would be equal if the prefill ran on all B rows (the decode loop is the same [B, ...] program in both)
+  # would be equal if the prefill ran on all B rows (the decode loop is the same [B, ...] program in both). The count
+  # takes every loop body once, the layer scan's too, in generate and in the prefill alone alike
   cfg = group_setup[0]
   params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.PRNGKey(0)))
   Bp, P = GROUP_IDS.shape
