@@ -53,8 +53,9 @@ def generate(cfg: ModelConfig, params: dict, prompt_ids_BpP: jax.Array, prompt_m
   """Sample G completions of each of Bp prompts. Returns left-aligned prompt ids/mask [B, P] and completion
   tokens/logprobs/mask [B, N], B = Bp * G, row i * G + g being prompt i's g-th completion.
 
-  Each prompt is prefilled once and its KV cache, last logits and mask copied to its G rows, so a group's rows
-  sample what np.repeat-ed prompts with num_generations=1 would (same rng key, same tokens).
+  Each prompt is prefilled once and its KV cache, last logits and mask copied to its G rows; the decode loop and
+  its draws are those of np.repeat-ed prompts with G = 1, so the same key samples the same tokens up to float32
+  rounding (the prefill's batch and cache length differ, which may move the last bits).
   logprobs are under the sampling distribution (after temperature/top-k/top-p; plain softmax if greedy).
   The completion mask covers generated tokens up to and including the first stop id (eos, a chat end-of-turn).
   """
