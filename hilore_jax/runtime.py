@@ -12,8 +12,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+import time
 
 log = logging.getLogger(__name__)
+STARTED_AT = time.time()  # when hilore_jax was first imported: a run's clock for "how long until the first step"
 
 CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 # XLA:CPU aborts a collective whose participants have not all arrived within 40 s: N forced CPU devices (or CPU
@@ -55,6 +58,55 @@ def enable_compilation_cache(directory: str | None = None):
 
   jax.config.update("jax_compilation_cache_dir", directory or cache_dir("xla"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+class CompileStats:
+  """Every XLA compile of the process as JAX reports it (jax.monitoring): backend compiles and their seconds, and
+  persistent-cache hits, whoever compiled (train steps, probes, the sampler, log-prob passes, the scorer)."""
+
+  _BACKEND = "/jax/core/compile/backend_compile_duration"
+  _HIT = "/jax/compilation_cache/cache_hits"
+  _REQUEST = "/jax/compilation_cache/compile_requests_use_cache"
+
+  def __init__(self):
+    self.backend_count, self.backend_s, self.cache_hits, self.cache_requests = 0, 0.0, 0, 0
+    self._lock = threading.Lock()
+
+  def install(self) -> "CompileStats":
+    import jax
+
+    jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+    jax.monitoring.register_event_listener(self._on_event)
+    return self
+
+  def _on_duration(self, event: str, seconds: float, **_):
+    if event == self._BACKEND:
+      with self._lock:
+        self.backend_count += 1
+        self.backend_s += seconds
+
+  def _on_event(self, event: str, **_):
+    with self._lock:
+      if event == self._HIT:
+        self.cache_hits += 1
+      elif event == self._REQUEST:
+        self.cache_requests += 1
+
+  def metrics(self) -> dict:
+    """compile/* metrics so far: XLA compiles run, their seconds, and compiles served by the persistent cache."""
+    return {"compile/xla_count": self.backend_count, "compile/xla_s": self.backend_s,
+            "compile/cache_hits": self.cache_hits}
+
+
+_compile_stats: CompileStats | None = None
+
+
+def compile_stats() -> CompileStats:
+  """The process's CompileStats, installed on first use (JAX's listeners cannot be removed one by one)."""
+  global _compile_stats
+  if _compile_stats is None:
+    _compile_stats = CompileStats().install()
+  return _compile_stats
 
 
 def init_distributed(coordinator_address: str | None = None, num_processes: int | None = None,

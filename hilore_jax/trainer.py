@@ -21,12 +21,40 @@ from hilore_jax import (checkpointing, engine, evaluation, metrics, model, prefl
 from hilore_jax.config import Config
 from hilore_jax.errors import ConfigError, RunExists, TrainingDiverged
 from hilore_jax.memory import MemoryManager
+from hilore_jax.memory import store as stores
 from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.model import hf
 from hilore_jax.rl import replay, rollout, sft, train_step, update_batch
 from hilore_jax.tasks import prompts
 
 log = logging.getLogger(__name__)
+
+
+# config sections that change nothing the memory manager measures or fits at set-up
+_NOT_IN_MEMORY_KEY = ("out_dir", "logging", "eval", "checkpoint")
+
+
+def memory_store(c: Config) -> stores.StateStore | None:
+  """Where this recipe's memory set-up is cached between runs (memory.cache): keyed by the config (less output,
+  logging, evaluation and checkpoint settings, and the step count unless the risk is the optimizer update's), the
+  model's files, the library's code, JAX's version, its devices and XLA flags."""
+  if not c.memory.cache:
+    return None
+  d = {k: v for k, v in c.to_dict().items() if k not in _NOT_IN_MEMORY_KEY}
+  d["train"] = {k: v for k, v in d["train"].items() if k not in ("resume", "steps") or
+                (k == "steps" and c.memory.risk_metric == "update")}
+  # how the run starts and checks the plans does not change what set-up measures
+  d["memory"] = {k: v for k, v in d["memory"].items() if k not in ("cache", "warmup", "verify_steps")}
+  model_dir = c.model.path
+  if model_dir:
+    d["model_files"] = stores.files_digest([os.path.join(model_dir, f) for f in os.listdir(model_dir)
+                                            if os.path.isfile(os.path.join(model_dir, f))])
+    d["model"] = {k: v for k, v in d["model"].items() if k != "path"}  # the files say which model it is
+  d["code"] = stores.source_digest(os.path.dirname(os.path.abspath(__file__)))
+  devs = jax.devices()
+  d["jax"] = [jax.__version__, devs[0].platform, devs[0].device_kind, len(devs), jax.process_count(),
+              os.environ.get("XLA_FLAGS", "")]
+  return stores.StateStore(runtime.cache_dir("memory"), stores.digest(d))
 
 
 def layer_policies(mc: MemoryConfig, cfg) -> tuple[model.LayerPolicy, ...]:
@@ -73,8 +101,10 @@ class Trainer:
     if micro % n_shards:
       raise ConfigError(f"train.microbatch_size ({micro}) must be divisible by the {n_shards} devices of the mesh")
     self.memory = (MemoryManager(c.memory, step_hooks.memory_hooks(self.stepper, self.spec,
-                                                                   c.optimizer.max_grad_norm))
+                                                                   c.optimizer.max_grad_norm), memory_store(c))
                    if c.memory.policy not in ("none", "gc") else None)
+    self.compiles = runtime.compile_stats()
+    self._setup_s = 0.0  # the memory manager's set-up after a warm-up step: reported in the next step's row
     self.checkpointer = checkpointing.Checkpointer(os.path.join(self.out_dir, "checkpoints"), c.checkpoint.keep)
     self.ref_params = None
     self.start_step = 0
@@ -235,6 +265,9 @@ class Trainer:
       for step in bar:
         row = self.run_step(step)
         writer.write(row)
+        if self.memory is not None and self.memory.pending_setup:  # after the row: the first step shows at once
+          self._setup_s = self.memory.finish_step(self.state["params"], self._last_minibatches, step,
+                                                  self._last_logp, self.state["opt_state"])
         if c.logging.samples_every and (step + 1) % c.logging.samples_every == 0:  # the first prompt's group
           writer.write_samples(step + 1, rollout.sample_rows(self.prompter, self.last_rollout,
                                                              range(c.rollout.num_generations)))
@@ -259,7 +292,7 @@ class Trainer:
     roll = self.next_rollout()
     self.last_rollout = roll  # what the model saw and said this step (samples.jsonl, tests)
     t_rollout = time.perf_counter() - t0
-    t1 = time.perf_counter()
+    t1, compiles_before = time.perf_counter(), self.compiles.backend_count
     shuffle = np.random.default_rng([c.seed, step])
     minibatches, stats = self.build_update_batch(roll, shuffle, step)
     minibatches, current_logp = self.add_logprobs(minibatches)
@@ -288,6 +321,11 @@ class Trainer:
     # the next rollout needs these params anyway, so waiting here costs nothing and times the update honestly
     step_metrics = jax.device_get(step_metrics)
     t_update = time.perf_counter() - t1
+    if self.memory is not None and self.memory.pending_setup:  # set-up measures on this step's own minibatches
+      self._last_minibatches, self._last_logp = minibatches, current_logp
+    if self.memory is not None and minibatches:  # the measured guard: GC's time against the plans'
+      clean = self.compiles.backend_count == compiles_before and not any(r["time/plan_fit_s"] for r in alloc_rows)
+      self.memory.observe(t_update / (len(minibatches) * c.grpo.num_iterations), clean)
     row = {"step": step + 1, "reward/mean": float(roll.rewards.mean()), "reward/std": float(roll.rewards.std()),
            **stats, "completion_len/mean": float(roll.mask.sum(1).mean()),
            "prompts/truncated": roll.truncated_prompts, "data/position": self.data_position,
@@ -303,7 +341,11 @@ class Trainer:
       row["memory/compiled_bytes"] = max(peaks)
     row.update({"time/rollout_s": t_rollout, "time/update_s": t_update, "time/step_s": time.perf_counter() - t0,
                 "throughput/update_tokens_per_s": tokens / t_update if t_update > 0 else 0.0,
-                "memory/peak_bytes": peaks[-1] if peaks else 0, "compile/count": self.stepper.compile_count})
+                "memory/peak_bytes": peaks[-1] if peaks else 0, "compile/count": self.stepper.compile_count,
+                "compile/probes": self.stepper.probe_compiles, **self.compiles.metrics(),
+                "time/elapsed_s": time.time() - runtime.STARTED_AT})
+    if self._setup_s:
+      row["time/memory_setup_s"], self._setup_s = self._setup_s, 0.0
     return row
 
   def finish(self) -> dict:

@@ -6,7 +6,7 @@ from hilore_jax.trainer import Trainer
 
 HILORE = ["memory.policy=hilore", "memory.group_size=8", "memory.buckets=3", "memory.budget_probes=2",
           "train.steps=3", "checkpoint.every=2", "eval.at_start=false", "eval.at_end=false",
-          "grpo.filter_zero_std=false"]
+          "grpo.filter_zero_std=false", "memory.warmup=none"]
 
 
 @pytest.mark.slow

@@ -10,6 +10,9 @@ TINY = [
     "train.warmstart_steps=40", "train.warmstart_batch_size=16", "train.warmstart_lr=0.01", "train.minibatch_size=0",
     "optimizer.lr=0.001", "eval.num_examples=8", "eval.pass_k=2", "logging.progress=false", "logging.plot=false",
     "checkpoint.export_hf=false",
+    # the memory set-up cache is keyed by the config: tests that run one config twice would share it (its own tests
+    # turn it on in their own cache directory)
+    "memory.cache=false",
 ]
 
 

@@ -60,6 +60,16 @@ class MemoryConfig:
   mip_gap: float = 0.005
   offload: bool = False  # allow O (offload to host memory); GPU/TPU only
   budget_probes: int = 4  # compiles per bucket to fit the plan's byte allowance to the compiled peak
+  # what runs before set-up (budget, op profile, calibration) has measured anything: gc trains the first step with
+  # full checkpointing and sets up on its minibatches after it; none sets up before the first step
+  warmup: str = "gc"
+  # keep the set-up (calibration, fitted plans) on disk keyed by model, weights, config, shapes and code, so a
+  # second run of the same recipe starts on its plans (runtime.cache_dir("memory"))
+  cache: bool = True
+  # the measured guard: after this many steps on the plans (without a compile), their median seconds per update
+  # minibatch is compared with full checkpointing's, measured on a warm-up step; where the plans are no faster, the
+  # run says so and runs GC (0: never compare)
+  verify_steps: int = 2
   exposure: ExposureSwitches = ExposureSwitches()
 
   def __post_init__(self):
@@ -74,6 +84,8 @@ class MemoryConfig:
                         f"{self.calib_layers}")
     check_choice("memory.solver", self.solver, ("exact", "greedy"))
     check_positive("memory.budget_probes", self.budget_probes)
+    check_choice("memory.warmup", self.warmup, ("gc", "none"))
+    check_positive("memory.verify_steps", self.verify_steps, allow_zero=True)
     if not 0.0 <= self.mip_gap < 1.0:
       raise ConfigError(f"memory.mip_gap must be in [0, 1) (a relative optimality gap), got {self.mip_gap}")
     if self.budget_ratio < 1.0:

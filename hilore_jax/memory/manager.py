@@ -11,12 +11,14 @@ import logging
 import time
 from typing import Any
 
+import jax
 import numpy as np
 
 from hilore_jax import model
 from hilore_jax.memory import buckets as bucketing
 from hilore_jax.memory import budget as budgets
 from hilore_jax.memory import calibrate, calibration, methods, predictors, profile
+from hilore_jax.memory import store as stores
 from hilore_jax.memory.buckets import AllocationCache
 from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.memory.hooks import StepHooks
@@ -36,11 +38,28 @@ class Allocation:
   active_constraint: str = "none"  # which budget binds the plan: memory | risk | both | none
 
 
+def guard_verdict(gc_s: list[float], plan_s: list[float]) -> str:
+  """"plan" where the plans' median seconds per minibatch is below GC's, "gc" where it is not, "" without GC's."""
+  if not gc_s or not plan_s:
+    return ""
+  return "plan" if float(np.median(plan_s)) < float(np.median(gc_s)) else "gc"
+
+
 class MemoryManager:
   """Chooses every minibatch's per-layer policies under the configured method and budget."""
 
-  def __init__(self, mc: MemoryConfig, hooks: StepHooks):
+  def __init__(self, mc: MemoryConfig, hooks: StepHooks, store: stores.StateStore | None = None):
     self.mc, self.hooks, self.method = mc, hooks, mc.policy
+    # the state on disk between runs (memory.cache): loaded before the first step, written after every change
+    self.store = store
+    # memory.warmup=gc: set-up waits for the end of the first step, which runs full checkpointing meanwhile
+    self.pending_setup = False
+    self.ready_at: int | None = None  # the step whose allocation first came from the method's own plans
+    # the measured guard: what the last step ran ("gc" warm-up, "plan", "guard": GC by the guard's verdict), the
+    # warm-up steps so far, and GC's timings measured before the state exists
+    self._last_kind: str | None = None
+    self._warmup_steps = 0
+    self._gc_times: list[float] = []
     self.num_layers = hooks.model_cfg.num_hidden_layers
     self.state: ManagerState | None = None
     self._cache = AllocationCache(self._solve_bucket)
@@ -73,12 +92,14 @@ class MemoryManager:
     budget = budgets.budget_bytes(gc_bytes, mc.budget_ratio, mc.budget_bytes)
     rows, seq = self.hooks.batch_shape(batch)
     st = ManagerState(gc_bytes, budget, profile.profile_ops(cfg, rows, seq, mc.group_size), calibrated_at=step)
+    st.timings = self.state.timings if self.state is not None else {"gc": list(self._gc_times), "plan": []}
     if self.method in methods.CALIBRATED:
       K = mc.calib_batches
       logp = [None] * len(batches) if logp is None else logp
       contexts = contexts or [calibration.UpdateContext(params, opt_state, lp) for lp in logp]
       st.calibration = calibration_state or self._calibrate(batches[:K], contexts[:K])
     self.load_state(st, f"set up at step {step}")
+    self.persist()
     cal = st.calibration
     log.info("memory (%s): GC %d B, budget %d B%s", self.method, gc_bytes, budget, "" if cal is None else
              f", calibration on {cal.calib_batches} minibatches: delta {cal.delta:.3g} (measured "
@@ -257,6 +278,7 @@ class MemoryManager:
     st.allowance[str(bucket)] = fit.allowance
     st.verified = sorted(set(st.verified) | {bucket})
     self._cache.invalidate("allowance fitted", bucket)
+    self.persist()
 
   def _fit_to_budget(self, plan_for, batch, reuse=None, floor=None) -> budgets.Fit:
     st, peak_of = self.state, lambda plan: self.hooks.compile_peak(self.policies(plan), batch)
@@ -273,10 +295,24 @@ class MemoryManager:
     """Every minibatch's bucket, plan and policies, in order; a new bucket is fitted first (its probe compiles
     are not counted as scheduling time). Exposure levels come from one jitted call; logp: the minibatches'
     current log-probs where known, token_err their forward's per-token errors where known (unit_scores)."""
+    if self.state is None or self._gc_sample_due():  # warm-up: nothing measured yet, or GC's time not yet
+      self._last_kind = "gc"
+      return self.warmup_allocations(len(minibatches))
+    if self.state.guard == "gc":  # the plans ran no faster than GC: GC's program
+      self._last_kind = "guard"
+      return self.warmup_allocations(len(minibatches), guard=True)
+    self._last_kind = "plan"
+    return self._plan_allocations(minibatches, logp, token_err)
+
+  def _plan_allocations(self, minibatches: list, logp=None, token_err=None) -> list[Allocation]:
     t0 = time.perf_counter()
     self._unit_list(minibatches[0])
-    keys = [()] * len(minibatches)
+    keys, wait_s = [()] * len(minibatches), 0.0
     if self.method == "hilore" and self.mc.buckets > 1:  # exposure off (one bucket): nothing to score
+      # the scores read log-probs the device may still be computing (the old-log-prob forwards, the previous
+      # pass): that wait is the device at work, not scheduling, so it is timed apart
+      jax.block_until_ready((minibatches, logp))
+      wait_s = time.perf_counter() - t0
       keys = self.bucket_levels(self.unit_scores(minibatches, logp=logp, token_err=token_err))
     fit_s, chosen = 0.0, []
     for key in keys:
@@ -288,21 +324,32 @@ class MemoryManager:
         self._fit(bucket, minibatches[0])
         fit_s += time.perf_counter() - t1
       chosen.append((bucket, self._cache.get(bucket)))
-    schedule_s = (time.perf_counter() - t0 - fit_s) / len(minibatches)
+    n = len(minibatches)
+    schedule_s = (time.perf_counter() - t0 - fit_s - wait_s) / n
     out = []
     for bucket, plan in chosen:
       fr = plan.fractions()
       metrics = {"alloc/frac_H": fr["frac_H"], "alloc/frac_L": fr["frac_L"], "alloc/frac_R": fr["frac_R"],
                  "alloc/frac_O": fr["frac_O"], "alloc/bucket": bucket, "alloc/greedy_gap": self._gaps.get(bucket, 0.0),
                  "alloc/predicted_err": float(plan.risk), "memory/budget_bytes": self.state.budget_bytes,
-                 "memory/predicted_bytes": self.state.gc_bytes + plan.bytes, "time/schedule_s": schedule_s}
+                 "memory/predicted_bytes": self.state.gc_bytes + plan.bytes, "alloc/warmup": 0.0,
+                 "alloc/guard_gc": 0.0,
+                 "time/schedule_s": schedule_s, "time/alloc_wait_s": wait_s / n, "time/plan_fit_s": fit_s / n}
       out.append(Allocation(bucket, plan, self.policies(plan), metrics, self._active.get(bucket, "none")))
     return out
 
   def step(self, params, minibatches: list, step: int, logp=None, opt_state=None) -> list[Allocation]:
     """Set up (or refresh) when due, then allocate this step's minibatches (opt_state: the optimizer's, for
-    memory.risk_metric=update)."""
-    mc, cal = self.mc, self.state.calibration if self.state else None
+    memory.risk_metric=update). A state cached by an earlier run of the same recipe is taken first; without one and
+    with memory.warmup=gc, the step runs full checkpointing and set-up follows it (finish_step)."""
+    mc = self.mc
+    if self.state is None and self.store is not None:
+      cached = self.store.load()
+      if cached is not None:
+        self.load_state(cached, f"cached in {self.store.path}")
+        log.info("memory (%s): set-up reused from %s (no profile, calibration or probe compiles)", self.method,
+                 self.store.path)
+    cal = self.state.calibration if self.state else None
     stale = cal is not None and self.method == "hilore" and mc.buckets > 1 and not cal.profile
     if stale:
       log.warning("memory: the checkpoint's hilore calibration predates per-unit exposure: recalibrating")
@@ -310,10 +357,74 @@ class MemoryManager:
     if other:
       log.warning("memory: the checkpoint's calibration is of %s / %s, this run's of %s / %s: recalibrating",
                   cal.risk_metric, cal.predictor, mc.risk_metric, mc.exposure.predictor)
-    if (self.state is None or stale or other
-        or (mc.refresh_every and step - self.state.calibrated_at >= mc.refresh_every)):
+    due = mc.refresh_every and self.state is not None and step - self.state.calibrated_at >= mc.refresh_every
+    if self.state is None and mc.warmup == "gc":
+      if not self.pending_setup:
+        log.info("memory (%s): step %d runs full checkpointing while the set-up waits for its end", self.method,
+                 step + 1)
+      self.pending_setup = True
+      return self.allocate(minibatches, logp)
+    if self.state is None or stale or other or due:
       self.setup(params, minibatches, step, logp=logp, opt_state=opt_state)
-    return self.allocate(minibatches, logp)
+    allocations = self.allocate(minibatches, logp)
+    if self.ready_at is None and self._last_kind == "plan":
+      self.ready_at = step
+    return allocations
+
+  def finish_step(self, params, minibatches: list, step: int, logp=None, opt_state=None) -> float:
+    """After a warm-up step: set up on that step's own minibatches, at the params and optimizer state it left, so
+    the next step runs the method's plans. Returns the seconds it took (0 when nothing was pending)."""
+    if not self.pending_setup:
+      return 0.0
+    t0 = time.perf_counter()
+    self.setup(params, minibatches, step + 1, logp=logp, opt_state=opt_state)
+    self.pending_setup = False
+    self._plan_allocations(minibatches, logp)  # fit their buckets' plans now, off the next steps' clock
+    log.info("memory (%s): set up in %.1fs after step %d; its plans take over from step %d", self.method,
+             time.perf_counter() - t0, step + 1, step + 2)
+    return time.perf_counter() - t0
+
+  def warmup_allocations(self, n: int, guard: bool = False) -> list[Allocation]:
+    """Full checkpointing for n minibatches: before set-up (nothing measured: no budget, no plan), while GC's own
+    time is measured, or (guard) where the plans were measured no faster than GC."""
+    policies = model.uniform(self.num_layers, model.FULL_REMAT)
+    metrics = {"alloc/frac_H": 0.0, "alloc/frac_L": 0.0, "alloc/frac_R": 1.0, "alloc/frac_O": 0.0,
+               "alloc/bucket": -1, "alloc/warmup": 0.0 if guard else 1.0, "alloc/guard_gc": 1.0 if guard else 0.0,
+               "time/schedule_s": 0.0, "time/alloc_wait_s": 0.0, "time/plan_fit_s": 0.0}
+    return [Allocation(-1, methods.Plan((), (), 0, 0.0, 0.0), policies, metrics) for _ in range(n)]
+
+  def _gc_sample_due(self) -> bool:
+    """Warm up on GC until one of its steps ran without a compile (at most 3 steps), so the guard has its time."""
+    return (self.mc.warmup == "gc" and self.mc.verify_steps > 0 and not self.state.timings["gc"]
+            and self._warmup_steps < 3)
+
+  def observe(self, update_s_per_minibatch: float, clean: bool):
+    """The trainer's measured update seconds per minibatch of the step just run (clean: no compile, no plan fit in
+    it), filed under what it ran; the guard judges once verify_steps clean plan steps are in."""
+    kind, self._last_kind = self._last_kind, None
+    if kind == "gc":
+      self._warmup_steps += 1
+    if not clean or kind not in ("gc", "plan"):
+      return
+    (self._gc_times if self.state is None else self.state.timings[kind]).append(float(update_s_per_minibatch))
+    if self.state is None:
+      return
+    st = self.state
+    if not st.guard and self.mc.verify_steps and len(st.timings["plan"]) >= self.mc.verify_steps:
+      st.guard = guard_verdict(st.timings["gc"], st.timings["plan"][-self.mc.verify_steps:])
+      gc_s, plan_s = (float(np.median(st.timings[k])) if st.timings[k] else float("nan") for k in ("gc", "plan"))
+      if st.guard == "gc":
+        log.warning("memory (%s): its plans ran %.2fs per update minibatch against full checkpointing's %.2fs: no "
+                    "faster, so this run (and the next from the cache) runs GC's program", self.method, plan_s, gc_s)
+      elif st.guard == "plan":
+        log.info("memory (%s): its plans run %.2fs per update minibatch against full checkpointing's %.2fs (%+.1f%%)",
+                 self.method, plan_s, gc_s, 100 * (plan_s / gc_s - 1))
+    self.persist()
+
+  def persist(self):
+    """Write the state to the store (memory.cache), so the next run of this recipe starts where this one is."""
+    if self.store is not None and self.state is not None:
+      self.store.save(self.state.to_json())
 
   def state_json(self) -> Any:
     return None if self.state is None else self.state.to_json()

@@ -4,6 +4,7 @@ policies. HiLoRe and faithful JAX re-creations ("-style") of the baselines it is
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -114,13 +115,21 @@ def _plan(choice, unit_list, op_s, risk_of=None, fmt="int8") -> Plan:
 
 
 def layer_groups(unit_list, op_s, risk_of: dict, allow_l: bool, allow_o: bool) -> list[list[allocator.Option]]:
-  """Per layer, the Pareto options of the dataflow cost model with L risks from risk_of[(layer, kind)]."""
-  groups = []
+  """Per layer, the Pareto options of the dataflow cost model with L risks from risk_of[(layer, kind)]; memoised:
+  a bucket's budget fit, its greedy gap and its active-constraint check solve over the same options."""
+  return _layer_groups(tuple(unit_list), tuple(sorted(op_s.items())), tuple(sorted((risk_of or {}).items())),
+                       allow_l, allow_o)
+
+
+@functools.lru_cache(maxsize=32)
+def _layer_groups(unit_list: tuple, op_items: tuple, risk_items: tuple, allow_l: bool, allow_o: bool):
+  op_s, risk_of, groups = dict(op_items), dict(risk_items), []
   for idx in layers_of(unit_list):
     layer_units = [unit_list[i] for i in idx]
     cands = costmodel.candidates(layer_units, op_s, allow_l, allow_o)
-    groups.append(costmodel.layer_options(cands, {u.kind: risk_of.get((u.layer, u.kind), 0.0) for u in layer_units}))
-  return groups
+    groups.append(tuple(costmodel.layer_options(cands, {u.kind: risk_of.get((u.layer, u.kind), 0.0)
+                                                        for u in layer_units})))
+  return tuple(groups)  # shared by every caller: immutable
 
 
 def plan(method: str, unit_list: Sequence[Unit], op_s: dict, extra_bytes: int, *, risk_of: dict | None = None,

@@ -49,6 +49,10 @@ class ManagerState:
   fallback_gc: list[int] = dataclasses.field(default_factory=list)
   # buckets whose fitted plan is the risk-free one (H/R only): the method's own fit compiled to a slower plan
   risk_free: list[int] = dataclasses.field(default_factory=list)
+  # measured seconds per update minibatch of steps without a compile: under full checkpointing and under the plans
+  timings: dict[str, list[float]] = dataclasses.field(default_factory=lambda: {"gc": [], "plan": []})
+  # what the measured guard decided: "" not yet, "plan" the plans ran faster than GC, "gc" they did not (GC runs)
+  guard: str = ""
 
   def to_json(self) -> dict:
     return {"version": STATE_VERSION, **dataclasses.asdict(self)}

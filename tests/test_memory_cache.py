@@ -1,0 +1,116 @@
+"""HiLoRe trains from the first step: full checkpointing until set-up has measured, set-up on that step's own
+minibatches, and a cached set-up that a second run of the same recipe starts on."""
+
+import json
+import logging
+import os
+
+import pytest
+from trainer_util import tiny_config
+
+from hilore_jax import metrics
+from hilore_jax.memory import store as stores
+from hilore_jax.trainer import Trainer, memory_store
+
+# exposure off (one bucket): every step's plan is the same, so two runs' plans compare row by row
+RUN = ["memory.policy=hilore", "memory.group_size=8", "memory.buckets=1", "memory.budget_probes=2",
+       "memory.budget_ratio=1.3", "train.steps=3", "eval.at_start=false", "eval.at_end=false",
+       "grpo.filter_zero_std=false", "memory.cache=true", "memory.verify_steps=0"]
+
+
+def _rows(out):
+  return metrics.read_metrics(out / "metrics.jsonl")
+
+
+def test_store_is_atomic_and_an_unreadable_file_is_ignored(tmp_path, caplog):
+  s = stores.StateStore(str(tmp_path / "memory"), "k1")
+  assert s.load() is None
+  s.save({"gc_bytes": 7, "nested": [1, 2]})
+  assert s.load() == {"gc_bytes": 7, "nested": [1, 2]} and os.listdir(tmp_path / "memory") == ["k1.json"]
+  with open(s.path, "w") as f:
+    f.write('{"gc_bytes": 7, "nest')  # a torn file (the write is atomic, but a disk can still damage it)
+  with caplog.at_level(logging.WARNING):
+    assert s.load() is None
+  assert "k1.json is unreadable" in caplog.text and "calibrating again" in caplog.text
+
+
+def test_key_follows_what_set_up_measures_and_nothing_else(tmp_path, monkeypatch):
+  monkeypatch.setenv("HILORE_CACHE", str(tmp_path / "cache"))
+  key = lambda *o: memory_store(tiny_config(tmp_path / "a", *RUN, *o)).key
+  base = key()
+  assert key("logging.plot=true", "eval.num_examples=5", "train.steps=9", "checkpoint.every=1") == base
+  assert memory_store(tiny_config(tmp_path / "elsewhere", *RUN)).key == base  # out_dir is not part of it
+  for other in ("memory.budget_ratio=1.2", "rollout.max_new_tokens=4", "seed=1", "memory.group_size=16"):
+    assert key(other) != base, other
+  assert memory_store(tiny_config(tmp_path, *RUN, "memory.cache=false")) is None
+
+
+@pytest.mark.slow
+def test_first_step_runs_gc_then_the_plan_and_a_second_run_starts_on_the_cached_plan(tmp_path, monkeypatch):
+  monkeypatch.setenv("HILORE_CACHE", str(tmp_path / "cache"))
+  first = Trainer(tiny_config(tmp_path / "first", *RUN, "memory.verify_steps=2"))
+  first.train()
+  rows = _rows(tmp_path / "first")
+  # step 1: full checkpointing, nothing measured; set-up (and the plan's fit) after it on its minibatches; step 2
+  # times GC without a compile (the guard's reference); the plan from step 3, fitted ahead
+  assert rows[0]["alloc/warmup"] == 1 and rows[0]["alloc/frac_R"] == 1 and rows[0]["compile/probes"] == 0
+  assert rows[1]["alloc/warmup"] == 1 and rows[1]["time/memory_setup_s"] > 0 and rows[1]["compile/probes"] > 0
+  assert rows[2]["alloc/warmup"] == 0 and rows[2]["alloc/frac_R"] < 1 and rows[2]["time/plan_fit_s"] == 0
+  assert "time/memory_setup_s" not in rows[0] and "time/memory_setup_s" not in rows[2]
+  st = first.memory.state
+  assert first.memory.ready_at == 2 and st.calibrated_at == 1
+  assert len(st.timings["gc"]) == 1 and len(st.timings["plan"]) == 1 and st.guard == ""  # 1 of 2 plan steps
+  with open(first.memory.store.path) as f:
+    cached = json.load(f)
+  assert cached == json.loads(json.dumps(st.to_json()))
+
+  # verify_steps is not part of the key (the guard's verdict is a measurement, kept with the rest)
+  second = Trainer(tiny_config(tmp_path / "second", *RUN))
+  assert second.memory.store.path == first.memory.store.path
+  second.train()
+  again = _rows(tmp_path / "second")
+  # the plan from the first step, no probe compile, and the same plan as the first run once it had one
+  assert all(r["alloc/warmup"] == 0 and r["compile/probes"] == 0 for r in again)
+  plan = lambda r: tuple(r[f"alloc/frac_{c}"] for c in "HLRO")
+  assert {plan(r) for r in again} == {plan(rows[2])}
+  assert second.memory.ready_at == 0 and second.memory.state.calibrated_at == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan_speed", [10.0, 0.1])
+def test_the_guard_runs_gc_where_the_plans_are_measured_slower(tmp_path, monkeypatch, caplog, plan_speed):
+  from hilore_jax.memory import MemoryManager
+
+  observe = MemoryManager.observe
+
+  def scaled(self, seconds, clean):  # the plans' steps as if they ran plan_speed x as long
+    return observe(self, seconds * (plan_speed if self._last_kind == "plan" else 1.0), clean)
+
+  monkeypatch.setattr(MemoryManager, "observe", scaled)
+  with caplog.at_level(logging.INFO):
+    t = Trainer(tiny_config(tmp_path, *RUN, "memory.cache=false", "memory.verify_steps=1", "train.steps=5"))
+    t.train()
+  rows = _rows(tmp_path)
+  assert [r["alloc/warmup"] for r in rows] == [1, 1, 0, 0, 0]
+  slower = plan_speed > 1
+  assert t.memory.state.guard == ("gc" if slower else "plan")
+  # step 3 ran the plan and was measured; steps 4-5 follow the verdict
+  assert rows[2]["alloc/guard_gc"] == 0 and rows[2]["alloc/frac_R"] < 1
+  for r in rows[3:]:
+    assert r["alloc/guard_gc"] == (1 if slower else 0) and (r["alloc/frac_R"] == 1) == slower
+  said = "no faster, so this run (and the next from the cache) runs GC's program"
+  assert (said in caplog.text) == slower
+
+
+@pytest.mark.slow
+def test_without_the_cache_or_the_warmup_set_up_runs_as_before(tmp_path, monkeypatch):
+  monkeypatch.setenv("HILORE_CACHE", str(tmp_path / "cache"))
+  Trainer(tiny_config(tmp_path / "a", *RUN, "train.steps=1", "memory.cache=false")).train()
+  Trainer(tiny_config(tmp_path / "b", *RUN, "train.steps=1", "memory.cache=false")).train()
+  assert _rows(tmp_path / "b")[0]["alloc/warmup"] == 1  # nothing was cached: the second run warms up again
+  assert not os.path.exists(tmp_path / "cache" / "memory")
+  t = Trainer(tiny_config(tmp_path / "c", *RUN, "train.steps=1", "memory.warmup=none"))
+  t.train()
+  (row,) = _rows(tmp_path / "c")
+  assert row["alloc/warmup"] == 0 and row["compile/probes"] > 0 and t.memory.state.calibrated_at == 0
+  assert t.memory.ready_at == 0
