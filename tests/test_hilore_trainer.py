@@ -20,7 +20,7 @@ def test_budget_below_full_checkpointing_is_a_clear_error(tmp_path):
 def test_baseline_policy_trains_under_the_same_budget_rule(tmp_path):
   Trainer(tiny_config(tmp_path, "memory.policy=uniform_int8_gc", "memory.group_size=8", "memory.budget_ratio=1.5",
                       "memory.budget_probes=2", "train.steps=1", "eval.at_start=false", "eval.at_end=false",
-                      "grpo.filter_zero_std=false", "train.warmstart_steps=0")).train()
+                      "grpo.filter_zero_std=false", "train.warmstart_steps=0", "memory.warmup=none")).train()
   (row,) = metrics.read_metrics(tmp_path / "metrics.jsonl")
   assert row["alloc/frac_L"] > 0 and row["alloc/frac_H"] == 0  # compresses, never keeps float copies
   assert row["memory/compiled_bytes"] <= row["memory/budget_bytes"]

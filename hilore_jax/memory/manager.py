@@ -394,9 +394,9 @@ class MemoryManager:
     return [Allocation(-1, methods.Plan((), (), 0, 0.0, 0.0), policies, metrics) for _ in range(n)]
 
   def _gc_sample_due(self) -> bool:
-    """Warm up on GC until one of its steps ran without a compile (at most 3 steps), so the guard has its time."""
-    return (self.mc.warmup == "gc" and self.mc.verify_steps > 0 and not self.state.timings["gc"]
-            and self._warmup_steps < 3)
+    """A trainer that warmed up on GC goes on until one of its steps ran without a compile (at most 3 steps), so
+    the guard has GC's time (a caller that sets up and allocates itself never warms up)."""
+    return (0 < self._warmup_steps < 3 and self.mc.verify_steps > 0 and not self.state.timings["gc"])
 
   def observe(self, update_s_per_minibatch: float, clean: bool):
     """The trainer's measured update seconds per minibatch of the step just run (clean: no compile, no plan fit in
