@@ -1,5 +1,6 @@
 """The attention kernels behind `model.attention`: xla (the softmax probabilities as a tensor of the layer, which
-units.TABLE names) and dot_product_attention (jax.nn's fused kernel, cuDNN flash attention on GPU)."""
+units.TABLE names), dot_product_attention (jax.nn's fused kernel, cuDNN flash attention on GPU) and blockwise
+(flash-style attention in plain JAX: scores one block at a time, memory growing with T, not T x S, on any backend)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from hilore_jax.model.config import ATTENTION_BLOCK_K as BLOCK_K
+from hilore_jax.model.config import ATTENTION_BLOCK_Q as BLOCK_Q
 
 
 def attention_scores(q_BTNH, k_BSKH) -> jax.Array:
@@ -40,7 +44,6 @@ def fused_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS) -> jax.Array:
 
 # ----------------------------------------------------------------------------- blockwise (flash-style) attention
 
-BLOCK_Q, BLOCK_K = 128, 256  # default block sizes (ModelConfig.attention_block_q / _k default to these)
 
 
 def _mask_blocks(key_mask_BS, bk: int):
