@@ -101,8 +101,10 @@ def test_bf16_inputs_accumulate_in_float32():
   want = _xla(f32(q), f32(k), f32(v), mask_BTS) * seen_BT[..., None, None]  # the same inputs, in float32
   out = jax.jit(lambda q, k, v: blockwise_attention(q, k, v, key_mask_BS, 0, 8, 8))(q, k, v)
   assert out.dtype == jnp.bfloat16
-  err = rel_err(out, want)
-  assert err <= 2 ** -8  # the output's own bf16 rounding, not a bf16 sum over keys
+  assert rel_err(out, want) <= 2 ** -8  # within bf16 of the float32 reference
+  # float32 sums round once, at the output: the float32 reference rounded to bf16, up to a rare tie (measured 0.0;
+  # the xla kernel's bf16 probabilities and context sum are 2.5e-3 off it)
+  assert rel_err(out, want.astype(jnp.bfloat16)) <= 2 ** -12
   w = jax.random.normal(jax.random.PRNGKey(9), (B, T, N, H)) * seen_BT[..., None, None]
   grads = jax.grad(lambda q, k, v: jnp.sum(blockwise_attention(q, k, v, key_mask_BS, 0, 8, 8).astype(
       jnp.float32) * w), argnums=(0, 1, 2))(q, k, v)
