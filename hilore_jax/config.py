@@ -26,8 +26,9 @@ from hilore_jax.optim.config import OptimizerConfig
 from hilore_jax.rl.config import EvalConfig, GRPOConfig, ReplayConfig, RolloutConfig, TrainConfig
 from hilore_jax.tasks.config import TaskConfig
 
+_KERNEL_FIELDS = ("attention", "attention_block_q", "attention_block_k")  # how attention runs, not the shape
 _ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig)
-                     if f.name not in ("dtype", "param_dtype", "attention"))
+                     if f.name not in ("dtype", "param_dtype") + _KERNEL_FIELDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +39,9 @@ class ModelSection:
   init_std: float = 0.02
   dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"
-  attention: str = "xla"  # xla | dot_product_attention (jax.nn's fused kernel: cuDNN flash attention on GPU)
+  attention: str = "xla"  # xla | dot_product_attention (jax.nn's fused kernel: cuDNN on GPU) | blockwise (any backend)
+  attention_block_q: int = ModelConfig.attention_block_q  # blockwise's block sizes (ModelConfig holds the defaults)
+  attention_block_k: int = ModelConfig.attention_block_k
   arch: tuple[tuple[str, Any], ...] = ()  # HF-named fields (hidden_size, ...), given flat under model.
 
   def __post_init__(self):
@@ -58,13 +61,17 @@ class ModelSection:
       if not self.path:
         self.shape_config()  # validate the shape at the boundary
       else:
-        ModelConfig(dtype=self.dtype, param_dtype=self.param_dtype, attention=self.attention)  # numerics alone
+        ModelConfig(dtype=self.dtype, param_dtype=self.param_dtype, **self.kernel())  # numerics alone
     except ValueError as e:
       raise ConfigError(str(e) if str(e).startswith("model.") else f"model: {e}") from None
 
   def shape_config(self) -> ModelConfig:
     """The model config of a randomly initialised model (model.path unset)."""
-    return ModelConfig(**dict(self.arch), dtype=self.dtype, param_dtype=self.param_dtype, attention=self.attention)
+    return ModelConfig(**dict(self.arch), dtype=self.dtype, param_dtype=self.param_dtype, **self.kernel())
+
+  def kernel(self) -> dict[str, Any]:
+    """The attention kernel's ModelConfig fields (applied to a checkpoint's config too)."""
+    return {f: getattr(self, f) for f in _KERNEL_FIELDS}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -129,7 +129,7 @@ def load_model_config(key: str, path: str, section: ModelSection) -> ModelConfig
   path = model_dir(path)
   check_hf_dir(key, path)
   try:
-    return hf.load_config(path, section.param_dtype, section.dtype).replace(attention=section.attention)
+    return hf.load_config(path, section.param_dtype, section.dtype).replace(**section.kernel())
   except _LOAD_ERRORS as e:
     raise CheckpointError(f"{key} {_message(path, e)}") from None
 
@@ -140,7 +140,7 @@ def load_hf(key: str, path: str, section: ModelSection) -> tuple[ModelConfig, di
   check_hf_dir(key, path)
   try:
     cfg, params = hf.load_hf(path, section.param_dtype, section.dtype)
-    return cfg.replace(attention=section.attention), params
+    return cfg.replace(**section.kernel()), params
   except _LOAD_ERRORS as e:
     raise CheckpointError(f"{key} {_message(path, e)}") from None
 

@@ -14,11 +14,13 @@ def test_yaml_and_overrides(tmp_path):
   path = tmp_path / "c.yaml"
   path.write_text("model:\n  hidden_size: 40\n  num_attention_heads: 4\ntrain:\n  steps: 5\n"
                   "task:\n  arithmetic:\n    ops: ['+', '-']\n")
-  c = cli.load_config(str(path), ["train.steps=20", "out_dir=/tmp/run", "grpo.eps_high=0.28", "model.dtype=bfloat16"])
+  c = cli.load_config(str(path), ["train.steps=20", "out_dir=/tmp/run", "grpo.eps_high=0.28", "model.dtype=bfloat16",
+                                  "model.attention=blockwise", "model.attention_block_q=16"])
   assert c.train.steps == 20 and c.out_dir == "/tmp/run" and c.grpo.eps_high == 0.28
   assert c.task.arithmetic.ops == ("+", "-")
   mc = c.model.shape_config()
   assert mc.hidden_size == 40 and mc.dtype == "bfloat16"
+  assert (mc.attention, mc.attention_block_q, mc.attention_block_k) == ("blockwise", 16, 256)
   with pytest.raises(dataclasses_frozen_error()):
     c.train.steps = 3
 
@@ -46,7 +48,8 @@ def dataclasses_frozen_error():
     ("grpo.dual_clip=0.5", r"dual_clip must be > 1"),
     ("task.arithmetic.ops=['/']", r"ops must be a non-empty subset"),
     ("task.arithmetic.max_valu=3", r"unknown config key 'task.arithmetic.max_valu'"),
-    ("model.attention=flash", r"model.attention must be one of \['xla', 'dot_product_attention'\]"),
+    ("model.attention=flash", r"model.attention must be one of \['xla', 'dot_product_attention', 'blockwise'\]"),
+    ("model.attention_block_k=0", r"model.attention_block_k must be a positive integer, got 0"),
 ])
 def test_bad_values_name_the_key(override, message):
   with pytest.raises(ValueError, match=message):

@@ -45,7 +45,7 @@ def _ids(b=2, t=11, seed=0):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention", ["xla", "dot_product_attention"])
+@pytest.mark.parametrize("attention", ["xla", "dot_product_attention", "blockwise"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_match_transformers(case, attention, tmp_path):
   m = _torch_model(*CASES[case])

@@ -74,7 +74,7 @@ def _layer_names(cfg, policy):
   return _names(jax.make_jaxpr(fn)(p, x).jaxpr)
 
 
-@pytest.mark.parametrize("attention", ["xla", "dot_product_attention"])
+@pytest.mark.parametrize("attention", ["xla", "dot_product_attention", "blockwise"])
 def test_the_table_names_exactly_what_the_decoder_tags(tiny_cfg, attention):
   cfg = tiny_cfg.replace(attention=attention)
   rows = [t.name for t in U.table(attention)]
@@ -98,7 +98,7 @@ class _Recorder(dict):
     return super().__getitem__(key)
 
 
-@pytest.mark.parametrize("attention", ["xla", "dot_product_attention"])
+@pytest.mark.parametrize("attention", ["xla", "dot_product_attention", "blockwise"])
 def test_each_producer_reads_what_the_table_says(tiny_cfg, attention):
   assert set(model.OPS) == set(U.PRODUCERS) | {U.FUSED_ATTN}
   tiny_cfg = tiny_cfg.replace(attention=attention)
@@ -118,9 +118,10 @@ def test_each_producer_reads_what_the_table_says(tiny_cfg, attention):
 
 
 @pytest.mark.slow
-def test_memory_policies_work_under_the_fused_kernel(tiny_cfg):
-  """H and R keep the gradient exact under jax.nn.dot_product_attention, L stays within rounding of it."""
-  cfg = tiny_cfg.replace(attention="dot_product_attention")
+@pytest.mark.parametrize("attention", ["dot_product_attention", "blockwise"])
+def test_memory_policies_work_under_the_fused_kernel(tiny_cfg, attention):
+  """H and R keep the gradient exact under the fused kernels, L stays within rounding of it."""
+  cfg = tiny_cfg.replace(attention=attention, attention_block_q=3, attention_block_k=4)
   p = model.init_params(cfg, jax.random.PRNGKey(0), init_std=0.3)
   ids = jnp.array([[3, 5, 7, 11, 13, 17, 19], [2, 4, 6, 8, 10, 12, 14]])
   grad = lambda pol: jax.grad(lambda q: jnp.sum(jnp.tanh(model.forward(cfg, q, ids, layer_policies=(pol,) * 3))))(p)

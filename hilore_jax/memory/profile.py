@@ -52,8 +52,7 @@ def _op_calls(cfg: model.ModelConfig, batch: int, seq: int) -> dict[str, tuple[C
   tensors = {t.name: jax.random.normal(next(keys), U.shape(t.name, sizes), cfg.compute_dtype) for t in U.TABLE}
   tensors[U.ATTN_PROBS] = jax.nn.softmax(tensors[U.ATTN_PROBS].astype(jnp.float32), -1).astype(cfg.compute_dtype)
   pos = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
-  mask = jnp.broadcast_to(jnp.tril(jnp.ones((seq, seq), bool)), (batch, seq, seq))
-  ctx = model.LayerCtx(*model.rope_cos_sin(cfg, pos), mask)
+  ctx = model.layer_ctx(cfg, pos, jnp.ones((batch, seq), bool))
   calls = {}
   for op, reads in U.PRODUCERS.items():
     fn = jax.jit(lambda p, t, ctx, op=op: model.OPS[op](cfg, p, t, ctx))

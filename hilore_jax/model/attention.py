@@ -1,12 +1,17 @@
 """The attention kernels behind `model.attention`: xla (the softmax probabilities as a tensor of the layer, which
-units.TABLE names) and dot_product_attention (jax.nn's fused kernel, cuDNN flash attention on GPU)."""
+units.TABLE names), dot_product_attention (jax.nn's fused kernel, cuDNN flash attention on GPU) and blockwise
+(flash-style attention in plain JAX: scores one block at a time, memory growing with T, not T x S, on any backend)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+
+from hilore_jax.model.config import ATTENTION_BLOCK_K as BLOCK_K
+from hilore_jax.model.config import ATTENTION_BLOCK_Q as BLOCK_Q
 
 
 def attention_scores(q_BTNH, k_BSKH) -> jax.Array:
@@ -35,3 +40,186 @@ def fused_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS) -> jax.Array:
   """jax.nn.dot_product_attention [B, T, N, H]: cuDNN flash attention on GPU, XLA elsewhere; the probabilities
   are never a tensor of the layer (units.table: no attn_probs row under this kernel)."""
   return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None])
+
+
+# ----------------------------------------------------------------------------- blockwise (flash-style) attention
+
+
+
+def _mask_blocks(key_mask_BS, bk: int):
+  """Key mask [B, S] -> [nk, B, bk] bool (padding keys are invalid)."""
+  B, S = key_mask_BS.shape
+  n = -(-S // bk)
+  return jnp.pad(key_mask_BS.astype(bool), [(0, 0), (0, n * bk - S)]).reshape(B, n, bk).transpose(1, 0, 2)
+
+
+def _q_blocks(q_BTNH, KV: int, bq: int):
+  """q [B, T, N, H] -> [nq, B, K, G, bq, H] float32."""
+  B, T, N, H = q_BTNH.shape
+  n = -(-T // bq)
+  q = jnp.pad(q_BTNH.astype(jnp.float32), [(0, 0), (0, n * bq - T), (0, 0), (0, 0)])
+  return q.reshape(B, n, bq, KV, N // KV, H).transpose(1, 0, 3, 4, 2, 5)
+
+
+def _kv_blocks(x_BSKH, bk: int):
+  """k or v [B, S, K, H] -> [nk, B, K, bk, H] float32."""
+  B, S, KV, H = x_BSKH.shape
+  n = -(-S // bk)
+  x = jnp.pad(x_BSKH.astype(jnp.float32), [(0, 0), (0, n * bk - S), (0, 0), (0, 0)])
+  return x.reshape(B, n, bk, KV, H).transpose(1, 0, 3, 2, 4)
+
+
+def _row_blocks(x_BKGT, bq: int):
+  """Per-row statistics [B, K, G, T] -> [nq, B, K, G, bq]."""
+  B, KV, G, T = x_BKGT.shape
+  n = -(-T // bq)
+  x = jnp.pad(x_BKGT, [(0, 0), (0, 0), (0, 0), (0, n * bq - T)])
+  return x.reshape(B, KV, G, n, bq).transpose(3, 0, 1, 2, 4)
+
+
+def _unblock_q(x_nBKGqH, T: int):
+  """[nq, B, K, G, bq, H] -> [B, T, N, H]."""
+  n, B, KV, G, bq, H = x_nBKGqH.shape
+  return x_nBKGqH.transpose(1, 0, 4, 2, 3, 5).reshape(B, n * bq, KV * G, H)[:, :T]
+
+
+def _unblock_kv(x_nBKsH, S: int):
+  """[nk, B, K, bk, H] -> [B, S, K, H]."""
+  n, B, KV, bk, H = x_nBKsH.shape
+  return x_nBKsH.transpose(1, 0, 3, 2, 4).reshape(B, n * bk, KV, H)[:, :S]
+
+
+def _block_mask(key_mask_nBs, query_offset, i, j, bq: int, bk: int):
+  """[B, 1, 1, bq, bk]: key j*bk+s is a valid key at or before query i*bq+t's slot (query_offset + its index)."""
+  q_slot = query_offset + i * bq + jnp.arange(bq)
+  k_slot = j * bk + jnp.arange(bk)
+  causal = k_slot[None, :] <= q_slot[:, None]
+  return causal[None, None, None] & key_mask_nBs[j][:, None, None, None, :]
+
+
+def _visible(query_offset, i, j, bq: int, bk: int):
+  """Whether block (i, j) has any causally visible key (blocks wholly above the diagonal are skipped)."""
+  return j * bk <= query_offset + i * bq + bq - 1
+
+
+def _block_sizes(T: int, S: int, block_q: int, block_k: int) -> tuple[int, int]:
+  return min(block_q, T), min(block_k, S)
+
+
+def _blockwise_fwd_impl(q_BTNH, k_BSKH, v_BSKH, key_mask_BS, query_offset, block_q, block_k):
+  """(out [B, T, N, H] in q's dtype, logsumexp [B, K, G, T] float32; -inf where a row sees no key)."""
+  B, T, N, H = q_BTNH.shape
+  S, KV = k_BSKH.shape[1], k_BSKH.shape[2]
+  bq, bk = _block_sizes(T, S, block_q, block_k)
+  scale = 1.0 / math.sqrt(H)
+  q_n = _q_blocks(q_BTNH, KV, bq) * scale
+  k_n, v_n = _kv_blocks(k_BSKH, bk), _kv_blocks(v_BSKH, bk)
+  km_n = _mask_blocks(key_mask_BS, bk)
+  nk = k_n.shape[0]
+
+  def q_block(i, q_BKGqH):
+    def k_block(carry, j):
+      def update(carry):
+        m, l, acc = carry
+        s = jnp.einsum("bkgqh,bksh->bkgqs", q_BKGqH, k_n[j])
+        mask = _block_mask(km_n, query_offset, i, j, bq, bk)
+        m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with no key yet: exp() of -inf, not of nan
+        p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
+        alpha = jnp.exp(m - m_safe)
+        return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + jnp.einsum("bkgqs,bksh->bkgqh",
+                                                                                         p, v_n[j])
+
+      return jax.lax.cond(_visible(query_offset, i, j, bq, bk), update, lambda c: c, carry), None
+
+    shape = q_BKGqH.shape[:-1]
+    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(q_BKGqH.shape,
+                                                                                             jnp.float32))
+    (m, l, acc), _ = jax.lax.scan(k_block, init, jnp.arange(nk))
+    seen = l > 0
+    out = acc / jnp.where(seen, l, 1.0)[..., None]  # a row that sees no key (left padding) gives zeros
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+    return out, lse
+
+  out_n, lse_n = jax.lax.map(lambda a: q_block(*a), (jnp.arange(q_n.shape[0]), q_n))
+  lse_BKGT = lse_n.transpose(1, 2, 3, 0, 4).reshape(B, KV, N // KV, -1)[..., :T]
+  return _unblock_q(out_n, T).astype(q_BTNH.dtype), lse_BKGT
+
+
+# Linearizing an enclosing scan (the decoder's layer scan), JAX hoists out of the loop what the body computes from
+# loop-invariant inputs alone (the key mask, the query offset): every block's mask and values selected by it, stacked
+# over all query x key blocks, T x S again (measured: 16 x 16 blocks of [B, K, G, 32, 32] at T = 512). As a
+# checkpoint the forward is one call that split cannot see into; it keeps only its inputs.
+_fwd_opaque = jax.checkpoint(_blockwise_fwd_impl, static_argnums=(5, 6))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _blockwise(q_BTNH, k_BSKH, v_BSKH, key_mask_BS, query_offset, block_q, block_k):
+  return _fwd_opaque(q_BTNH, k_BSKH, v_BSKH, key_mask_BS, query_offset, block_q, block_k)[0]
+
+
+def _blockwise_fwd(q_BTNH, k_BSKH, v_BSKH, key_mask_BS, query_offset, block_q, block_k):
+  out, lse = _fwd_opaque(q_BTNH, k_BSKH, v_BSKH, key_mask_BS, query_offset, block_q, block_k)
+  return out, (q_BTNH, k_BSKH, v_BSKH, key_mask_BS, query_offset, out, lse)
+
+
+def _blockwise_bwd(block_q, block_k, res, dout_BTNH):
+  """Flash-attention backward: each block's probabilities recomputed from q, k and the row logsumexp; an outer
+  scan over key blocks yields dk, dv per block and accumulates dq, an inner scan runs over query blocks."""
+  q_BTNH, k_BSKH, v_BSKH, key_mask_BS, query_offset, out_BTNH, lse_BKGT = res
+  B, T, N, H = q_BTNH.shape
+  S, KV = k_BSKH.shape[1], k_BSKH.shape[2]
+  bq, bk = _block_sizes(T, S, block_q, block_k)
+  scale = 1.0 / math.sqrt(H)
+  q_n = _q_blocks(q_BTNH, KV, bq)
+  do_n = _q_blocks(dout_BTNH, KV, bq)
+  # D = rowsum(dout * out): the softmax derivative's row term, without the probabilities
+  d_n = jnp.sum(do_n * _q_blocks(out_BTNH, KV, bq), axis=-1)
+  lse_n = _row_blocks(jnp.where(jnp.isfinite(lse_BKGT), lse_BKGT, 0.0), bq)
+  k_n, v_n = _kv_blocks(k_BSKH, bk), _kv_blocks(v_BSKH, bk)
+  km_n = _mask_blocks(key_mask_BS, bk)
+  nq = q_n.shape[0]
+
+  def k_block(dq_n, j):
+    def q_block(carry, i):
+      def update(carry):
+        dk, dv = carry
+        s = jnp.einsum("bkgqh,bksh->bkgqs", q_n[i], k_n[j]) * scale
+        mask = _block_mask(km_n, query_offset, i, j, bq, bk)
+        p = jnp.where(mask, jnp.exp(s - lse_n[i][..., None]), 0.0)
+        dp = jnp.einsum("bkgqh,bksh->bkgqs", do_n[i], v_n[j])
+        ds = p * (dp - d_n[i][..., None]) * scale
+        dq_i = jnp.einsum("bkgqs,bksh->bkgqh", ds, k_n[j])
+        return (dk + jnp.einsum("bkgqs,bkgqh->bksh", ds, q_n[i]), dv + jnp.einsum("bkgqs,bkgqh->bksh", p, do_n[i])), \
+            dq_i
+
+      def skip(carry):
+        return carry, jnp.zeros(q_n.shape[1:], jnp.float32)
+
+      return jax.lax.cond(_visible(query_offset, i, j, bq, bk), update, skip, carry)
+
+    zeros = jnp.zeros(k_n.shape[1:], jnp.float32)
+    (dk, dv), dq_parts = jax.lax.scan(q_block, (zeros, zeros), jnp.arange(nq))
+    return dq_n + dq_parts, (dk, dv)
+
+  dq_n, (dk_n, dv_n) = jax.lax.scan(k_block, jnp.zeros(q_n.shape, jnp.float32), jnp.arange(k_n.shape[0]))
+  return (_unblock_q(dq_n, T).astype(q_BTNH.dtype), _unblock_kv(dk_n, S).astype(k_BSKH.dtype),
+          _unblock_kv(dv_n, S).astype(v_BSKH.dtype), None, None)
+
+
+_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+def blockwise_attention(q_BTNH, k_BSKH, v_BSKH, key_mask_BS, query_offset=0, block_q: int = BLOCK_Q,
+                        block_k: int = BLOCK_K) -> jax.Array:
+  """Causal grouped-query attention [B, T, N, H] over key blocks with an online softmax (flash attention): query t
+  sits at key slot query_offset + t and sees the valid keys (key_mask_BS) at or before it; scores live one
+  [B, K, G, block_q, block_k] block at a time and backward recomputes them, so memory grows with T, not T x S.
+  Float32 accumulation, output in q's dtype; a query that sees no key gives zeros."""
+  return _blockwise(q_BTNH, k_BSKH, v_BSKH, key_mask_BS, jnp.asarray(query_offset, jnp.int32), block_q, block_k)
+
+
+@functools.lru_cache(maxsize=None)
+def blockwise_kernel(block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
+  """blockwise_attention at fixed block sizes, one hashable function per pair (lowp.apply takes it as static)."""
+  return functools.partial(blockwise_attention, block_q=block_q, block_k=block_k)

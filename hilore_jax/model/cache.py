@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from hilore_jax.model.config import ModelConfig
-from hilore_jax.model.decoder import LayerCtx, decoder_layer, embed, logits, rms_norm, rope_cos_sin, stack_layers
+from hilore_jax.model.decoder import decoder_layer, embed, layer_ctx, logits, rms_norm, stack_layers
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> tuple:
@@ -21,11 +21,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) ->
 def forward_cached(cfg: ModelConfig, params: dict, input_ids_BT, positions_BT, key_mask_BS, cache: tuple,
                    cache_index) -> tuple[jax.Array, tuple]:
   """Logits [B, T, V] for tokens placed at cache slots cache_index..+T, attending to valid earlier slots."""
-  B, T = input_ids_BT.shape
-  S = key_mask_BS.shape[1]
-  slot_T = cache_index + jnp.arange(T)
-  mask_BTS = (jnp.arange(S)[None, :] <= slot_T[:, None])[None] & key_mask_BS.astype(bool)[:, None, :]
-  ctx = LayerCtx(*rope_cos_sin(cfg, positions_BT), mask_BTS)
+  ctx = layer_ctx(cfg, positions_BT, key_mask_BS, cache_index)
   x = embed(cfg, params, input_ids_BT)
 
   def body(x, layer):

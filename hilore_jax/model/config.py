@@ -20,7 +20,9 @@ def dtype_name(dtype: Any) -> str:
   return name
 
 
-ATTENTION_KERNELS = ("xla", "dot_product_attention")
+ATTENTION_KERNELS = ("xla", "dot_product_attention", "blockwise")
+# blockwise's query and key block sizes: a [B, K, G, 128, 256] float32 score block is live at a time
+ATTENTION_BLOCK_Q, ATTENTION_BLOCK_K = 128, 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +50,11 @@ class ModelConfig:
   pad_token_id: int | None = None
   dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"
-  attention: str = "xla"  # xla: softmax probabilities as a tensor; dot_product_attention: jax.nn's fused kernel
+  # xla: softmax probabilities as a tensor; dot_product_attention: jax.nn's fused kernel (cuDNN flash attention on
+  # GPU); blockwise: flash-style attention over query x key blocks, memory O(T x block) on any backend
+  attention: str = "xla"
+  attention_block_q: int = ATTENTION_BLOCK_Q  # blockwise's block sizes (T and S need not be multiples)
+  attention_block_k: int = ATTENTION_BLOCK_K
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -67,6 +73,10 @@ class ModelConfig:
       raise ValueError(f"head size must be even for RoPE, got {self.head_size}")
     if self.attention not in ATTENTION_KERNELS:
       raise ValueError(f"model.attention must be one of {list(ATTENTION_KERNELS)}, got {self.attention!r}")
+    for name in ("attention_block_q", "attention_block_k"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
     if self.model_type not in ("qwen2", "llama"):
       raise ValueError(f"model.model_type must be one of ['llama', 'qwen2'], got {self.model_type!r}")
     object.__setattr__(self, "dtype", dtype_name(self.dtype))

@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from hilore_jax.model import lowp
 from hilore_jax.model import units as U
-from hilore_jax.model.attention import attention_context, attention_probs, fused_attention
+from hilore_jax.model.attention import attention_context, attention_probs, blockwise_kernel, fused_attention
 from hilore_jax.model.config import ModelConfig
 from hilore_jax.model.policy import NO_REMAT, LayerPolicy, Residual, remat, saved_residuals, uniform
 
@@ -118,11 +118,37 @@ def _proj(x, w, b, spec):
 
 
 class LayerCtx(NamedTuple):
-  """What every layer reads besides its own params and input: RoPE tables and the attention mask."""
+  """What every layer reads besides its own params and input: RoPE tables and the attention mask, as [B, T, S]
+  and as its parts (the blockwise kernel builds each block's mask from them, never the T x S one)."""
 
   cos_BTH: jax.Array
   sin_BTH: jax.Array
   mask_BTS: jax.Array
+  key_mask_BS: jax.Array | None = None  # valid keys; None: every key
+  query_offset: jax.Array | int = 0  # query t sits at key slot query_offset + t (a cache index when decoding)
+
+
+def layer_ctx(cfg: ModelConfig, positions_BT: jax.Array, key_mask_BS: jax.Array, query_offset=0) -> LayerCtx:
+  """RoPE tables and the causal mask of queries at key slots query_offset.. over the valid keys of key_mask_BS."""
+  T, S = positions_BT.shape[1], key_mask_BS.shape[1]
+  key_mask_BS = key_mask_BS.astype(bool)
+  slot_T = query_offset + jnp.arange(T)
+  mask_BTS = (jnp.arange(S)[None, :] <= slot_T[:, None])[None] & key_mask_BS[:, None, :]
+  return LayerCtx(*rope_cos_sin(cfg, positions_BT), mask_BTS, key_mask_BS, jnp.asarray(query_offset, jnp.int32))
+
+
+def fused_kernel(cfg: ModelConfig, ctx: LayerCtx, k_BSKH: jax.Array) -> tuple:
+  """(the fused kernel of cfg.attention as fn(q, k, v, *args), its args besides q, k, v from the layer context)."""
+  if cfg.attention == "blockwise":
+    key_mask_BS = jnp.ones(k_BSKH.shape[:2], bool) if ctx.key_mask_BS is None else ctx.key_mask_BS
+    return (blockwise_kernel(cfg.attention_block_q, cfg.attention_block_k),
+            (key_mask_BS, jnp.asarray(ctx.query_offset, jnp.int32)))
+  return fused_attention, (ctx.mask_BTS,)
+
+
+def _fused(cfg: ModelConfig, q, k, v, ctx: LayerCtx) -> jax.Array:
+  fn, args = fused_kernel(cfg, ctx, k)
+  return fn(q, k, v, *args)
 
 
 # The producer ops of units.TABLE, each (cfg, layer params, tensors by name, ctx) -> its tensor. The memory
@@ -136,7 +162,7 @@ OPS = {
     "v_proj": lambda c, p, t, x: _proj(t[U.ATTN_NORM], p["attn"]["wv_DKH"], p["attn"].get("bv_KH"), "btd,dkh->btkh"),
     "scores": lambda c, p, t, x: attention_probs(t[U.Q], t[U.K], x.mask_BTS),
     "pv": lambda c, p, t, x: attention_context(t[U.ATTN_PROBS], t[U.V]),
-    U.FUSED_ATTN: lambda c, p, t, x: fused_attention(t[U.Q], t[U.K], t[U.V], x.mask_BTS),
+    U.FUSED_ATTN: lambda c, p, t, x: _fused(c, t[U.Q], t[U.K], t[U.V], x),
     "o_proj": lambda c, p, t, x: t[U.LAYER_INPUT] + _proj(t[U.ATTN_CTX], p["attn"]["wo_NHD"], p["attn"].get("bo_D"),
                                                           "btnh,nhd->btd"),
     "mlp_norm_op": lambda c, p, t, x: rms_norm(t[U.MLP_INPUT], p["mlp_norm_D"], c.rms_norm_eps),
@@ -182,12 +208,13 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, ctx: LayerCtx, kv_cache=None
     cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, cache_index, 0, 0))
     new_cache, k, v = (ck, cv), ck.astype(q.dtype), cv.astype(q.dtype)
   kms = [km(U.Q, q), km(U.K, k), km(U.V, v)]
-  if cfg.attention == "dot_product_attention":  # the fused kernel's backward reads q, k, v as kept
+  if U.fused(cfg.attention):  # the fused kernel's backward reads q, k, v as kept
+    fn, args = fused_kernel(cfg, ctx, k)
     if kv_cache is None and any(c[0] is not None for c in kms):
-      ctx_BTNH = lowp.apply(fused_attention, tuple(c[0] for c in kms) + (None,), (q, k, v, ctx.mask_BTS),
-                            tuple(c[1] for c in kms) + (None,))
+      none = (None,) * len(args)
+      ctx_BTNH = lowp.apply(fn, tuple(c[0] for c in kms) + none, (q, k, v) + args, tuple(c[1] for c in kms) + none)
     else:
-      ctx_BTNH = fused_attention(q, k, v, ctx.mask_BTS)
+      ctx_BTNH = fn(q, k, v, *args)
   else:
     kms.append(keep(U.ATTN_PROBS, k.shape[1], q.dtype))
     if kv_cache is None and any(c[0] is not None for c in kms):
@@ -278,9 +305,7 @@ def hidden_states(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array, atten
   policies = tuple(layer_policies) if layer_policies is not None else uniform(cfg.num_hidden_layers, NO_REMAT)
   if len(policies) != cfg.num_hidden_layers:
     raise ValueError(f"got {len(policies)} layer policies for {cfg.num_hidden_layers} layers")
-  causal_TT = jnp.tril(jnp.ones((T, T), bool))
-  mask_BTS = causal_TT[None] & attention_mask_BT.astype(bool)[:, None, :]
-  ctx = LayerCtx(*rope_cos_sin(cfg, positions_BT), mask_BTS)
+  ctx = layer_ctx(cfg, positions_BT, attention_mask_BT)
   x = embed(cfg, params, input_ids_BT)
   if taps is not None:
     def tapped(x, p):
@@ -318,7 +343,7 @@ def layer_residuals(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array,
   """
   B, T = input_ids_BT.shape
   mask_BT = jnp.ones((B, T), jnp.int32)
-  ctx = LayerCtx(*rope_cos_sin(cfg, default_positions(mask_BT)), jnp.tril(jnp.ones((T, T), bool))[None])
+  ctx = layer_ctx(cfg, default_positions(mask_BT), mask_BT)
   x = embed(cfg, params, input_ids_BT)
   out = []
   for i, policy in enumerate(layer_policies):

@@ -103,13 +103,19 @@ def numel(name: str, sizes: dict[str, int]) -> int:
 
 
 FUSED_ATTN = "attn"  # the fused kernel's op: q, k, v -> context in one call
+FUSED_KERNELS = ("dot_product_attention", "blockwise")  # the model.attention kernels with no probabilities tensor
+
+
+def fused(attention: str) -> bool:
+  """Whether the kernel computes the context from q, k and v in one op (units.FUSED_ATTN), with no attn_probs."""
+  return attention in FUSED_KERNELS
 
 
 def table(attention: str = "xla") -> tuple[Tensor, ...]:
-  """The rows for an attention kernel. jax.nn.dot_product_attention never materialises the probabilities: the
-  context comes from q, k and v in one op, whose backward reruns it (its softmax statistics are not a named
-  tensor a policy could keep), so there is no attn_probs row. The allocator's units are the same for both."""
-  if attention == "xla":
+  """The rows for an attention kernel. jax.nn.dot_product_attention and the blockwise kernel never materialise the
+  probabilities: the context comes from q, k and v in one op, whose backward reruns it (its softmax statistics are
+  not a named tensor a policy could keep), so there is no attn_probs row. The allocator's units are the same."""
+  if not fused(attention):
     return TABLE
-  fused = dataclasses.replace(BY_NAME[ATTN_CTX], producer=FUSED_ATTN, reads=(Q, K, V))
-  return tuple(fused if t.name == ATTN_CTX else t for t in TABLE if t.name != ATTN_PROBS)
+  ctx = dataclasses.replace(BY_NAME[ATTN_CTX], producer=FUSED_ATTN, reads=(Q, K, V))
+  return tuple(ctx if t.name == ATTN_CTX else t for t in TABLE if t.name != ATTN_PROBS)
