@@ -84,7 +84,7 @@ def test_the_guard_runs_gc_where_the_plans_are_measured_slower(tmp_path, monkeyp
   observe = MemoryManager.observe
 
   def scaled(self, seconds, clean):  # the plans' steps as if they ran plan_speed x as long
-    return observe(self, seconds * (plan_speed if self._last_kind == "plan" else 1.0), clean)
+    return observe(self, seconds * (plan_speed if self.guard.last == "plan" else 1.0), clean)
 
   monkeypatch.setattr(MemoryManager, "observe", scaled)
   with caplog.at_level(logging.INFO):
@@ -114,3 +114,28 @@ def test_without_the_cache_or_the_warmup_set_up_runs_as_before(tmp_path, monkeyp
   (row,) = _rows(tmp_path / "c")
   assert row["alloc/warmup"] == 0 and row["compile/probes"] > 0 and t.memory.state.calibrated_at == 0
   assert t.memory.ready_at == 0
+
+
+@pytest.mark.slow
+def test_a_run_resumed_mid_warmup_warms_up_as_the_uninterrupted_one(tmp_path):
+  import shutil
+
+  from trainer_util import stable
+
+  # checkpoint 1 is written after set-up and before GC's timing step: the resumed run must still run step 2 on GC
+  args = [*RUN, "memory.cache=false", "memory.verify_steps=2", "train.steps=4", "checkpoint.every=1",
+          "checkpoint.keep=4"]
+  Trainer(tiny_config(tmp_path / "a", *args)).train()
+  full = _rows(tmp_path / "a")
+  assert [r["alloc/warmup"] for r in full] == [1, 1, 0, 0]
+  shutil.copytree(tmp_path / "a", tmp_path / "b")
+  for step in (2, 3, 4):
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / str(step))
+  os.remove(tmp_path / "b" / "summary.json")
+  t = Trainer(tiny_config(tmp_path / "b", *args, "train.resume=true"))
+  t.train()
+  resumed = _rows(tmp_path / "b")
+  assert [r["step"] for r in resumed] == [1, 2, 3, 4] and stable(resumed) == stable(full)
+  # the same steps on GC; only the timing differs: the resumed process compiled GC's program in step 2, which then
+  # gives the guard no clean time
+  assert t.memory.state.warmup_steps == 2 and t.memory.state.timings["gc"] == []

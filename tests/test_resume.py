@@ -26,7 +26,7 @@ COMMON = ["train.steps=4", "checkpoint.every=2", "grpo.num_iterations=2", "train
           "optimizer.kind=logra", "optimizer.logra.rank=3", "optimizer.logra.refresh_every=3",
           "optimizer.kl_control.target=0.001", "optimizer.kl_control.chunk=2",
           "memory.policy=hilore", "memory.group_size=8", "memory.buckets=3", "memory.budget_probes=2",
-          "memory.budget_ratio=1.02"]
+          "memory.budget_ratio=1.02", "memory.warmup=none"]
 
 
 @pytest.mark.slow

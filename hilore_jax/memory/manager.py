@@ -2,7 +2,9 @@
 exposure of all of a step's minibatches in one jitted call, and per bucket (a vector of unit exposure levels) one
 plan fitted to the budget on the compiled step. It reaches the trainer only through `StepHooks` (compile a step, take
 a gradient, read loss coefficients); its state is a typed, JSON-serialisable dataclass saved with every checkpoint.
-"""
+
+Over 320 lines on purpose: set-up, buckets, the budget fit and allocation all read and write one state and share its
+memoised plans; the warm-up and the measured guard live in warmup.py, the state's disk cache in store.py."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from hilore_jax.memory import buckets as bucketing
 from hilore_jax.memory import budget as budgets
 from hilore_jax.memory import calibrate, calibration, methods, predictors, profile
 from hilore_jax.memory import store as stores
+from hilore_jax.memory import warmup
 from hilore_jax.memory.buckets import AllocationCache
 from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.memory.hooks import StepHooks
@@ -38,13 +41,6 @@ class Allocation:
   active_constraint: str = "none"  # which budget binds the plan: memory | risk | both | none
 
 
-def guard_verdict(gc_s: list[float], plan_s: list[float]) -> str:
-  """"plan" where the plans' median seconds per minibatch is below GC's, "gc" where it is not, "" without GC's."""
-  if not gc_s or not plan_s:
-    return ""
-  return "plan" if float(np.median(plan_s)) < float(np.median(gc_s)) else "gc"
-
-
 class MemoryManager:
   """Chooses every minibatch's per-layer policies under the configured method and budget."""
 
@@ -55,11 +51,7 @@ class MemoryManager:
     # memory.warmup=gc: set-up waits for the end of the first step, which runs full checkpointing meanwhile
     self.pending_setup = False
     self.ready_at: int | None = None  # the step whose allocation first came from the method's own plans
-    # the measured guard: what the last step ran ("gc" warm-up, "plan", "guard": GC by the guard's verdict), the
-    # warm-up steps so far, and GC's timings measured before the state exists
-    self._last_kind: str | None = None
-    self._warmup_steps = 0
-    self._gc_times: list[float] = []
+    self.guard = warmup.Guard(mc.verify_steps, mc.policy)
     self.num_layers = hooks.model_cfg.num_hidden_layers
     self.state: ManagerState | None = None
     self._cache = AllocationCache(self._solve_bucket)
@@ -92,7 +84,10 @@ class MemoryManager:
     budget = budgets.budget_bytes(gc_bytes, mc.budget_ratio, mc.budget_bytes)
     rows, seq = self.hooks.batch_shape(batch)
     st = ManagerState(gc_bytes, budget, profile.profile_ops(cfg, rows, seq, mc.group_size), calibrated_at=step)
-    st.timings = self.state.timings if self.state is not None else {"gc": list(self._gc_times), "plan": []}
+    if self.state is not None:  # a refresh keeps what was measured
+      st.timings, st.guard, st.warmup_steps = self.state.timings, self.state.guard, self.state.warmup_steps
+    else:
+      st.timings, st.warmup_steps = self.guard.handover()
     if self.method in methods.CALIBRATED:
       K = mc.calib_batches
       logp = [None] * len(batches) if logp is None else logp
@@ -295,13 +290,13 @@ class MemoryManager:
     """Every minibatch's bucket, plan and policies, in order; a new bucket is fitted first (its probe compiles
     are not counted as scheduling time). Exposure levels come from one jitted call; logp: the minibatches'
     current log-probs where known, token_err their forward's per-token errors where known (unit_scores)."""
-    if self.state is None or self._gc_sample_due():  # warm-up: nothing measured yet, or GC's time not yet
-      self._last_kind = "gc"
-      return self.warmup_allocations(len(minibatches))
+    if self.state is None or self.guard.sample_due(self.state):  # warm-up: nothing measured, or not GC's time
+      self.guard.last = "gc"
+      return self.gc_allocations(len(minibatches))
     if self.state.guard == "gc":  # the plans ran no faster than GC: GC's program
-      self._last_kind = "guard"
-      return self.warmup_allocations(len(minibatches), guard=True)
-    self._last_kind = "plan"
+      self.guard.last = "guard"
+      return self.gc_allocations(len(minibatches), guard=True)
+    self.guard.last = "plan"
     return self._plan_allocations(minibatches, logp, token_err)
 
   def _plan_allocations(self, minibatches: list, logp=None, token_err=None) -> list[Allocation]:
@@ -367,7 +362,7 @@ class MemoryManager:
     if self.state is None or stale or other or due:
       self.setup(params, minibatches, step, logp=logp, opt_state=opt_state)
     allocations = self.allocate(minibatches, logp)
-    if self.ready_at is None and self._last_kind == "plan":
+    if self.ready_at is None and self.guard.last == "plan":
       self.ready_at = step
     return allocations
 
@@ -384,42 +379,17 @@ class MemoryManager:
              time.perf_counter() - t0, step + 1, step + 2)
     return time.perf_counter() - t0
 
-  def warmup_allocations(self, n: int, guard: bool = False) -> list[Allocation]:
-    """Full checkpointing for n minibatches: before set-up (nothing measured: no budget, no plan), while GC's own
-    time is measured, or (guard) where the plans were measured no faster than GC."""
+  def gc_allocations(self, n: int, guard: bool = False) -> list[Allocation]:
+    """Full checkpointing for n minibatches: before set-up, while GC's own time is measured, or (guard) where the
+    plans were measured no faster than GC (memory/warmup.py)."""
     policies = model.uniform(self.num_layers, model.FULL_REMAT)
-    metrics = {"alloc/frac_H": 0.0, "alloc/frac_L": 0.0, "alloc/frac_R": 1.0, "alloc/frac_O": 0.0,
-               "alloc/bucket": -1, "alloc/warmup": 0.0 if guard else 1.0, "alloc/guard_gc": 1.0 if guard else 0.0,
-               "time/schedule_s": 0.0, "time/alloc_wait_s": 0.0, "time/plan_fit_s": 0.0}
-    return [Allocation(-1, methods.Plan((), (), 0, 0.0, 0.0), policies, metrics) for _ in range(n)]
-
-  def _gc_sample_due(self) -> bool:
-    """A trainer that warmed up on GC goes on until one of its steps ran without a compile (at most 3 steps), so
-    the guard has GC's time (a caller that sets up and allocates itself never warms up)."""
-    return (0 < self._warmup_steps < 3 and self.mc.verify_steps > 0 and not self.state.timings["gc"])
+    return [Allocation(-1, methods.Plan((), (), 0, 0.0, 0.0), policies, warmup.gc_metrics(guard)) for _ in range(n)]
 
   def observe(self, update_s_per_minibatch: float, clean: bool):
-    """The trainer's measured update seconds per minibatch of the step just run (clean: no compile, no plan fit in
-    it), filed under what it ran; the guard judges once verify_steps clean plan steps are in."""
-    kind, self._last_kind = self._last_kind, None
-    if kind == "gc":
-      self._warmup_steps += 1
-    if not clean or kind not in ("gc", "plan"):
-      return
-    (self._gc_times if self.state is None else self.state.timings[kind]).append(float(update_s_per_minibatch))
-    if self.state is None:
-      return
-    st = self.state
-    if not st.guard and self.mc.verify_steps and len(st.timings["plan"]) >= self.mc.verify_steps:
-      st.guard = guard_verdict(st.timings["gc"], st.timings["plan"][-self.mc.verify_steps:])
-      gc_s, plan_s = (float(np.median(st.timings[k])) if st.timings[k] else float("nan") for k in ("gc", "plan"))
-      if st.guard == "gc":
-        log.warning("memory (%s): its plans ran %.2fs per update minibatch against full checkpointing's %.2fs: no "
-                    "faster, so this run (and the next from the cache) runs GC's program", self.method, plan_s, gc_s)
-      elif st.guard == "plan":
-        log.info("memory (%s): its plans run %.2fs per update minibatch against full checkpointing's %.2fs (%+.1f%%)",
-                 self.method, plan_s, gc_s, 100 * (plan_s / gc_s - 1))
-    self.persist()
+    """The trainer's measured update seconds per minibatch of the step just run (clean: no compile and no plan fit
+    in it), for the measured guard."""
+    if self.guard.observe(self.state, update_s_per_minibatch, clean):
+      self.persist()
 
   def persist(self):
     """Write the state to the store (memory.cache), so the next run of this recipe starts where this one is."""

@@ -53,6 +53,7 @@ class ManagerState:
   timings: dict[str, list[float]] = dataclasses.field(default_factory=lambda: {"gc": [], "plan": []})
   # what the measured guard decided: "" not yet, "plan" the plans ran faster than GC, "gc" they did not (GC runs)
   guard: str = ""
+  warmup_steps: int = 0  # steps run on GC before the plans (memory/warmup.py)
 
   def to_json(self) -> dict:
     return {"version": STATE_VERSION, **dataclasses.asdict(self)}

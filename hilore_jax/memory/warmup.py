@@ -1,0 +1,75 @@
+"""Before and beside a method's plans: full checkpointing while set-up has measured nothing, and the measured guard
+that compares the plans' update time with full checkpointing's and keeps GC's program where the plans are no
+faster. Measurements live in the manager's state (`ManagerState.timings`, `.guard`, `.warmup_steps`), so a resumed
+or cached run judges as the first did."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+GC_METRICS = {"alloc/frac_H": 0.0, "alloc/frac_L": 0.0, "alloc/frac_R": 1.0, "alloc/frac_O": 0.0, "alloc/bucket": -1,
+              "time/schedule_s": 0.0, "time/alloc_wait_s": 0.0, "time/plan_fit_s": 0.0}
+# the first warm-up step compiles (and set-up follows it), the second times GC for the guard; a fixed count, so a
+# resumed run warms up exactly as the uninterrupted one (only whether the second step was clean depends on compiles)
+WARMUP_STEPS = 2
+
+
+def gc_metrics(guard: bool) -> dict:
+  """The alloc/* metrics of a minibatch on full checkpointing: a warm-up's, or the guard's (the plans were slower)."""
+  return {**GC_METRICS, "alloc/warmup": 0.0 if guard else 1.0, "alloc/guard_gc": 1.0 if guard else 0.0}
+
+
+def verdict(gc_s: list[float], plan_s: list[float]) -> str:
+  """"plan" where the plans' median seconds per minibatch is below GC's, "gc" where it is not, "" without both."""
+  if not gc_s or not plan_s:
+    return ""
+  return "plan" if float(np.median(plan_s)) < float(np.median(gc_s)) else "gc"
+
+
+class Guard:
+  """What each step ran and how long its update took, judged once enough plan steps ran without a compile."""
+
+  def __init__(self, verify_steps: int, method: str):
+    self.verify_steps, self.method = verify_steps, method
+    self.last: str | None = None  # what the last allocation ran: gc (warm-up), plan, guard (GC by verdict)
+    self.warmup_steps = 0  # before the state exists (then state.warmup_steps)
+    self.gc_times: list[float] = []  # likewise
+
+  def sample_due(self, st) -> bool:
+    """A trainer that warmed up on GC runs one more GC step after set-up, so the guard has GC's time (a caller that
+    sets up and allocates itself never warms up)."""
+    return 0 < st.warmup_steps < WARMUP_STEPS and self.verify_steps > 0 and not st.timings["gc"]
+
+  def observe(self, st, seconds: float, clean: bool) -> bool:
+    """File a step's update seconds per minibatch under what it ran (clean: no compile, no plan fit in it) and judge
+    once verify_steps clean plan steps are in; st is None before set-up. True if the state changed."""
+    kind, self.last = self.last, None
+    if kind == "gc":
+      if st is None:
+        self.warmup_steps += 1
+      else:
+        st.warmup_steps += 1
+    if not clean or kind not in ("gc", "plan"):
+      return st is not None and kind == "gc"
+    if st is None:
+      self.gc_times.append(float(seconds))
+      return False
+    st.timings[kind].append(float(seconds))
+    if not st.guard and self.verify_steps and len(st.timings["plan"]) >= self.verify_steps:
+      st.guard = verdict(st.timings["gc"], st.timings["plan"][-self.verify_steps:])
+      gc_s, plan_s = (float(np.median(st.timings[k])) if st.timings[k] else float("nan") for k in ("gc", "plan"))
+      if st.guard == "gc":
+        log.warning("memory (%s): its plans ran %.2fs per update minibatch against full checkpointing's %.2fs: no "
+                    "faster, so this run (and the next from the cache) runs GC's program", self.method, plan_s, gc_s)
+      elif st.guard == "plan":
+        log.info("memory (%s): its plans run %.2fs per update minibatch against full checkpointing's %.2fs (%+.1f%%)",
+                 self.method, plan_s, gc_s, 100 * (plan_s / gc_s - 1))
+    return True
+
+  def handover(self) -> tuple[dict, int]:
+    """(timings, warm-up steps) measured before set-up, for the state set-up creates."""
+    return {"gc": list(self.gc_times), "plan": []}, self.warmup_steps
