@@ -7,6 +7,7 @@ on restore, and resuming falls back to the newest good one instead of training o
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import shutil
@@ -42,19 +43,34 @@ def checksums(tree) -> dict[str, int]:
 _quiet = False
 
 
+def _orbax_read_report(unraisable) -> bool:
+  """An unraisable report left by a failed restore's other reads: a coroutine of the read (whatever it raised as it
+  was closed) or a callback after the read's event loop closed."""
+  obj, exc = unraisable.object, unraisable.exc_value
+  if inspect.iscoroutine(obj) or "coroutine" in (unraisable.err_msg or "") or "coroutine" in repr(obj)[:80]:
+    return True
+  return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+
 def _quiet_failed_reads():
   """After one read of a damaged checkpoint fails, orbax's other reads of it still finish on tensorstore threads,
-  after their event loop closed: each would print a traceback for what is already one CheckpointError. Drop those
-  two kinds of report (unraisable 'Event loop is closed', asyncio's 'Task exception was never retrieved')."""
+  after their event loop closed: each would print a traceback ("Exception ignored in coroutine ...") for what is
+  already one CheckpointError. Drop those reports (their count is logged once at debug level) and asyncio's 'Task
+  exception was never retrieved'; any other unraisable report still prints."""
   global _quiet
   if _quiet:
     return
   _quiet = True
-  previous = sys.unraisablehook
+  previous, dropped = sys.unraisablehook, [0]
 
   def hook(unraisable):
-    if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+    if not _orbax_read_report(unraisable):
       previous(unraisable)
+      return
+    dropped[0] += 1
+    if dropped[0] == 1:
+      log.debug("dropping the unraisable reports of a failed restore's other reads (first: %s)",
+                _first_line(unraisable.exc_value) if unraisable.exc_value else unraisable.err_msg)
 
   sys.unraisablehook = hook
   logging.getLogger("asyncio").addFilter(lambda r: not r.getMessage().startswith("Task exception was never retrieved"))

@@ -178,3 +178,42 @@ def test_torn_metrics_row_is_dropped_and_resume_keeps_whole_rows(tmp_path, caplo
     f.write('garbage\n{"step": 5}\n')  # damage inside the file is not a torn write: say where it is
   with pytest.raises(DataError, match=r"metrics.jsonl:4: not a JSON row"):
     metrics.read_metrics(path)
+
+
+def test_a_failed_restores_leftover_read_reports_stay_quiet(monkeypatch, capsys):
+  """What orbax's other reads leave after one read failed: coroutines closed after their event loop, each printed by
+  Python as 'Exception ignored in: <coroutine ...>' with a traceback. After a failed restore they are dropped; any
+  other unraisable report still prints."""
+  import gc
+
+  monkeypatch.setattr(checkpointing, "_quiet", False)
+  monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
+
+  class Pending:
+    def __await__(self):
+      yield  # a read that never completes
+
+  async def read_chunk():
+    try:
+      await Pending()
+    finally:
+      raise RuntimeError("cannot schedule new futures after shutdown")  # the read meets its closed executor
+
+  class Bug:
+    def __del__(self):
+      raise ValueError("a real bug elsewhere")
+
+  def leave_reports(n):
+    for _ in range(n):
+      coro = read_chunk()
+      coro.send(None)  # suspended mid-read, as the failed restore leaves them
+      del coro
+    Bug()
+    gc.collect()
+
+  leave_reports(3)
+  assert capsys.readouterr().err.count("Exception ignored") == 4  # Python's own hook prints every one
+  checkpointing._quiet_failed_reads()
+  leave_reports(3)
+  err = capsys.readouterr().err
+  assert err.count("Exception ignored") == 1 and "a real bug elsewhere" in err and "read_chunk" not in err
