@@ -98,6 +98,42 @@ class CompileStats:
             "compile/cache_hits": self.cache_hits}
 
 
+def host_memory_mib() -> dict:
+  """This process's resident memory now and at its peak, in MiB (Linux /proc; elsewhere the peak from getrusage)."""
+  out = {}
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        key = {"VmRSS:": "memory/host_rss_mib", "VmHWM:": "memory/host_peak_mib"}.get(line.split(":")[0] + ":")
+        if key:
+          out[key] = int(line.split()[1]) / 1024.0
+  except OSError:
+    import resource
+
+    out["memory/host_peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+  return out
+
+
+def release_host_memory():
+  """Hand the C heap's free pages back to the OS (glibc's malloc_trim; elsewhere nothing): XLA:CPU's temporaries
+  (the sampler's stacked weights, a checkpoint's host copies) are freed but stay resident in malloc's arenas, and
+  they would count towards the next phase's peak."""
+  global _libc
+  if _libc is None:
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+      _libc = ctypes.CDLL(name) if name else False
+      _libc = _libc if _libc and hasattr(_libc, "malloc_trim") else False
+    except OSError:
+      _libc = False
+  if _libc:
+    _libc.malloc_trim(0)
+
+
+_libc = None
 _compile_stats: CompileStats | None = None
 
 

@@ -132,6 +132,7 @@ class Trainer:
             "warmstart_losses": self.warmstart_losses, "config": self.config.to_dict(),
             "memory_manager": self.memory.state_json() if self.memory is not None else None}
     self.checkpointer.save(step, self._checkpoint()[0], meta)
+    runtime.release_host_memory()  # the save's host copies, freed
 
   def restore_latest(self) -> bool:
     """Restore the newest intact checkpoint (a damaged newer one is reported and skipped); False if none."""
@@ -268,6 +269,8 @@ class Trainer:
         if self.memory is not None and self.memory.pending_setup:  # after the row: the first step shows at once
           self._setup_s = self.memory.finish_step(self.state["params"], self._last_minibatches, step,
                                                   self._last_logp, self.state["opt_state"])
+          self._last_minibatches = self._last_logp = None
+          runtime.release_host_memory()  # calibration's gradients and probe programs' temporaries, freed
         if c.logging.samples_every and (step + 1) % c.logging.samples_every == 0:  # the first prompt's group
           writer.write_samples(step + 1, rollout.sample_rows(self.prompter, self.last_rollout,
                                                              range(c.rollout.num_generations)))
@@ -291,6 +294,7 @@ class Trainer:
     t0 = time.perf_counter()
     roll = self.next_rollout()
     self.last_rollout = roll  # what the model saw and said this step (samples.jsonl, tests)
+    runtime.release_host_memory()  # the sampler's freed temporaries would count towards the update's peak
     t_rollout = time.perf_counter() - t0
     t1, compiles_before = time.perf_counter(), self.compiles.backend_count
     shuffle = np.random.default_rng([c.seed, step])
@@ -342,7 +346,7 @@ class Trainer:
     row.update({"time/rollout_s": t_rollout, "time/update_s": t_update, "time/step_s": time.perf_counter() - t0,
                 "throughput/update_tokens_per_s": tokens / t_update if t_update > 0 else 0.0,
                 "memory/peak_bytes": peaks[-1] if peaks else 0, "compile/count": self.stepper.compile_count,
-                "compile/probes": self.stepper.probe_compiles, **self.compiles.metrics(),
+                "compile/probes": self.stepper.probe_compiles, **self.compiles.metrics(), **runtime.host_memory_mib(),
                 "time/elapsed_s": time.time() - runtime.STARTED_AT})
     if self._setup_s:
       row["time/memory_setup_s"], self._setup_s = self._setup_s, 0.0
