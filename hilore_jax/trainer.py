@@ -296,7 +296,7 @@ class Trainer:
     self.last_rollout = roll  # what the model saw and said this step (samples.jsonl, tests)
     runtime.release_host_memory()  # the sampler's freed temporaries would count towards the update's peak
     t_rollout = time.perf_counter() - t0
-    t1, compiles_before = time.perf_counter(), self.compiles.backend_count
+    t1, compiles_before = time.perf_counter(), self.compiles.compiled
     shuffle = np.random.default_rng([c.seed, step])
     minibatches, stats = self.build_update_batch(roll, shuffle, step)
     minibatches, current_logp = self.add_logprobs(minibatches)
@@ -328,7 +328,7 @@ class Trainer:
     if self.memory is not None and self.memory.pending_setup:  # set-up measures on this step's own minibatches
       self._last_minibatches, self._last_logp = minibatches, current_logp
     if self.memory is not None and minibatches:  # the measured guard: GC's time against the plans'
-      clean = self.compiles.backend_count == compiles_before and not any(r["time/plan_fit_s"] for r in alloc_rows)
+      clean = self.compiles.compiled == compiles_before and not any(r["time/plan_fit_s"] for r in alloc_rows)
       self.memory.observe(t_update / (len(minibatches) * c.grpo.num_iterations), clean)
     row = {"step": step + 1, "reward/mean": float(roll.rewards.mean()), "reward/std": float(roll.rewards.std()),
            **stats, "completion_len/mean": float(roll.mask.sum(1).mean()),

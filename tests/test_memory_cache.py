@@ -54,6 +54,9 @@ def test_first_step_runs_gc_then_the_plan_and_a_second_run_starts_on_the_cached_
   # step 1: full checkpointing, nothing measured; set-up (and the plan's fit) after it on its minibatches; step 2
   # times GC without a compile (the guard's reference); the plan from step 3, fitted ahead
   assert rows[0]["alloc/warmup"] == 1 and rows[0]["alloc/frac_R"] == 1 and rows[0]["compile/probes"] == 0
+  # what the run did to get there: XLA's compiles and their seconds, the process's resident memory
+  assert rows[0]["compile/xla_count"] + rows[0]["compile/cache_hits"] > 0 and rows[0]["compile/xla_s"] > 0
+  assert 0 < rows[0]["memory/host_rss_mib"] <= rows[0]["memory/host_peak_mib"]
   assert rows[1]["alloc/warmup"] == 1 and rows[1]["time/memory_setup_s"] > 0 and rows[1]["compile/probes"] > 0
   assert rows[2]["alloc/warmup"] == 0 and rows[2]["alloc/frac_R"] < 1 and rows[2]["time/plan_fit_s"] == 0
   assert "time/memory_setup_s" not in rows[0] and "time/memory_setup_s" not in rows[2]
@@ -136,6 +139,5 @@ def test_a_run_resumed_mid_warmup_warms_up_as_the_uninterrupted_one(tmp_path):
   t.train()
   resumed = _rows(tmp_path / "b")
   assert [r["step"] for r in resumed] == [1, 2, 3, 4] and stable(resumed) == stable(full)
-  # the same steps on GC; only the timing differs: the resumed process compiled GC's program in step 2, which then
-  # gives the guard no clean time
-  assert t.memory.state.warmup_steps == 2 and t.memory.state.timings["gc"] == []
+  # the same steps on GC (whether step 2 timed GC cleanly depends on what the resumed process had to compile)
+  assert t.memory.state.warmup_steps == 2
