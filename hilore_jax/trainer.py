@@ -103,8 +103,12 @@ class Trainer:
     self.memory = (MemoryManager(c.memory, step_hooks.memory_hooks(self.stepper, self.spec,
                                                                    c.optimizer.max_grad_norm), memory_store(c))
                    if c.memory.policy not in ("none", "gc") else None)
+    if self.memory is not None:
+      self.memory.defer_fits = True  # a bucket met mid-step is fitted after it, not on the step's clock
     self.compiles = runtime.compile_stats()
-    self._setup_s = 0.0  # the memory manager's set-up after a warm-up step: reported in the next step's row
+    # the memory manager's work after a step (set-up after a warm-up step, buckets the step deferred), reported in the
+    # next step's row; the minibatches set-up measures on
+    self._setup_s, self._last_minibatches, self._last_logp = 0.0, None, None
     self.checkpointer = checkpointing.Checkpointer(os.path.join(self.out_dir, "checkpoints"), c.checkpoint.keep)
     self.ref_params = None
     self.start_step = 0
@@ -266,7 +270,7 @@ class Trainer:
       for step in bar:
         row = self.run_step(step)
         writer.write(row)
-        if self.memory is not None and self.memory.pending_setup:  # after the row: the first step shows at once
+        if self.memory is not None and (self.memory.pending_setup or self.memory.pending_fits):  # after the row
           self._setup_s = self.memory.finish_step(self.state["params"], self._last_minibatches, step,
                                                   self._last_logp, self.state["opt_state"])
           self._last_minibatches = self._last_logp = None
@@ -328,7 +332,8 @@ class Trainer:
     if self.memory is not None and self.memory.pending_setup:  # set-up measures on this step's own minibatches
       self._last_minibatches, self._last_logp = minibatches, current_logp
     if self.memory is not None and minibatches:  # the measured guard: GC's time against the plans'
-      clean = self.compiles.compiled == compiles_before and not any(r["time/plan_fit_s"] for r in alloc_rows)
+      clean = self.compiles.compiled == compiles_before and not any(r["time/plan_fit_s"] or r["alloc/deferred"]
+                                                                    for r in alloc_rows)
       self.memory.observe(t_update / (len(minibatches) * c.grpo.num_iterations), clean)
     row = {"step": step + 1, "reward/mean": float(roll.rewards.mean()), "reward/std": float(roll.rewards.std()),
            **stats, "completion_len/mean": float(roll.mask.sum(1).mean()),

@@ -62,7 +62,7 @@ def test_first_step_runs_gc_then_the_plan_and_a_second_run_starts_on_the_cached_
   assert "time/memory_setup_s" not in rows[0] and "time/memory_setup_s" not in rows[2]
   st = first.memory.state
   assert first.memory.ready_at == 2 and st.calibrated_at == 1
-  assert len(st.timings["gc"]) == 1 and len(st.timings["plan"]) == 1 and st.guard == ""  # 1 of 2 plan steps
+  assert 1 <= len(st.timings["gc"]) <= 2 and len(st.timings["plan"]) == 1 and st.guard == ""  # 1 of 2 plan steps
   with open(first.memory.store.path) as f:
     cached = json.load(f)
   assert cached == json.loads(json.dumps(st.to_json()))
@@ -141,3 +141,29 @@ def test_a_run_resumed_mid_warmup_warms_up_as_the_uninterrupted_one(tmp_path):
   assert [r["step"] for r in resumed] == [1, 2, 3, 4] and stable(resumed) == stable(full)
   # the same steps on GC (whether step 2 timed GC cleanly depends on what the resumed process had to compile)
   assert t.memory.state.warmup_steps == 2
+
+
+@pytest.mark.slow
+def test_a_bucket_met_mid_step_is_fitted_after_the_step_not_on_its_clock(tmp_path):
+  # exposure on: buckets are vectors of unit levels, new ones appear as rollouts change
+  t = Trainer(tiny_config(tmp_path, *RUN, "memory.cache=false", "memory.buckets=3", "train.steps=6",
+                          "memory.budget_ratio=1.5"))
+  seen = []
+  finish = t.memory.finish_step
+
+  def spy(*a, **k):
+    seen.append(sorted(t.memory.pending_fits))
+    return finish(*a, **k)
+
+  t.memory.finish_step = spy
+  t.train()
+  rows = _rows(tmp_path)
+  plan_rows = rows[2:]
+  assert all(r["time/plan_fit_s"] == 0 for r in rows)  # no fit on a step's clock
+  deferred = [r for r in plan_rows if r["alloc/deferred"]]
+  assert deferred, "the rollouts met no new bucket after the warm-up: the test needs another seed"
+  # every deferred bucket was pending at the step's end, fitted then (verified), and its time is in the next row
+  assert any(seen[1:]) and all(b in t.memory.state.verified for bs in seen for b in bs)
+  for i, r in enumerate(rows[:-1]):
+    if r["alloc/deferred"]:
+      assert rows[i + 1]["time/memory_setup_s"] > 0

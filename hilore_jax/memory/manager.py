@@ -51,6 +51,9 @@ class MemoryManager:
     # memory.warmup=gc: set-up waits for the end of the first step, which runs full checkpointing meanwhile
     self.pending_setup = False
     self.ready_at: int | None = None  # the step whose allocation first came from the method's own plans
+    # a bucket first met in a step is fitted after it (defer_fits: the trainer's way; a direct caller fits at once)
+    self.defer_fits = False
+    self.pending_fits: dict[int, Any] = {}
     self.guard = warmup.Guard(mc.verify_steps, mc.policy)
     self.num_layers = hooks.model_cfg.num_hidden_layers
     self.state: ManagerState | None = None
@@ -299,7 +302,12 @@ class MemoryManager:
     self.guard.last = "plan"
     return self._plan_allocations(minibatches, logp, token_err)
 
-  def _plan_allocations(self, minibatches: list, logp=None, token_err=None) -> list[Allocation]:
+  def _plan_allocations(self, minibatches: list, logp=None, token_err=None, defer: bool | None = None
+                        ) -> list[Allocation]:
+    """Each minibatch's bucket and plan; a bucket not fitted yet is fitted now, or (defer, the trainer's way) after
+    the step: its minibatch runs GC's program meanwhile (compiled already, within every budget)."""
+    # the first fit cannot wait: there is no plan yet to have deferred for
+    defer = (self.defer_fits and bool(self.state.verified)) if defer is None else defer
     t0 = time.perf_counter()
     self._unit_list(minibatches[0])
     keys, wait_s = [()] * len(minibatches), 0.0
@@ -310,27 +318,34 @@ class MemoryManager:
       wait_s = time.perf_counter() - t0
       keys = self.bucket_levels(self.unit_scores(minibatches, logp=logp, token_err=token_err))
     fit_s, chosen = 0.0, []
-    for key in keys:
+    for batch, key in zip(minibatches, keys):
       bucket = 0
       if self.method == "hilore":
         bucket = self.bucket_for(key)
       if bucket not in self.state.verified and self.method != "none":
+        if defer:
+          self.pending_fits.setdefault(bucket, batch)
+          chosen.append((bucket, None))
+          continue
         t1 = time.perf_counter()
-        self._fit(bucket, minibatches[0])
+        self._fit(bucket, batch)
         fit_s += time.perf_counter() - t1
       chosen.append((bucket, self._cache.get(bucket)))
     n = len(minibatches)
     schedule_s = (time.perf_counter() - t0 - fit_s - wait_s) / n
     out = []
     for bucket, plan in chosen:
+      deferred = plan is None
+      plan = self.gc_plan() if deferred else plan
       fr = plan.fractions()
       metrics = {"alloc/frac_H": fr["frac_H"], "alloc/frac_L": fr["frac_L"], "alloc/frac_R": fr["frac_R"],
                  "alloc/frac_O": fr["frac_O"], "alloc/bucket": bucket, "alloc/greedy_gap": self._gaps.get(bucket, 0.0),
                  "alloc/predicted_err": float(plan.risk), "memory/budget_bytes": self.state.budget_bytes,
                  "memory/predicted_bytes": self.state.gc_bytes + plan.bytes, "alloc/warmup": 0.0,
-                 "alloc/guard_gc": 0.0,
+                 "alloc/guard_gc": 0.0, "alloc/deferred": float(deferred),
                  "time/schedule_s": schedule_s, "time/alloc_wait_s": wait_s / n, "time/plan_fit_s": fit_s / n}
-      out.append(Allocation(bucket, plan, self.policies(plan), metrics, self._active.get(bucket, "none")))
+      policies = model.uniform(self.num_layers, model.FULL_REMAT) if deferred else self.policies(plan)
+      out.append(Allocation(bucket, plan, policies, metrics, "none" if deferred else self._active.get(bucket, "none")))
     return out
 
   def step(self, params, minibatches: list, step: int, logp=None, opt_state=None) -> list[Allocation]:
@@ -367,17 +382,23 @@ class MemoryManager:
     return allocations
 
   def finish_step(self, params, minibatches: list, step: int, logp=None, opt_state=None) -> float:
-    """After a warm-up step: set up on that step's own minibatches, at the params and optimizer state it left, so
-    the next step runs the method's plans. Returns the seconds it took (0 when nothing was pending)."""
-    if not self.pending_setup:
-      return 0.0
-    t0 = time.perf_counter()
-    self.setup(params, minibatches, step + 1, logp=logp, opt_state=opt_state)
-    self.pending_setup = False
-    self._plan_allocations(minibatches, logp)  # fit their buckets' plans now, off the next steps' clock
-    log.info("memory (%s): set up in %.1fs after step %d; its plans take over from step %d", self.method,
-             time.perf_counter() - t0, step + 1, step + 2)
-    return time.perf_counter() - t0
+    """After a step, off its clock: set up (after a warm-up step) on that step's own minibatches, at the params and
+    optimizer state it left, and fit their buckets; fit the buckets the step deferred. Returns the seconds taken."""
+    t0, setup = time.perf_counter(), self.pending_setup
+    if setup:
+      self.setup(params, minibatches, step + 1, logp=logp, opt_state=opt_state)
+      self.pending_setup = False
+      self._plan_allocations(minibatches, logp, defer=False)
+      log.info("memory (%s): set up in %.1fs after step %d; its plans take over from step %d", self.method,
+               time.perf_counter() - t0, step + 1, step + 2 + self.guard.sample_due(self.state))
+    pending, self.pending_fits = self.pending_fits, {}
+    for bucket, batch in pending.items():
+      self._fit(bucket, batch)
+      self._cache.get(bucket)
+    if pending:
+      log.info("memory (%s): fitted bucket(s) %s after step %d (their minibatches ran GC's program)", self.method,
+               sorted(pending), step + 1)
+    return time.perf_counter() - t0 if (setup or pending) else 0.0
 
   def gc_allocations(self, n: int, guard: bool = False) -> list[Allocation]:
     """Full checkpointing for n minibatches: before set-up, while GC's own time is measured, or (guard) where the
