@@ -152,11 +152,11 @@ def test_arm_comparison_and_where_it_varies_by_hand():
 
   arm = lambda t, flops_pct, gain: {"round_times_s": [t, t], "recompute_removed_pct": flops_pct,
                                     "gain_vs_gc_pct": gain}
-  arms = {"optimal_hr": arm(1.0, 10.0, 0.0), "adacc_style": arm(2.0, 20.0, 1.0),
+  arms = {"optimal_hr": arm(1.0, 10.0, 0.0), "hilore_static": arm(2.0, 20.0, 1.0),
           "hilore_exposure_off": arm(2.0, 21.0, 1.0), "hilore_exposure_on": arm(1.6, 23.0, 2.0),
           "oracle": arm(1.0, 26.0, 5.0)}
   pairs, closed = rep.compare_arms(arms)
-  on_static = pairs["hilore_exposure_on vs adacc_style"]
+  on_static = pairs["hilore_exposure_on vs hilore_static"]
   assert on_static["gain_pct"] == pytest.approx(25.0)  # 2.0 / 1.6 - 1
   assert on_static["recompute_removed_points"] == pytest.approx(3.0)
   assert closed["recompute_removed_pct"] == pytest.approx(0.5) and closed["gain_vs_gc_pct"] == pytest.approx(0.25)

@@ -3,7 +3,7 @@ pretrained one: model.path), several rollouts of grpo.num_iterations passes (lat
 calibration on the first minibatches, each at the params and optimizer state its update saw; everything later held
 out. Per held-out minibatch and unit the measured error of that unit alone as L, of every risk metric
 (memory/risk.py); every predictor's scores and the one that ranks errors best within unit; per arm (optimal_hr,
-adacc_style, hilore with exposure off / on, an oracle allocating from the measured errors) the plan at the
+hilore_static, hilore with exposure off / on, an oracle allocating from the measured errors) the plan at the
 calibrated delta and its realised error, and a sweep over delta read at one violation rate (recompute FLOPs removed,
 the cost model's predicted removal; bench/exposure_sweep.py). Step times only with bench_exposure.timing. Writes
 exposure.json, exposure.md, exposure.png, exposure_sweep.png and exposure_arrays.npz (every held-out error and score,
@@ -33,8 +33,8 @@ from hilore_jax.memory import MemoryManager, calibration, predictors, risk
 from hilore_jax.rl import train_step
 
 log = logging.getLogger(__name__)
-ARMS = ("optimal_hr", "adacc_style", "hilore_exposure_off", "hilore_exposure_on", "oracle")
-SWEPT = ("adacc_style", "hilore_exposure_off", "hilore_exposure_on", "oracle")  # the risk-budgeted arms
+ARMS = ("optimal_hr", "hilore_static", "hilore_exposure_off", "hilore_exposure_on", "oracle")
+SWEPT = ("hilore_static", "hilore_exposure_off", "hilore_exposure_on", "oracle")  # the risk-budgeted arms
 
 
 @dataclasses.dataclass
@@ -119,7 +119,7 @@ def arm_managers(cfg: Config, be: ExposureBenchConfig, hooks) -> dict[str, Memor
   if mc.buckets <= 1:
     raise ConfigError("memory.buckets must be > 1 for the exposure-on arm (1 is the exposure-off arm)")
   return {"optimal_hr": MemoryManager(dataclasses.replace(mc, policy="optimal_hr"), hooks),
-          "adacc_style": MemoryManager(dataclasses.replace(mc, policy="adacc_style"), hooks),
+          "hilore_static": MemoryManager(dataclasses.replace(mc, policy="hilore_static"), hooks),
           "hilore_exposure_off": MemoryManager(dataclasses.replace(mc, policy="hilore", buckets=1), hooks),
           "hilore_exposure_on": MemoryManager(dataclasses.replace(mc, policy="hilore"), hooks),
           "oracle": OracleManager(dataclasses.replace(mc, policy="hilore"), hooks)}

@@ -10,12 +10,22 @@ from hilore_jax.model.codec import FORMATS
 # memory.policy: none keeps every activation, gc recomputes every layer, hilore plans H/L/R(/O) per unit by
 # exposure; the rest are the benchmark's baselines (memory/methods.py implements one planner per name)
 MEMORY_POLICIES = ("none", "gc", "sac", "optimal_hr", "uniform_int8", "uniform_int8_gc", "greedy_bits",
-                   "greedy_bits_gc", "adacc_style", "hilore")
+                   "greedy_bits_gc", "hilore_static", "hilore")
+# old policy names -> (new name, what it is): a config naming one fails with one line naming its successor
+RENAMED_POLICIES = {"adacc_style": ("hilore_static", "HiLoRe with exposure off")}
 # memory.risk_metric: what a unit's risk is the error of (memory/risk.py): the gradient's relative error, the error
 # after global-norm clipping, or the error of the optimizer's update
 RISK_METRICS = ("relative", "clipped", "update")
 # memory.exposure.predictor: the run-time score of a unit's risk (memory/predictors.py)
 PREDICTORS = ("exposure_v1", "cotangent", "cotangent_forward")
+
+
+def check_policy(name: str, policy: str):
+  """check_choice over MEMORY_POLICIES, with a renamed policy's successor named."""
+  if policy in RENAMED_POLICIES:
+    new, what = RENAMED_POLICIES[policy]
+    raise ConfigError(f"{name} {policy!r} is now {new!r} ({what})")
+  check_choice(name, policy, MEMORY_POLICIES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +83,7 @@ class MemoryConfig:
   exposure: ExposureSwitches = ExposureSwitches()
 
   def __post_init__(self):
-    check_choice("memory.policy", self.policy, MEMORY_POLICIES)
+    check_policy("memory.policy", self.policy)
     check_choice("memory.lowp_format", self.lowp_format, FORMATS)
     check_choice("memory.risk_metric", self.risk_metric, RISK_METRICS)
     check_positive("memory.calib_batches", self.calib_batches)
