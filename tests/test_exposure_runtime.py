@@ -276,3 +276,28 @@ def test_calibration_measures_the_configured_risk_metric(setup):
     update.setup(params, [b], 0)
   update.setup(params, [b], 0, opt_state=optax.sgd(1e-3).init(params))  # the stepper's optimizer is sgd
   np.testing.assert_allclose(update.state.calibration.unit_errors[0], rel, rtol=1e-3)
+
+
+def test_exposure_arrays_store_grad_norm_and_absolute_unit_errors(setup, tmp_path):
+  """Defect (e): the arrays lacked ||g|| and the absolute ||dg_u||; both are stored, checked against a probe."""
+  hooks, params, _, mc, rng, adv = setup
+  units = calibration.lowp_units(2)
+  batches = [_batch(rng, adv) for _ in range(2)]
+  refs = [calibration.reference(hooks, calibration.UpdateContext(params), b) for b in batches]
+  err = np.stack([calibration.measure_unit_errors(hooks, params, b, units, mc.group_size, exact=r,
+                                                  metrics=("relative", "clipped")) for b, r in zip(batches, refs)])
+  err_by = {"relative": err[:, :, 0], "clipped": err[:, :, 1]}
+  path = str(tmp_path / "exposure_arrays.npz")
+  bench_exposure.save_arrays(path, units, list(range(len(units))), err_by, {"s": (err[:, :, 0], 1.0)},
+                             [r.grad_norm for r in refs])
+  a = np.load(path)
+  assert a["grad_norm_M"].shape == (2,) and a["abs_err_MU"].shape == (2, len(units))
+  exact = hooks.gradient(params, batches[1], model.uniform(2, model.NO_REMAT))
+  leaves = lambda t: [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(t)]
+  np.testing.assert_allclose(a["grad_norm_M"][1], np.sqrt(sum((x ** 2).sum() for x in leaves(exact))), rtol=1e-4)
+  u = 3  # one unit's gradient with it alone L, differenced in numpy
+  with calibration.measuring():
+    g_u = hooks.probe_gradient(params, batches[1], calibration.probe_mix(2, units, [u]), "int8", mc.group_size)
+  dg = np.sqrt(sum(((x - y) ** 2).sum() for x, y in zip(leaves(g_u), leaves(refs[1].grad))))
+  np.testing.assert_allclose(a["abs_err_MU"][1, u], dg, rtol=1e-4)
+  np.testing.assert_allclose(a["abs_err_MU"], a["err_relative"] * a["grad_norm_M"][:, None], rtol=1e-6)

@@ -7,7 +7,7 @@ hilore_static, hilore with exposure off / on, an oracle allocating from the meas
 calibrated delta and its realised error, and a sweep over delta read at one violation rate (recompute FLOPs removed,
 the cost model's predicted removal; bench/exposure_sweep.py). Step times only with bench_exposure.timing. Writes
 exposure.json, exposure.md, exposure.png, exposure_sweep.png and exposure_arrays.npz (every held-out error and score,
-for re-analysis)."""
+each minibatch's ||g|| and each unit's absolute error, for re-analysis)."""
 
 from __future__ import annotations
 
@@ -150,6 +150,18 @@ def measure_held_out(hooks, mc, held: list[Record], units, progress=print):
   return kept, refs, {m: err[:, :, k] for k, m in enumerate(refs[0].available())}, layers
 
 
+def save_arrays(path: str, units, mu, err_by: dict, table: dict, grad_norms) -> None:
+  """exposure_arrays.npz: every held-out error [M, U] per metric, every score, each minibatch's exact ||g||
+  (grad_norm_M) and each unit's absolute gradient error ||dg_u|| (abs_err_MU = relative error * ||g||), so that a
+  re-analysis can clip at any c or drop the normalisation."""
+  grad_norm_M = np.asarray(grad_norms, np.float64)
+  np.savez_compressed(path, units=np.array([f"{l}:{k}" for l, k in units]), measured=np.array(mu),
+                      grad_norm_M=grad_norm_M, abs_err_MU=np.asarray(err_by["relative"]) * grad_norm_M[:, None],
+                      **{f"err_{m}": e for m, e in err_by.items()},
+                      **{"score_" + "".join(c if c.isalnum() else "_" for c in k): r * s
+                         for k, (r, s) in table.items()})
+
+
 def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> dict:
   """Collect, calibrate, measure the held-out minibatches, compare predictors, allocate under every arm and sweep
   delta; write the report."""
@@ -202,10 +214,7 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
   kinds = [units[i][1] for i in mu]
   by_kind = {k: float(np.median(x[np.isfinite(x)])) if np.isfinite(x).any() else float("nan")
              for k in sorted(set(kinds)) for x in [rho_U[[j for j, y in enumerate(kinds) if y == k]]]}
-  np.savez_compressed(os.path.join(out_dir, "exposure_arrays.npz"), units=np.array([f"{l}:{k}" for l, k in units]),
-                      measured=np.array(mu), **{f"err_{m}": e for m, e in err_by.items()},
-                      **{"score_" + "".join(c if c.isalnum() else "_" for c in k): r * s
-                         for k, (r, s) in table.items()})
+  save_arrays(os.path.join(out_dir, "exposure_arrays.npz"), units, mu, err_by, table, [r.grad_norm for r in refs])
   progress(f"chosen predictor {chosen}: within-unit rho {risk_prediction[chosen]['within_unit_rho_median']:.2f}")
 
   # every arm on one calibration: the chosen predictor's, fitted on the same measurements
