@@ -128,8 +128,9 @@ def test_depth_sampled_calibration_measures_fewer_units_on_fewer_rows(grpo_setup
   hooks, p, batch = grpo_setup
   units = calibration.lowp_units(3)
   calls = []
-  counting = dataclasses.replace(hooks, probe_gradient=lambda params, b, *a: calls.append(b.rows) or
-                                 hooks.probe_gradient(params, b, *a))
+  # probes with some unit L (the reference is the probe program with a zero mix)
+  counting = dataclasses.replace(hooks, probe_gradient=lambda params, b, mix, *a: (
+      calls.append(b.rows) if np.asarray(mix).any() else None) or hooks.probe_gradient(params, b, mix, *a))
   full = calibration.measure_unit_errors(counting, p, batch, units, group_size=8)
   assert len(calls) == len(units)
   calls.clear()
@@ -183,3 +184,24 @@ def test_exact_gradient_and_probes_run_at_one_precision(grpo_setup):
   assert seen == [calibration.PRECISION] * 3
   (none_l,) = calibration.set_errors(hooks, p, batch, units, [[]], group_size=8, exact=exact)
   assert none_l < 1e-5  # float32 rounding (reordered sums); an int8 unit is ~1e-3
+
+
+def test_reference_is_the_probe_program_with_a_zero_mix(grpo_setup):
+  """Defect (c): the reference ran full checkpointing, the probes no remat plus the mix (two programs whose float
+  noise counts as unit error); the reference is now the probe with every mix 0, so a probe with no unit L differs
+  from it by exactly 0."""
+  hooks, p, batch = grpo_setup
+  calls = []
+  record = lambda name, f: lambda *a: calls.append((name, a[2:])) or f(*a)
+  h = dataclasses.replace(hooks, gradient=record("gradient", hooks.gradient),
+                          probe_gradient=record("probe", hooks.probe_gradient))
+  units = calibration.lowp_units(3)
+  ref = calibration.reference(h, calibration.UpdateContext(p), batch, fmt="int8", group_size=8)
+  (name, (mix, fmt, group)), = calls
+  assert name == "probe" and (fmt, group) == ("int8", 8) and not np.asarray(mix).any()
+  with calibration.measuring():
+    zero = hooks.probe_gradient(p, batch, calibration.probe_mix(3, units, []), "int8", 8)
+  for a, b in zip(jax.tree_util.tree_leaves(ref.grad), jax.tree_util.tree_leaves(zero)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert calibration.set_errors(hooks, p, batch, units, [[]], group_size=8, exact=ref)[0] == 0.0
+  assert calibration.set_errors(hooks, p, batch, units, [[0]], group_size=8, exact=ref)[0] > 1e-5  # one unit L

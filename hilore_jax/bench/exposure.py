@@ -137,7 +137,8 @@ def measure_held_out(hooks, mc, held: list[Record], units, progress=print):
   layers = calibration.probed_layers(hooks.model_cfg.num_hidden_layers, mc.calib_layers)
   kept, refs, errs = [], [], []
   for i, r in enumerate(held):
-    ref = calibration.reference(hooks, calibration.UpdateContext(r.params, r.opt_state), r.batch, mc.risk_metric)
+    ref = calibration.reference(hooks, calibration.UpdateContext(r.params, r.opt_state), r.batch, mc.risk_metric,
+                                mc.lowp_format, mc.group_size)
     if ref.grad_norm == 0:  # no gradient (every advantage zero, no KL yet): no error to measure
       continue
     kept.append(r)

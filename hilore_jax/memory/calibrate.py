@@ -70,7 +70,7 @@ def measure(hooks: StepHooks, mc: MemoryConfig, units, batches: Sequence, contex
   contexts = [c if c.logp is None else dataclasses.replace(c, logp=calibration_rows(c.logp, mc.calib_rows))
               for c in contexts]
   layers = probed_layers(hooks.model_cfg.num_hidden_layers, mc.calib_layers)
-  refs = [reference(hooks, c, b, mc.risk_metric) for c, b in zip(contexts, batches)]
+  refs = [reference(hooks, c, b, mc.risk_metric, mc.lowp_format, mc.group_size) for c, b in zip(contexts, batches)]
   live = [i for i, r in enumerate(refs) if r.grad_norm > 0]
   if live and len(live) < len(batches):
     if log is not None:
