@@ -301,3 +301,24 @@ def test_exposure_arrays_store_grad_norm_and_absolute_unit_errors(setup, tmp_pat
   dg = np.sqrt(sum(((x - y) ** 2).sum() for x, y in zip(leaves(g_u), leaves(refs[1].grad))))
   np.testing.assert_allclose(a["abs_err_MU"][1, u], dg, rtol=1e-4)
   np.testing.assert_allclose(a["abs_err_MU"], a["err_relative"] * a["grad_norm_M"][:, None], rtol=1e-6)
+
+
+def test_a_later_pass_is_scored_with_the_log_probs_at_its_own_params(tmp_path):
+  """Defect (a): a pass-1 record carried the log-probs of its pass-0 step, taken before that minibatch's own update
+  (the first minibatch's ratio exactly 1, nothing clipped); it now carries those at the params its update runs at."""
+  from hilore_jax.trainer import Trainer
+  from tests.trainer_util import tiny_config
+
+  t = Trainer(tiny_config(tmp_path, "train.minibatch_size=6", "grpo.filter_zero_std=false", "train.warmstart_steps=0",
+                          "optimizer.lr=0.05", "grpo.num_iterations=2", "grpo.beta=0"))
+  t.task.reward = lambda text, ref: float(ord(text[0]) % 2) if text else 0.0  # varied rewards from a random policy
+  records = bench_exposure.collect(t, 1, progress=lambda *a: None, opt_state=False)
+  assert [(r.pass_, r.index) for r in records] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+  assert records[0].logp is None and records[1].logp is None  # pass 0 reads the batch's old log-probs
+  for r in records[2:]:
+    fresh = np.asarray(t.stepper.logprobs(t.spec, r.params, jax.device_put(r.batch)))  # an independent forward
+    mask = r.batch.mask > 0
+    np.testing.assert_allclose(r.logp[mask], fresh[mask], atol=1e-5)
+  # the old value, the log-probs before minibatch 0's own pass-0 update, are the rollout's: ratio 1
+  stale = np.asarray(t.stepper.logprobs(t.spec, records[0].params, jax.device_put(records[2].batch)))
+  assert np.abs(stale - records[2].logp)[records[2].batch.mask > 0].max() > 1e-3

@@ -40,7 +40,8 @@ SWEPT = ("hilore_static", "hilore_exposure_off", "hilore_exposure_on", "oracle")
 @dataclasses.dataclass
 class Record:
   """One minibatch as an update saw it: the policy's params (and optimizer state) then, the batch (host arrays),
-  the previous pass's per-token log-probs when off-policy (`logp`, else None), and what describes it."""
+  on a later pass the per-token log-probs at those params (`logp`, else None: the batch's old ones), and what
+  describes it."""
 
   step: int
   pass_: int
@@ -69,21 +70,21 @@ def collect(trainer, steps: int, progress=print, opt_state: bool = True) -> list
       progress(f"rollout {step + 1}/{steps}: no update rows (every group zero-std and grpo.filter_zero_std)")
       continue
     minibatches, _ = trainer.add_logprobs(minibatches)
-    prev = None
     for it in range(c.grpo.num_iterations):
-      cur = []
       for j, b in enumerate(trainer.pass_batches(minibatches, it)):
         copy = lambda t: jax.tree_util.tree_map(jnp.copy, t)  # the step donates the state
         params, opt = copy(trainer.state["params"]), copy(trainer.state["opt_state"]) if opt_state else None
         trainer.state, m = trainer.stepper(trainer.spec, trainer.state, b)
-        cur.append(m.pop(train_step.TOKEN_LOGP))
+        # the step's own log-probs: its gradient program's forward at `params`, before its update, so a later pass
+        # is scored at the policy it runs (its ratio and clipping); the previous pass's were taken before this
+        # minibatch's own update there (ratio 1 on its first minibatch)
+        logp = m.pop(train_step.TOKEN_LOGP)
         rec = jax.device_get(b)
         mask = rec.mask
         records.append(Record(step, it, j, params, rec, {
             "zero_adv_share": float(np.mean(rec.adv == 0)), "clipfrac": float(m["clipfrac"]),
             "completion_len_mean": float(mask.sum(1).mean()), "completion_len_max": int(mask.sum(1).max()),
-            "reward_mean": float(roll.rewards.mean())}, None if prev is None else np.asarray(prev[j]), opt))
-      prev = cur
+            "reward_mean": float(roll.rewards.mean())}, np.asarray(logp) if it > 0 else None, opt))
     progress(f"rollout {step + 1}/{steps}: reward {float(roll.rewards.mean()):.3f}, completion length "
              f"{float(roll.mask.sum(1).mean()):.1f} (max {int(roll.mask.sum(1).max())} of {roll.mask.shape[1]})")
   return records
