@@ -82,7 +82,7 @@ def raw_exposure(hooks: StepHooks, params, batch, units, switches=ExposureSwitch
   sw = dataclasses.replace(switches, susceptibility=False)
   err = token_errors(hooks, params, batch, units, group_size, fmt)
   c = predictors.weights(sw.predictor, w, lp)
-  scale = exposure.normaliser(jnp.sum(c), norm_.metric, grad_scale, norm_.max_grad_norm)
+  scale = exposure.normaliser(exposure.token_norm(c, sw.coherence), norm_.metric, grad_scale, norm_.max_grad_norm)
   return exposure.unit_exposure(exposure.sequence_weights(c, batch.prompt_mask, sw.prompt), err,
                                 jnp.ones(len(units)), sw, scale)
 

@@ -18,6 +18,9 @@ RENAMED_POLICIES = {"adacc_style": ("hilore_static", "HiLoRe with exposure off")
 RISK_METRICS = ("relative", "clipped", "update")
 # memory.exposure.predictor: the run-time score of a unit's risk (memory/predictors.py)
 PREDICTORS = ("exposure_v1", "cotangent", "cotangent_forward")
+# memory.exposure.coherence: how token contributions add up in the gradient a score is relative to
+# (exposure.token_norm): coherent (the sum) or incoherent (root sum of squares; GRPO's zero-mean advantages cancel)
+COHERENCE = ("coherent", "incoherent")
 
 
 def check_policy(name: str, policy: str):
@@ -41,9 +44,14 @@ class ExposureSwitches:
   # exposure_v1: |w_t| x the calibrated per-position error; cotangent: |w_t| (1 - p_t) x the same; cotangent_forward:
   # |w_t| (1 - p_t) x a forward pass's per-token errors where one is given, else the calibrated profile
   predictor: str = "exposure_v1"
+  # the normaliser's token sum (exposure.token_norm): coherent sum |c_t| (the rule so far) or incoherent
+  # sqrt(sum c_t^2), what GRPO's zero-mean advantages imply; incoherent makes the relative score of a flat-profile
+  # unit blind to clipping, which the exposure experiment (issue 36) has to weigh before it becomes the default
+  coherence: str = "coherent"
 
   def __post_init__(self):
     check_choice("memory.exposure.predictor", self.predictor, PREDICTORS)
+    check_choice("memory.exposure.coherence", self.coherence, COHERENCE)
 
 
 @dataclasses.dataclass(frozen=True)
