@@ -69,7 +69,8 @@ class MemoryConfig:
   calib_sets: int = 6  # random L sets per calibration batch to fit how coherently units' errors add
   # what one calibration probe costs: the first calib_rows rows of each calibration minibatch (0: all of them), and
   # each unit kind measured at calib_layers layers spread over depth, first and last included, the others
-  # interpolated (0: every layer). Both keep the number and size of probe gradients independent of depth
+  # interpolated (0: every layer). Both keep the number and size of probe gradients independent of depth; errors on
+  # calib_rows rows are scaled to the minibatch's row count (calibrate.rows_factor)
   calib_rows: int = 0
   calib_layers: int = 0
   solver: str = "exact"  # exact (MILP) | greedy: the allocator of the solved methods; the other's gap is logged
