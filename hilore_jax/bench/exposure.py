@@ -40,8 +40,7 @@ SWEPT = ("hilore_static", "hilore_exposure_off", "hilore_exposure_on", "oracle")
 @dataclasses.dataclass
 class Record:
   """One minibatch as an update saw it: the policy's params (and optimizer state) then, the batch (host arrays),
-  on a later pass the per-token log-probs at those params (`logp`, else None: the batch's old ones), and what
-  describes it."""
+  on a later pass the log-probs at those params (`logp`, else None: the batch's old ones), what describes it."""
 
   step: int
   pass_: int
@@ -75,11 +74,8 @@ def collect(trainer, steps: int, progress=print, opt_state: bool = True) -> list
         copy = lambda t: jax.tree_util.tree_map(jnp.copy, t)  # the step donates the state
         params, opt = copy(trainer.state["params"]), copy(trainer.state["opt_state"]) if opt_state else None
         trainer.state, m = trainer.stepper(trainer.spec, trainer.state, b)
-        # the step's own log-probs: its gradient program's forward at `params`, before its update, so a later pass
-        # is scored at the policy it runs (its ratio and clipping); the previous pass's were taken before this
-        # minibatch's own update there (ratio 1 on its first minibatch)
-        logp = m.pop(train_step.TOKEN_LOGP)
-        rec = jax.device_get(b)
+        # its own log-probs (a forward at `params`), not the previous pass's (before its own update there)
+        logp, rec = m.pop(train_step.TOKEN_LOGP), jax.device_get(b)
         mask = rec.mask
         records.append(Record(step, it, j, params, rec, {
             "zero_adv_share": float(np.mean(rec.adv == 0)), "clipfrac": float(m["clipfrac"]),
@@ -153,15 +149,13 @@ def measure_held_out(hooks, mc, held: list[Record], units, progress=print):
 
 
 def save_arrays(path: str, units, mu, err_by: dict, table: dict, grad_norms) -> None:
-  """exposure_arrays.npz: every held-out error [M, U] per metric, every score, each minibatch's exact ||g||
-  (grad_norm_M) and each unit's absolute gradient error ||dg_u|| (abs_err_MU = relative error * ||g||), so that a
-  re-analysis can clip at any c or drop the normalisation."""
+  """exposure_arrays.npz: held-out errors [M, U] per metric, scores, each minibatch's ||g|| (grad_norm_M) and each
+  unit's absolute error ||dg_u|| (abs_err_MU = relative error * ||g||: a re-analysis can clip at any c)."""
   grad_norm_M = np.asarray(grad_norms, np.float64)
   np.savez_compressed(path, units=np.array([f"{l}:{k}" for l, k in units]), measured=np.array(mu),
                       grad_norm_M=grad_norm_M, abs_err_MU=np.asarray(err_by["relative"]) * grad_norm_M[:, None],
-                      **{f"err_{m}": e for m, e in err_by.items()},
-                      **{"score_" + "".join(c if c.isalnum() else "_" for c in k): r * s
-                         for k, (r, s) in table.items()})
+                      **{f"err_{m}": e for m, e in err_by.items()}, **{"score_" + "".join(
+                          c if c.isalnum() else "_" for c in k): r * s for k, (r, s) in table.items()})
 
 
 def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> dict:
