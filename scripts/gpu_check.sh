@@ -3,7 +3,7 @@
 #   1. tests/test_gpu.py: host offload (O) round trip with residuals on pinned_host; a planned step's measured
 #      peak_bytes_in_use within its budget (both skip on CPU)
 #   2. python -m train.bench --config configs/bench_gpu.yaml at 1.10x (gc, its separately compiled control, none,
-#      optimal_hr, adacc_style, hilore) with bench.roofline=true, then the H200 roofline projection beside the
+#      optimal_hr, hilore_static, hilore) with bench.roofline=true, then the H200 roofline projection beside the
 #      measurement (results.md's projection table). The timing stops at +/-2 points or 120 s; the projection adds
 #      one compile per plan (the plan unrolled), so allow a few minutes more than the bench alone with a cold cache
 # Everything it writes goes under $OUT (default runs/gpu_check): logs, timings, the bench's results.{json,md}.

@@ -95,7 +95,7 @@ def _risk_free_case(method):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["hilore", "adacc_style"])
+@pytest.mark.parametrize("method", ["hilore", "hilore_static"])
 def test_an_l_method_is_never_slower_than_its_risk_free_subset(method):
   hr, hr_peak, budget_bytes = _risk_free_case("optimal_hr")
   alloc, peak, _ = _risk_free_case(method)

@@ -84,3 +84,17 @@ def test_exponent_without_a_dot_is_a_number_not_a_string():
   assert c.optimizer.lr == 1e-3 and c.optimizer.kl_control.target == 200.0
   with pytest.raises(ConfigError, match="optimizer.lr must be a number"):
     cli.load_config(None, ["optimizer.lr=1e-3x"])
+
+
+def test_renamed_policy_names_its_successor_in_one_line(tmp_path):
+  path = tmp_path / "old.yaml"
+  path.write_text("memory:\n  policy: adacc_style\n")
+  with pytest.raises(ConfigError, match=r"^memory.policy 'adacc_style' is now 'hilore_static' \(HiLoRe with exposure "
+                                        r"off\)$"):
+    cli.load_config(str(path))
+  with pytest.raises(SystemExit) as e:  # the entry point's error: one line, no traceback
+    cli.main("test", lambda ns: cli.load_config(ns.config, ns.overrides), ["--config", str(path)])
+  assert "\n" not in str(e.value.code) and "'hilore_static'" in str(e.value.code)
+  assert cli.load_config(None, ["memory.policy=hilore_static"]).memory.policy == "hilore_static"
+  with pytest.raises(ConfigError, match="bench.methods 'adacc_style' is now 'hilore_static'"):
+    bench_config.BenchConfig(methods=("gc", "adacc_style"))

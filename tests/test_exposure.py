@@ -1,5 +1,6 @@
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from hilore_jax.memory import exposure
 from hilore_jax.memory.config import ExposureSwitches
@@ -78,6 +79,24 @@ def test_prompt_weights_by_hand():
   err = jnp.zeros((1, 2, 5)).at[0, 0, 1].set(2.0)
   np.testing.assert_allclose(exposure.unit_exposure(full, err, jnp.ones(1), scale=0.9), [0.275 * 2 / 0.9],
                              rtol=1e-6)
+
+
+def test_token_norm_by_hand():
+  """Defect (b): the normaliser could only sum token weights as if their gradients added coherently; GRPO's
+  zero-mean advantages make them cancel, so their root sum of squares is available by name (coherence)."""
+  c = jnp.array([[0.3, -0.4], [0.0, 1.2]])
+  assert float(exposure.token_norm(c, "incoherent")) == pytest.approx(1.3)  # sqrt(.09 + .16 + 1.44)
+  assert float(exposure.token_norm(c)) == pytest.approx(1.9)  # coherent: the sum, the default
+  with pytest.raises(ValueError, match="coherence must be one of"):
+    ExposureSwitches(coherence="measured")
+  # n equal tokens of a flat profile 0.1: incoherent scores the profile whatever n, coherent falls as 1/sqrt(n)
+  prof, s, inc = jnp.full((1, 16), 0.1), jnp.ones(1), ExposureSwitches(coherence="incoherent")
+  for n in (4, 16):
+    w = jnp.ones((1, n)) / n
+    assert float(exposure.runtime_scores(w, prof, s, inc)[0]) == pytest.approx(0.1, rel=1e-5)
+    assert float(exposure.runtime_scores(w, prof, s)[0]) == pytest.approx(0.1 / n ** 0.5, rel=1e-5)
+    err = jnp.full((1, 1, n), 0.1)  # the forward's score normalises alike
+    assert float(exposure.unit_exposure(w, err, s, inc)[0]) == pytest.approx(0.1, rel=1e-5)
 
 
 def test_softmax_cotangent_and_normaliser_by_hand():

@@ -152,11 +152,11 @@ def test_arm_comparison_and_where_it_varies_by_hand():
 
   arm = lambda t, flops_pct, gain: {"round_times_s": [t, t], "recompute_removed_pct": flops_pct,
                                     "gain_vs_gc_pct": gain}
-  arms = {"optimal_hr": arm(1.0, 10.0, 0.0), "adacc_style": arm(2.0, 20.0, 1.0),
+  arms = {"optimal_hr": arm(1.0, 10.0, 0.0), "hilore_static": arm(2.0, 20.0, 1.0),
           "hilore_exposure_off": arm(2.0, 21.0, 1.0), "hilore_exposure_on": arm(1.6, 23.0, 2.0),
           "oracle": arm(1.0, 26.0, 5.0)}
   pairs, closed = rep.compare_arms(arms)
-  on_static = pairs["hilore_exposure_on vs adacc_style"]
+  on_static = pairs["hilore_exposure_on vs hilore_static"]
   assert on_static["gain_pct"] == pytest.approx(25.0)  # 2.0 / 1.6 - 1
   assert on_static["recompute_removed_points"] == pytest.approx(3.0)
   assert closed["recompute_removed_pct"] == pytest.approx(0.5) and closed["gain_vs_gc_pct"] == pytest.approx(0.25)
@@ -276,3 +276,49 @@ def test_calibration_measures_the_configured_risk_metric(setup):
     update.setup(params, [b], 0)
   update.setup(params, [b], 0, opt_state=optax.sgd(1e-3).init(params))  # the stepper's optimizer is sgd
   np.testing.assert_allclose(update.state.calibration.unit_errors[0], rel, rtol=1e-3)
+
+
+def test_exposure_arrays_store_grad_norm_and_absolute_unit_errors(setup, tmp_path):
+  """Defect (e): the arrays lacked ||g|| and the absolute ||dg_u||; both are stored, checked against a probe."""
+  hooks, params, _, mc, rng, adv = setup
+  units = calibration.lowp_units(2)
+  batches = [_batch(rng, adv) for _ in range(2)]
+  refs = [calibration.reference(hooks, calibration.UpdateContext(params), b) for b in batches]
+  err = np.stack([calibration.measure_unit_errors(hooks, params, b, units, mc.group_size, exact=r,
+                                                  metrics=("relative", "clipped")) for b, r in zip(batches, refs)])
+  err_by = {"relative": err[:, :, 0], "clipped": err[:, :, 1]}
+  path = str(tmp_path / "exposure_arrays.npz")
+  bench_exposure.save_arrays(path, units, list(range(len(units))), err_by, {"s": (err[:, :, 0], 1.0)},
+                             [r.grad_norm for r in refs])
+  a = np.load(path)
+  assert a["grad_norm_M"].shape == (2,) and a["abs_err_MU"].shape == (2, len(units))
+  exact = hooks.gradient(params, batches[1], model.uniform(2, model.NO_REMAT))
+  leaves = lambda t: [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(t)]
+  np.testing.assert_allclose(a["grad_norm_M"][1], np.sqrt(sum((x ** 2).sum() for x in leaves(exact))), rtol=1e-4)
+  u = 3  # one unit's gradient with it alone L, differenced in numpy
+  with calibration.measuring():
+    g_u = hooks.probe_gradient(params, batches[1], calibration.probe_mix(2, units, [u]), "int8", mc.group_size)
+  dg = np.sqrt(sum(((x - y) ** 2).sum() for x, y in zip(leaves(g_u), leaves(refs[1].grad))))
+  np.testing.assert_allclose(a["abs_err_MU"][1, u], dg, rtol=1e-4)
+  np.testing.assert_allclose(a["abs_err_MU"], a["err_relative"] * a["grad_norm_M"][:, None], rtol=1e-6)
+
+
+def test_a_later_pass_is_scored_with_the_log_probs_at_its_own_params(tmp_path):
+  """Defect (a): a pass-1 record carried the log-probs of its pass-0 step, taken before that minibatch's own update
+  (the first minibatch's ratio exactly 1, nothing clipped); it now carries those at the params its update runs at."""
+  from hilore_jax.trainer import Trainer
+  from tests.trainer_util import tiny_config
+
+  t = Trainer(tiny_config(tmp_path, "train.minibatch_size=6", "grpo.filter_zero_std=false", "train.warmstart_steps=0",
+                          "optimizer.lr=0.05", "grpo.num_iterations=2", "grpo.beta=0"))
+  t.task.reward = lambda text, ref: float(ord(text[0]) % 2) if text else 0.0  # varied rewards from a random policy
+  records = bench_exposure.collect(t, 1, progress=lambda *a: None, opt_state=False)
+  assert [(r.pass_, r.index) for r in records] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+  assert records[0].logp is None and records[1].logp is None  # pass 0 reads the batch's old log-probs
+  for r in records[2:]:
+    fresh = np.asarray(t.stepper.logprobs(t.spec, r.params, jax.device_put(r.batch)))  # an independent forward
+    mask = r.batch.mask > 0
+    np.testing.assert_allclose(r.logp[mask], fresh[mask], atol=1e-5)
+  # the old value, the log-probs before minibatch 0's own pass-0 update, are the rollout's: ratio 1
+  stale = np.asarray(t.stepper.logprobs(t.spec, records[0].params, jax.device_put(records[2].batch)))
+  assert np.abs(stale - records[2].logp)[records[2].batch.mask > 0].max() > 1e-3

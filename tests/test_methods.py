@@ -133,11 +133,11 @@ def test_greedy_bits_mixes_widths_by_sensitivity(tiny_cfg):
 
 
 @pytest.mark.slow
-def test_adacc_and_hilore_compress_within_the_risk_budget(tiny_cfg):
+def test_hilore_static_and_hilore_compress_within_the_risk_budget(tiny_cfg):
   us, _ = _units(tiny_cfg)
   risk = {(u.layer, u.kind): 1e-6 * (1 + u.layer) for u in us if u.bytes_l}
   extra = _budget(tiny_cfg, 0.45)
-  for method in ("adacc_style", "hilore"):
+  for method in ("hilore_static", "hilore"):
     plan, _ = _check(tiny_cfg, method, extra, risk_of=risk, delta=2.5e-6)
     assert L in plan.choice and plan.risk <= 2.5e-6
     safe, _ = _check(tiny_cfg, method, extra, risk_of=risk, delta=0.0)

@@ -79,6 +79,11 @@ def test_scores_from_the_batch_alone(scorer):
   np.testing.assert_allclose(s_v1[0], [want0, 0.5 * np.sqrt(2 * (2 * pw**2 + 4 * 4 / 64))], rtol=1e-5)
   no_prompt = scorer([unsure], inputs, dataclasses.replace(v1, prompt=False), norm)
   np.testing.assert_allclose(no_prompt[0, 0], np.sqrt(8 / 64), rtol=1e-5)
+  # incoherent: the scale is sqrt(sum w^2) = sqrt(8 / 64) instead of 1, so this flat unit scores its profile, 1
+  incoherent = scorer([unsure], inputs, dataclasses.replace(v1, prompt=False, coherence="incoherent"), norm)
+  np.testing.assert_allclose(incoherent[0, 0], 1.0, rtol=1e-5)
+  np.testing.assert_allclose(scorer.l1([unsure], dataclasses.replace(v1, coherence="incoherent")), [np.sqrt(8 / 64)],
+                             rtol=1e-6)
   # the clipped normalisation: under the clip the score is against c, not the batch's gradient scale
   clipped = scorer([unsure], inputs._replace(grad_scale=0.5), v1, predictors.Normalisation("clipped", 2.0))
   np.testing.assert_allclose(clipped[0], s_v1[1] / 2.0, rtol=1e-5)

@@ -2,7 +2,7 @@
 
 A roofline projection of one H200's step time per plan (hilore_jax/bench/roofline.py), compile-only: no step runs.
 Plans: none, gc and each uncalibrated method of bench.methods at bench.budget_ratios, fitted to the budget on the
-compiled step with the cost model's op times projected for the H200. Calibrated methods (hilore, adacc_style, ...)
+compiled step with the cost model's op times projected for the H200. Calibrated methods (hilore, hilore_static, ...)
 need measured gradients: `python -m train.bench ... bench.roofline=true` projects their plans beside the measurement.
 """
 

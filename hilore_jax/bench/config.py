@@ -8,7 +8,7 @@ from typing import Sequence
 
 from hilore_jax import config as config_lib
 from hilore_jax.errors import ConfigError, check_choice, check_positive, check_range
-from hilore_jax.memory.config import MEMORY_POLICIES
+from hilore_jax.memory.config import MEMORY_POLICIES, check_policy
 from hilore_jax.model.codec import FORMATS
 
 
@@ -50,7 +50,7 @@ class BenchConfig:
       if r < 1.0:
         raise ConfigError(f"bench.budget_ratios must be >= 1.0 (full checkpointing is the floor), got {r}")
     for m in self.methods:
-      check_choice("bench.methods", m, MEMORY_POLICIES)
+      check_policy("bench.methods", m)
     check_range("bench.zero_adv_frac", self.zero_adv_frac, 0.0, 1.0)
     check_positive("bench.logp_noise", self.logp_noise, allow_zero=True)
     check_positive("bench.risk_batches", self.risk_batches, allow_zero=True)
@@ -100,7 +100,7 @@ class RealBenchConfig:
 
   shapes: tuple[str, ...] = ("8x1024", "4x2048")  # minibatch rows x tokens per row of the compile-only memory table
   prompt_fraction: float = 0.25  # share of each row's tokens that are prompt
-  methods: tuple[str, ...] = ("none", "gc", "sac", "optimal_hr", "adacc_style", "hilore")
+  methods: tuple[str, ...] = ("none", "gc", "sac", "optimal_hr", "hilore_static", "hilore")
   budget_ratios: tuple[float, ...] = (1.00, 1.10)
   budget_probes: int = 2  # compiles per plan to fit its allowance to the compiled peak (30-layer mixed plans unroll)
   logra_rank: int = 32
@@ -117,7 +117,7 @@ class RealBenchConfig:
         raise ConfigError(f"bench_real.shapes entries look like ROWSxTOKENS (e.g. 8x1024), got {s!r}")
     check_range("bench_real.prompt_fraction", self.prompt_fraction, 0.0, 1.0, low_open=True, high_open=True)
     for m in self.methods:
-      check_choice("bench_real.methods", m, MEMORY_POLICIES)
+      check_policy("bench_real.methods", m)
     for r in self.budget_ratios:
       if r < 1.0:
         raise ConfigError(f"bench_real.budget_ratios must be >= 1.0, got {r}")

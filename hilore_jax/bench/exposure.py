@@ -3,11 +3,11 @@ pretrained one: model.path), several rollouts of grpo.num_iterations passes (lat
 calibration on the first minibatches, each at the params and optimizer state its update saw; everything later held
 out. Per held-out minibatch and unit the measured error of that unit alone as L, of every risk metric
 (memory/risk.py); every predictor's scores and the one that ranks errors best within unit; per arm (optimal_hr,
-adacc_style, hilore with exposure off / on, an oracle allocating from the measured errors) the plan at the
+hilore_static, hilore with exposure off / on, an oracle allocating from the measured errors) the plan at the
 calibrated delta and its realised error, and a sweep over delta read at one violation rate (recompute FLOPs removed,
 the cost model's predicted removal; bench/exposure_sweep.py). Step times only with bench_exposure.timing. Writes
 exposure.json, exposure.md, exposure.png, exposure_sweep.png and exposure_arrays.npz (every held-out error and score,
-for re-analysis)."""
+each minibatch's ||g|| and each unit's absolute error, for re-analysis)."""
 
 from __future__ import annotations
 
@@ -33,14 +33,14 @@ from hilore_jax.memory import MemoryManager, calibration, predictors, risk
 from hilore_jax.rl import train_step
 
 log = logging.getLogger(__name__)
-ARMS = ("optimal_hr", "adacc_style", "hilore_exposure_off", "hilore_exposure_on", "oracle")
-SWEPT = ("adacc_style", "hilore_exposure_off", "hilore_exposure_on", "oracle")  # the risk-budgeted arms
+ARMS = ("optimal_hr", "hilore_static", "hilore_exposure_off", "hilore_exposure_on", "oracle")
+SWEPT = ("hilore_static", "hilore_exposure_off", "hilore_exposure_on", "oracle")  # the risk-budgeted arms
 
 
 @dataclasses.dataclass
 class Record:
   """One minibatch as an update saw it: the policy's params (and optimizer state) then, the batch (host arrays),
-  the previous pass's per-token log-probs when off-policy (`logp`, else None), and what describes it."""
+  on a later pass the log-probs at those params (`logp`, else None: the batch's old ones), what describes it."""
 
   step: int
   pass_: int
@@ -69,21 +69,18 @@ def collect(trainer, steps: int, progress=print, opt_state: bool = True) -> list
       progress(f"rollout {step + 1}/{steps}: no update rows (every group zero-std and grpo.filter_zero_std)")
       continue
     minibatches, _ = trainer.add_logprobs(minibatches)
-    prev = None
     for it in range(c.grpo.num_iterations):
-      cur = []
       for j, b in enumerate(trainer.pass_batches(minibatches, it)):
         copy = lambda t: jax.tree_util.tree_map(jnp.copy, t)  # the step donates the state
         params, opt = copy(trainer.state["params"]), copy(trainer.state["opt_state"]) if opt_state else None
         trainer.state, m = trainer.stepper(trainer.spec, trainer.state, b)
-        cur.append(m.pop(train_step.TOKEN_LOGP))
-        rec = jax.device_get(b)
+        # its own log-probs (a forward at `params`), not the previous pass's (before its own update there)
+        logp, rec = m.pop(train_step.TOKEN_LOGP), jax.device_get(b)
         mask = rec.mask
         records.append(Record(step, it, j, params, rec, {
             "zero_adv_share": float(np.mean(rec.adv == 0)), "clipfrac": float(m["clipfrac"]),
             "completion_len_mean": float(mask.sum(1).mean()), "completion_len_max": int(mask.sum(1).max()),
-            "reward_mean": float(roll.rewards.mean())}, None if prev is None else np.asarray(prev[j]), opt))
-      prev = cur
+            "reward_mean": float(roll.rewards.mean())}, np.asarray(logp) if it > 0 else None, opt))
     progress(f"rollout {step + 1}/{steps}: reward {float(roll.rewards.mean()):.3f}, completion length "
              f"{float(roll.mask.sum(1).mean()):.1f} (max {int(roll.mask.sum(1).max())} of {roll.mask.shape[1]})")
   return records
@@ -119,7 +116,7 @@ def arm_managers(cfg: Config, be: ExposureBenchConfig, hooks) -> dict[str, Memor
   if mc.buckets <= 1:
     raise ConfigError("memory.buckets must be > 1 for the exposure-on arm (1 is the exposure-off arm)")
   return {"optimal_hr": MemoryManager(dataclasses.replace(mc, policy="optimal_hr"), hooks),
-          "adacc_style": MemoryManager(dataclasses.replace(mc, policy="adacc_style"), hooks),
+          "hilore_static": MemoryManager(dataclasses.replace(mc, policy="hilore_static"), hooks),
           "hilore_exposure_off": MemoryManager(dataclasses.replace(mc, policy="hilore", buckets=1), hooks),
           "hilore_exposure_on": MemoryManager(dataclasses.replace(mc, policy="hilore"), hooks),
           "oracle": OracleManager(dataclasses.replace(mc, policy="hilore"), hooks)}
@@ -137,7 +134,8 @@ def measure_held_out(hooks, mc, held: list[Record], units, progress=print):
   layers = calibration.probed_layers(hooks.model_cfg.num_hidden_layers, mc.calib_layers)
   kept, refs, errs = [], [], []
   for i, r in enumerate(held):
-    ref = calibration.reference(hooks, calibration.UpdateContext(r.params, r.opt_state), r.batch, mc.risk_metric)
+    ref = calibration.reference(hooks, calibration.UpdateContext(r.params, r.opt_state), r.batch, mc.risk_metric,
+                                mc.lowp_format, mc.group_size)
     if ref.grad_norm == 0:  # no gradient (every advantage zero, no KL yet): no error to measure
       continue
     kept.append(r)
@@ -148,6 +146,16 @@ def measure_held_out(hooks, mc, held: list[Record], units, progress=print):
       progress(f"measured {i + 1}/{len(held)} held-out minibatches")
   err = np.stack(errs)  # [M, U, metrics]
   return kept, refs, {m: err[:, :, k] for k, m in enumerate(refs[0].available())}, layers
+
+
+def save_arrays(path: str, units, mu, err_by: dict, table: dict, grad_norms) -> None:
+  """exposure_arrays.npz: held-out errors [M, U] per metric, scores, each minibatch's ||g|| (grad_norm_M) and each
+  unit's absolute error ||dg_u|| (abs_err_MU = relative error * ||g||: a re-analysis can clip at any c)."""
+  grad_norm_M = np.asarray(grad_norms, np.float64)
+  np.savez_compressed(path, units=np.array([f"{l}:{k}" for l, k in units]), measured=np.array(mu),
+                      grad_norm_M=grad_norm_M, abs_err_MU=np.asarray(err_by["relative"]) * grad_norm_M[:, None],
+                      **{f"err_{m}": e for m, e in err_by.items()}, **{"score_" + "".join(
+                          c if c.isalnum() else "_" for c in k): r * s for k, (r, s) in table.items()})
 
 
 def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> dict:
@@ -202,10 +210,7 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
   kinds = [units[i][1] for i in mu]
   by_kind = {k: float(np.median(x[np.isfinite(x)])) if np.isfinite(x).any() else float("nan")
              for k in sorted(set(kinds)) for x in [rho_U[[j for j, y in enumerate(kinds) if y == k]]]}
-  np.savez_compressed(os.path.join(out_dir, "exposure_arrays.npz"), units=np.array([f"{l}:{k}" for l, k in units]),
-                      measured=np.array(mu), **{f"err_{m}": e for m, e in err_by.items()},
-                      **{"score_" + "".join(c if c.isalnum() else "_" for c in k): r * s
-                         for k, (r, s) in table.items()})
+  save_arrays(os.path.join(out_dir, "exposure_arrays.npz"), units, mu, err_by, table, [r.grad_norm for r in refs])
   progress(f"chosen predictor {chosen}: within-unit rho {risk_prediction[chosen]['within_unit_rho_median']:.2f}")
 
   # every arm on one calibration: the chosen predictor's, fitted on the same measurements

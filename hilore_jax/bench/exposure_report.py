@@ -25,8 +25,8 @@ def spearman_summary(score_MU, err_MU, n_boot: int, seed: int = 0, pooled_MU=Non
           "within_units_defined": r["units_defined"], "within_share_positive": r["share_positive"], "pooled": pooled}
 
 
-PAIRS = (("hilore_exposure_on", "adacc_style"), ("hilore_exposure_on", "hilore_exposure_off"),
-         ("oracle", "adacc_style"), ("hilore_exposure_on", "optimal_hr"))
+PAIRS = (("hilore_exposure_on", "hilore_static"), ("hilore_exposure_on", "hilore_exposure_off"),
+         ("oracle", "hilore_static"), ("hilore_exposure_on", "optimal_hr"))
 
 
 def compare_arms(arms: dict) -> tuple[dict, dict]:
@@ -45,7 +45,7 @@ def compare_arms(arms: dict) -> tuple[dict, dict]:
   closed = {}
   for key in ("gain_vs_gc_pct", "recompute_removed_pct"):
     get = lambda a: arms[a].get(key, NAN)
-    oracle_gap, on_gain = get("oracle") - get("adacc_style"), get("hilore_exposure_on") - get("adacc_style")
+    oracle_gap, on_gain = get("oracle") - get("hilore_static"), get("hilore_exposure_on") - get("hilore_static")
     closed[key] = on_gain / oracle_gap if oracle_gap > 1e-9 else NAN
   return pairs, closed
 
@@ -86,8 +86,8 @@ def targets(res: dict) -> dict[str, bool]:
          r["within_unit_rho_median"] >= 0.6 and r["ci_low"] >= 0.45}
   eq = res["equal_violation"]
   if eq:
-    on, static, oracle = (eq[a]["recompute_removed_pct"] for a in ("hilore_exposure_on", "adacc_style", "oracle"))
-    target = eq["adacc_style"]["violation_target"]
+    on, static, oracle = (eq[a]["recompute_removed_pct"] for a in ("hilore_exposure_on", "hilore_static", "oracle"))
+    target = eq["hilore_static"]["violation_target"]
     out[f"at {target:.0%} violations exposure removes more recompute (FLOPs) than static risk"] = on > static
     out["... and at least half of the oracle's advantage over static"] = oracle > static and on - static >= 0.5 * (
         oracle - static)

@@ -71,7 +71,7 @@ def l_error_rows(hooks, params_of, batches, units, formats, group_size: int, lay
     all_l = []
     for i, b in enumerate(batches):
       p = params_of(i)
-      exact = calibration.exact_gradient(hooks, p, b)
+      exact = calibration.exact_gradient(hooks, p, b, fmt, group_size)
       if float(calibration.norm(exact)) == 0:
         continue
       chosen = [j for j, (layer, _) in enumerate(units) if layers is None or layer in layers]

@@ -11,7 +11,7 @@ import numpy as np
 from hilore_jax import metrics
 from hilore_jax.bench import stats, unit_risk
 
-STYLE = ("sac", "uniform_int8", "uniform_int8_gc", "greedy_bits", "greedy_bits_gc", "adacc_style")
+STYLE = ("sac", "uniform_int8", "uniform_int8_gc", "greedy_bits", "greedy_bits_gc", "hilore_static")
 TARGET_RATIO = 1.10  # the targets are stated at 1.10x GC's peak
 GAIN_TARGET, MARGIN_OVER_HR, ERR_MEAN, ERR_MAX = 10.0, 3.0, 0.01, 0.015
 
@@ -101,7 +101,7 @@ def goals(rows: list[dict], floor: dict | None = None) -> list[tuple[str, str, s
                 f"at budget {at:.2f} HiLoRe's gain over GC is {h['gain_vs_gc_pct']:+.1f}% [{h['gain_ci_low']:+.1f}, "
                 f"{h['gain_ci_high']:+.1f}] (target: CI lower bound >= +{GAIN_TARGET:.0f}% and above the floor)"
                 + (" — flagged as noise" if h["noise"] else ""), TIME))
-    for other, margin in (("optimal_hr", MARGIN_OVER_HR), ("adacc_style", 0.0)):
+    for other, margin in (("optimal_hr", MARGIN_OVER_HR), ("hilore_static", 0.0)):
       o = by.get((other, at))
       if o is None or not o.get("gains_pct"):
         continue

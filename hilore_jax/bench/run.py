@@ -118,7 +118,7 @@ def prepare(cfg: Config, bc: BenchConfig, progress=print) -> Setup:
   params, setup_s = state["params"], {}
   # the reference: full checkpointing in float32 whatever the compute dtype, on the timed and held-out batches
   ref_hooks = step_hooks.memory_hooks(stepper, dataclasses.replace(spec, model_cfg=mcfg.replace(dtype="float32")))
-  exact = [calibration.exact_gradient(ref_hooks, params, b) for b in [batch] + risk_batches]
+  exact = [calibration.exact_gradient(ref_hooks, params, b, probe=False) for b in [batch] + risk_batches]
   calib = None
   if any(m in methods.CALIBRATED for m in bc.methods):
     mc = cfg.memory

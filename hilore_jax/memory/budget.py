@@ -5,9 +5,9 @@ step: `fit_allowance` shrinks the byte allowance the planner may spend by any ex
 bisecting over a few probe compiles, and returns the fastest plan whose compiled peak is within the budget. It is a
 pure function of two callables (plan for an allowance, compiled peak of a plan), tested on its own.
 
-A method whose options include another's (HiLoRe's and AdaCC's H/L/R include the risk-free H/R of optimal_hr) can
-still fit worse: its L plans may compile over budget, and the probes that shrink the allowance then end on a plan
-slower than the subset's own fit. `no_slower_than` keeps the subset's fit wherever it is faster.
+A method whose options include another's (hilore's and hilore_static's H/L/R include the risk-free H/R of
+optimal_hr) can still fit worse: its L plans may compile over budget, and the probes that shrink the allowance then
+end on a plan slower than the subset's own fit. `no_slower_than` keeps the subset's fit wherever it is faster.
 """
 
 from __future__ import annotations

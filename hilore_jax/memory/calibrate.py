@@ -6,27 +6,38 @@ against the tolerance). calibration.py holds the measurements and fits both use.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Sequence
 
+import jax
 import numpy as np
 
 from hilore_jax.memory import risk
-from hilore_jax.memory.calibration import (UpdateContext, calibration_rows, error_profile, fit_coherence,
-                                           fit_susceptibility, measure_unit_errors, probed_layers, random_sets,
-                                           reference, risk_metrics, set_errors, set_fit)
+from hilore_jax.memory.calibration import (UpdateContext, calibration_rows, error_profile, exact_gradient,
+                                           fit_coherence, fit_susceptibility, measure_unit_errors, norm,
+                                           probed_layers, random_sets, reference, risk_metrics, set_errors, set_fit)
 from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.memory.hooks import StepHooks
 from hilore_jax.memory.state import Calibration
 
+log = logging.getLogger(__name__)
+# with one calibration minibatch the exposure-off bucket's risk (Calibration.score_max, each unit's largest score
+# over calibration minibatches) is that one sample, with no spread measured: it is widened by this factor. Taking
+# the sample as a unit's median, 2x reaches its p90 for a lognormal within-unit spread of p90 / p10 = 4x
+# (p90 / p50 = sqrt(p90 / p10)), wider than the 2.5x issue 36 calls paper-like
+SINGLE_BATCH_MARGIN = 2.0
+
 
 def calibrate_delta(hooks: StepHooks, params: Sequence, batches: Sequence, units, risk_U: np.ndarray,
                     tolerance: float, group_size: int, fmt: str = "int8", max_halvings: int = 8,
-                    exact=None) -> tuple[float, float]:
+                    exact=None, row_scale=None) -> tuple[float, float]:
   """Largest risk budget delta (from the tolerance, halving) whose lowest-risk L set (risk_U: each unit's predicted
   error, coherence included) measures under the tolerance on every calibration batch, each at its own params (one
-  per batch) against its reference (exact, one per batch). Returns (delta, its measured error)."""
+  per batch) against its reference (exact, one per batch), its error times the batch's row_scale (rows_factor: what
+  it is on the full minibatch). Returns (delta, its measured error)."""
   risk_U = np.asarray(risk_U, float)
   exact = exact or [None] * len(batches)
+  row_scale = [1.0] * len(batches) if row_scale is None else list(row_scale)
   delta = tolerance
   for _ in range(max_halvings + 1):
     chosen, total = [], 0.0
@@ -37,8 +48,8 @@ def calibrate_delta(hooks: StepHooks, params: Sequence, batches: Sequence, units
       total += risk_U[i]
     if not chosen:
       return delta, 0.0
-    err = max(float(set_errors(hooks, p, b, units, [chosen], group_size, fmt, ex)[0])
-              for p, b, ex in zip(params, batches, exact))
+    err = max(f * float(set_errors(hooks, p, b, units, [chosen], group_size, fmt, ex)[0])
+              for p, b, ex, f in zip(params, batches, exact, row_scale))
     if err <= tolerance:
       return delta, err
     delta /= 2
@@ -59,6 +70,26 @@ class Measured:
   prompt_profile: np.ndarray  # [U, P-1]
   profile: np.ndarray  # [U, N]
   token_err: list  # per batch [U, B, P-1+N]
+  row_scale: np.ndarray | None = None  # [K] rows_factor: err and set_err are already scaled by it (None: ones)
+
+
+def rows_factor(hooks: StepHooks, ctx: UpdateContext, full, sub, ref: risk.Reference) -> float:
+  """What a unit error measured on `sub` (b of the minibatch's B rows, reference ref) is multiplied by to be the
+  error on the whole minibatch `full`.
+
+  The loss averages over the minibatch's rows (or their tokens), so g_B = (1/B) sum_r g_r. A unit's L error is a sum
+  of rounding errors of different rows, independent of each other, so it adds in quadrature:
+  ||dg_B|| = sqrt(b / B) ||dg_b||. The gradient itself may add coherently (||g_B|| = ||g_b||) or cancel as
+  zero-mean advantages do (||g_B|| = sqrt(b / B) ||g_b||), so it is measured: one exact gradient of the full
+  minibatch. The error is ||dg|| over the metric's denominator D (||g||, or max(||g||, c) clipped), so the factor is
+  sqrt(b / B) D(g_b) / D(g_B): 1 for fully incoherent rows, sqrt(b / B) for coherent ones. The update error takes
+  the relative error's factor (Adam's update is not linear in g; the factor is its first-order value)."""
+  B, b = (jax.tree_util.tree_leaves(x)[0].shape[0] for x in (full, sub))
+  if b >= B or ref.grad_norm == 0:
+    return 1.0
+  g_B = float(norm(exact_gradient(hooks, ctx.params, full, probe=False)))  # only its norm: the cheapest program
+  denom = (lambda g: max(g, ref.max_grad_norm)) if ref.metric == "clipped" else (lambda g: g)
+  return float(np.sqrt(b / B) * denom(ref.grad_norm) / max(denom(g_B), 1e-30))
 
 
 def measure(hooks: StepHooks, mc: MemoryConfig, units, batches: Sequence, contexts: Sequence[UpdateContext],
@@ -66,29 +97,31 @@ def measure(hooks: StepHooks, mc: MemoryConfig, units, batches: Sequence, contex
   """Per-unit and random-set errors of memory.risk_metric and the per-position reconstruction profiles, each
   minibatch at its own context; minibatches without a gradient are skipped (no error to measure)."""
   # probes on a row subsample and, per unit kind, a few layers: their number and size do not grow with depth
-  batches = [calibration_rows(b, mc.calib_rows) for b in batches]
+  full, batches = list(batches), [calibration_rows(b, mc.calib_rows) for b in batches]
   contexts = [c if c.logp is None else dataclasses.replace(c, logp=calibration_rows(c.logp, mc.calib_rows))
               for c in contexts]
   layers = probed_layers(hooks.model_cfg.num_hidden_layers, mc.calib_layers)
-  refs = [reference(hooks, c, b, mc.risk_metric) for c, b in zip(contexts, batches)]
+  refs = [reference(hooks, c, b, mc.risk_metric, mc.lowp_format, mc.group_size) for c, b in zip(contexts, batches)]
   live = [i for i, r in enumerate(refs) if r.grad_norm > 0]
   if live and len(live) < len(batches):
     if log is not None:
       log.warning("memory: %d of %d calibration minibatches have a zero gradient; calibrating on the others",
                   len(batches) - len(live), len(batches))
-    batches, contexts, refs = ([x[i] for i in live] for x in (batches, contexts, refs))
+    batches, contexts, refs, full = ([x[i] for i in live] for x in (batches, contexts, refs, full))
   if not live and log is not None:
     log.warning("memory: no calibration minibatch has a gradient (every advantage zero, no KL yet): the measured "
                 "risks are undefined and this calibration is not meaningful")
+  # errors measured on calib_rows rows, scaled to the minibatch's own row count (rows_factor)
+  scale = np.array([rows_factor(hooks, c, f, b, r) for c, f, b, r in zip(contexts, full, batches, refs)])
   err = np.stack([measure_unit_errors(hooks, c.params, b, units, mc.group_size, mc.lowp_format, r, layers)
-                  for c, b, r in zip(contexts, batches, refs)])
+                  for c, b, r in zip(contexts, batches, refs)]) * scale[:, None]
   pprof, prof, token_err = error_profile(hooks, [c.params for c in contexts], batches, units, mc.group_size,
                                          mc.lowp_format)
   # units' errors are not orthogonal: how coherently they add is fitted on random sets of these batches
   sets = random_sets(len(units), mc.calib_sets, np.random.default_rng(len(units)))
   set_err = np.stack([set_errors(hooks, c.params, b, units, sets, mc.group_size, mc.lowp_format, r)
-                      for c, b, r in zip(contexts, batches, refs)])
-  return Measured(batches, contexts, refs, err, sets, set_err, pprof, prof, token_err)
+                      for c, b, r in zip(contexts, batches, refs)]) * scale[:, None]
+  return Measured(batches, contexts, refs, err, sets, set_err, pprof, prof, token_err, scale)
 
 
 def fit(hooks: StepHooks, mc: MemoryConfig, units, m: Measured, raw_KU: np.ndarray, grad_scale: float) -> Calibration:
@@ -99,10 +132,17 @@ def fit(hooks: StepHooks, mc: MemoryConfig, units, m: Measured, raw_KU: np.ndarr
   pred = raw_KU * sus
   kappa = fit_coherence(m.err, m.sets, m.set_err)
   delta, measured = calibrate_delta(hooks, [c.params for c in m.contexts], m.batches, units, kappa * pred.mean(0),
-                                    mc.grad_err_tolerance, mc.group_size, mc.lowp_format, exact=m.refs)
+                                    mc.grad_err_tolerance, mc.group_size, mc.lowp_format, exact=m.refs,
+                                    row_scale=m.row_scale)
   total = pred.sum(1)
+  score_max = pred.max(0)
+  if len(m.batches) == 1:
+    log.warning("memory: one calibration minibatch, so each unit's largest score (the exposure-off bucket's risk) is "
+                "a single sample with no spread measured: widened %.1fx; calibrate on more minibatches "
+                "(memory.calib_batches)", SINGLE_BATCH_MARGIN)
+    score_max = score_max * SINGLE_BATCH_MARGIN
   return Calibration(sus.tolist(), pred.mean(0).tolist(), m.err.mean(0).tolist(), delta, measured,
                      float(np.mean(total)), float(np.max(total)), risk_metrics(pred.ravel(), m.err.ravel()),
                      len(m.batches), kappa, set_fit(m.err.mean(0), m.sets, m.set_err.mean(0), kappa), m.err.tolist(),
-                     m.profile.tolist(), pred.max(0).tolist(), m.prompt_profile.tolist(), float(grad_scale),
+                     m.profile.tolist(), score_max.tolist(), m.prompt_profile.tolist(), float(grad_scale),
                      mc.risk_metric, mc.exposure.predictor)

@@ -8,7 +8,7 @@ risk of a set is therefore modelled as coherence * (sum of its units' errors), t
 coherence factor measured on random sets (linear in the set, so the exact solver can bound it), and validated
 against the measured error of other random sets. Every measurement runs one compiled probe program (the gradient
 with every unit read as exact + mix * (decoded - exact), mix chosen at run time), at the exact gradient's matmul
-precision (PRECISION).
+precision (PRECISION); the exact gradient is that program with a zero mix.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def raw_exposure(hooks: StepHooks, params, batch, units, switches=ExposureSwitch
   sw = dataclasses.replace(switches, susceptibility=False)
   err = token_errors(hooks, params, batch, units, group_size, fmt)
   c = predictors.weights(sw.predictor, w, lp)
-  scale = exposure.normaliser(jnp.sum(c), norm_.metric, grad_scale, norm_.max_grad_norm)
+  scale = exposure.normaliser(exposure.token_norm(c, sw.coherence), norm_.metric, grad_scale, norm_.max_grad_norm)
   return exposure.unit_exposure(exposure.sequence_weights(c, batch.prompt_mask, sw.prompt), err,
                                 jnp.ones(len(units)), sw, scale)
 
@@ -98,11 +98,17 @@ def cosine(g, exact) -> float:
   return float(dot / jnp.maximum(norm(g) * norm(exact), 1e-30))
 
 
-def exact_gradient(hooks: StepHooks, params, batch):
-  """The reference gradient: full checkpointing (no low-precision code anywhere, and the configuration that fits
-  whenever training does) at PRECISION."""
+def exact_gradient(hooks: StepHooks, params, batch, fmt: str = "int8", group_size: int = 64, probe: bool = True):
+  """The reference gradient at PRECISION: the probe program itself with a zero mix (every unit read exact), so a
+  probe's difference from it is the L error alone, not the float noise between two compiled programs (fmt and
+  group_size: the probes', which pick that program). probe False, or hooks without a probe: full checkpointing (no
+  low-precision code anywhere, and the configuration that fits whenever training does), for references that only
+  compiled plans, not probes, are compared with."""
+  n = hooks.model_cfg.num_hidden_layers
   with measuring():
-    return hooks.gradient(params, batch, model.uniform(hooks.model_cfg.num_hidden_layers, model.FULL_REMAT))
+    if not probe or hooks.probe_gradient is None:
+      return hooks.gradient(params, batch, model.uniform(n, model.FULL_REMAT))
+    return hooks.probe_gradient(params, batch, probe_mix(n, [], []), fmt, group_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +121,11 @@ class UpdateContext:
   logp: Any = None
 
 
-def reference(hooks: StepHooks, ctx: UpdateContext, batch, metric: str = "relative") -> risk.Reference:
-  """The minibatch's exact gradient at ctx and what `metric` needs (the optimizer where the hooks give it)."""
-  g = exact_gradient(hooks, ctx.params, batch)
+def reference(hooks: StepHooks, ctx: UpdateContext, batch, metric: str = "relative", fmt: str = "int8",
+              group_size: int = 64) -> risk.Reference:
+  """The minibatch's exact gradient at ctx (exact_gradient, in the program of the probes at fmt and group_size) and
+  what `metric` needs (the optimizer where the hooks give it)."""
+  g = exact_gradient(hooks, ctx.params, batch, fmt, group_size)
   return risk.Reference(g, float(norm(g)), metric, hooks.max_grad_norm, hooks.optimizer_update, ctx.opt_state,
                         ctx.params)
 
@@ -142,7 +150,7 @@ def set_errors(hooks: StepHooks, params, batch, units, sets, group_size: int, fm
                exact=None, metrics: Sequence[str] | None = None) -> np.ndarray:
   """[len(sets)] error with exactly each set (indices into units) L, measured, of the reference's metric (exact: a
   risk.Reference, or a bare gradient for the relative error); with metrics, [len(sets), len(metrics)]."""
-  ref = risk.as_reference(exact_gradient(hooks, params, batch) if exact is None else exact)
+  ref = risk.as_reference(exact_gradient(hooks, params, batch, fmt, group_size) if exact is None else exact)
   n = hooks.model_cfg.num_hidden_layers
   out = []
   with measuring():

@@ -10,12 +10,25 @@ from hilore_jax.model.codec import FORMATS
 # memory.policy: none keeps every activation, gc recomputes every layer, hilore plans H/L/R(/O) per unit by
 # exposure; the rest are the benchmark's baselines (memory/methods.py implements one planner per name)
 MEMORY_POLICIES = ("none", "gc", "sac", "optimal_hr", "uniform_int8", "uniform_int8_gc", "greedy_bits",
-                   "greedy_bits_gc", "adacc_style", "hilore")
+                   "greedy_bits_gc", "hilore_static", "hilore")
+# old policy names -> (new name, what it is): a config naming one fails with one line naming its successor
+RENAMED_POLICIES = {"adacc_style": ("hilore_static", "HiLoRe with exposure off")}
 # memory.risk_metric: what a unit's risk is the error of (memory/risk.py): the gradient's relative error, the error
 # after global-norm clipping, or the error of the optimizer's update
 RISK_METRICS = ("relative", "clipped", "update")
 # memory.exposure.predictor: the run-time score of a unit's risk (memory/predictors.py)
 PREDICTORS = ("exposure_v1", "cotangent", "cotangent_forward")
+# memory.exposure.coherence: how token contributions add up in the gradient a score is relative to
+# (exposure.token_norm): coherent (the sum) or incoherent (root sum of squares; GRPO's zero-mean advantages cancel)
+COHERENCE = ("coherent", "incoherent")
+
+
+def check_policy(name: str, policy: str):
+  """check_choice over MEMORY_POLICIES, with a renamed policy's successor named."""
+  if policy in RENAMED_POLICIES:
+    new, what = RENAMED_POLICIES[policy]
+    raise ConfigError(f"{name} {policy!r} is now {new!r} ({what})")
+  check_choice(name, policy, MEMORY_POLICIES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,9 +44,14 @@ class ExposureSwitches:
   # exposure_v1: |w_t| x the calibrated per-position error; cotangent: |w_t| (1 - p_t) x the same; cotangent_forward:
   # |w_t| (1 - p_t) x a forward pass's per-token errors where one is given, else the calibrated profile
   predictor: str = "exposure_v1"
+  # the normaliser's token sum (exposure.token_norm): coherent sum |c_t| (the rule so far) or incoherent
+  # sqrt(sum c_t^2), what GRPO's zero-mean advantages imply; incoherent makes the relative score of a flat-profile
+  # unit blind to clipping, which the exposure experiment (issue 36) has to weigh before it becomes the default
+  coherence: str = "coherent"
 
   def __post_init__(self):
     check_choice("memory.exposure.predictor", self.predictor, PREDICTORS)
+    check_choice("memory.exposure.coherence", self.coherence, COHERENCE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +69,8 @@ class MemoryConfig:
   calib_sets: int = 6  # random L sets per calibration batch to fit how coherently units' errors add
   # what one calibration probe costs: the first calib_rows rows of each calibration minibatch (0: all of them), and
   # each unit kind measured at calib_layers layers spread over depth, first and last included, the others
-  # interpolated (0: every layer). Both keep the number and size of probe gradients independent of depth
+  # interpolated (0: every layer). Both keep the number and size of probe gradients independent of depth; errors on
+  # calib_rows rows are scaled to the minibatch's row count (calibrate.rows_factor)
   calib_rows: int = 0
   calib_layers: int = 0
   solver: str = "exact"  # exact (MILP) | greedy: the allocator of the solved methods; the other's gap is logged
@@ -73,7 +92,7 @@ class MemoryConfig:
   exposure: ExposureSwitches = ExposureSwitches()
 
   def __post_init__(self):
-    check_choice("memory.policy", self.policy, MEMORY_POLICIES)
+    check_policy("memory.policy", self.policy)
     check_choice("memory.lowp_format", self.lowp_format, FORMATS)
     check_choice("memory.risk_metric", self.risk_metric, RISK_METRICS)
     check_positive("memory.calib_batches", self.calib_batches)

@@ -10,9 +10,11 @@ Rounding errors of different tokens are independent, so their contributions add 
 
 |e_{u,t}| the unit's per-token reconstruction error, s_u its measured susceptibility (how much of it reaches the
 update, wherever it lands), and scale what the risk is relative to (normaliser: the gradient's scale for the
-relative error, the clip for the clipped one). Positions t cover the prompt too: completion tokens attend to it, so
-the cotangent reaches its activations (prompt_weights). Everything is known after the forward pass, before backward;
-at run time a calibrated per-position profile stands in for |e_{u,t}| (runtime_scores).
+relative error, the clip for the clipped one; the gradient's scale is the token weights' sum, or their root sum of
+squares since GRPO's zero-mean advantages make token contributions cancel rather than add: token_norm). Positions
+t cover the prompt too: completion tokens attend to it, so the cotangent reaches its activations (prompt_weights).
+Everything is known after the forward pass, before backward; at run time a calibrated per-position profile stands
+in for |e_{u,t}| (runtime_scores).
 """
 
 from __future__ import annotations
@@ -73,23 +75,45 @@ def sequence_weights(c_BN: jax.Array, prompt_mask_BP: jax.Array, prompt: bool = 
   return jnp.concatenate([pw if prompt else jnp.zeros_like(pw), c_BN], axis=1)
 
 
-def normaliser(l1, metric: str, grad_scale, max_grad_norm: float):
-  """What a unit's predicted error is relative to, from the sum of the completion weights l1 (the gradient's scale:
-  token contributions add coherently): l1 itself for the relative error; max(grad_scale * l1, c) for the clipped
-  error and the update's (grad_scale, calibrated, turns l1 into ||g||; c the clip, the largest update)."""
+def token_norm(c, coherence: str = "coherent"):
+  """How the gradient's norm grows with the token weights c (any shape): sum |c_t| coherent, sqrt(sum c_t^2)
+  incoherent.
+
+  The gradient is g = sum_t c_t j_t, j_t token t's log-prob gradient (|j_t| ~ J). If every c_t j_t pointed one way
+  ||g|| = J sum |c_t| (coherent). GRPO's advantages are zero-mean within a group, so the signs of c_t differ and
+  different tokens' j_t are nearly orthogonal: their contributions cancel as a random walk does, and
+  E||g||^2 = J^2 sum c_t^2, ||g|| ~ J sqrt(sum c_t^2) (incoherent). The unit's error adds in quadrature in either
+  case (unit_exposure), so with a flat error profile p the relative score is s p under the incoherent sum, flat in
+  the token count as a relative error of independent terms is, but s p ||c||_2 / ||c||_1 under the coherent one,
+  which falls as 1/sqrt(n) with n tokens and ranks long minibatches as safe for that alone. Whatever remains of
+  coherence (correlated tokens) is a constant factor per run: grad_scale (fit_grad_scale) measures it. Incoherent
+  also makes clipping, which removes tokens from the numerator and the scale alike, nearly invisible to a
+  flat-profile unit's relative score; the default stays coherent until the exposure experiment decides."""
+  c = jnp.abs(jnp.asarray(c, jnp.float32))
+  if coherence == "coherent":
+    return jnp.sum(c)
+  if coherence == "incoherent":
+    return jnp.sqrt(jnp.sum(c * c))
+  raise ValueError(f"coherence must be one of ['coherent', 'incoherent'], got {coherence!r}")
+
+
+def normaliser(wnorm, metric: str, grad_scale, max_grad_norm: float):
+  """What a unit's predicted error is relative to, from the token norm of the completion weights wnorm (token_norm:
+  the gradient's scale up to a constant): wnorm itself for the relative error; max(grad_scale * wnorm, c) for the
+  clipped error and the update's (grad_scale, calibrated, turns wnorm into ||g||; c the clip, the largest update)."""
   if metric == "relative":
-    return jnp.maximum(l1, 1e-30)
-  return jnp.maximum(jnp.maximum(grad_scale * l1, max_grad_norm), 1e-30)
+    return jnp.maximum(wnorm, 1e-30)
+  return jnp.maximum(jnp.maximum(grad_scale * wnorm, max_grad_norm), 1e-30)
 
 
 def unit_exposure(w_abs_BT: jax.Array, err_UBT: jax.Array, susceptibility_U: jax.Array,
                   sw: ExposureSwitches = ExposureSwitches(), scale=None) -> jax.Array:
   """[U] exposure from per-position weights [B, T], per-token reconstruction errors [U, B, T] and per-unit
-  susceptibility, relative to scale (default sum |w|: the same normalisation as runtime_scores, so one fitted
-  susceptibility serves both)."""
+  susceptibility, relative to scale (default token_norm(w, sw.coherence): the same normalisation as runtime_scores,
+  so one fitted susceptibility serves both)."""
   err = err_UBT if sw.activation else jnp.ones_like(err_UBT)
   s = susceptibility_U if sw.susceptibility else jnp.ones_like(susceptibility_U)
-  scale = jnp.maximum(jnp.sum(w_abs_BT) if scale is None else scale, 1e-30)
+  scale = jnp.maximum(token_norm(w_abs_BT, sw.coherence) if scale is None else scale, 1e-30)
   # 0 when no token is updated (every group had zero advantage): nothing can reach the gradient
   return s * jnp.sqrt(jnp.einsum("bt,ubt->u", w_abs_BT * w_abs_BT, err * err)) / scale
 
@@ -122,11 +146,11 @@ def runtime_scores(w_abs_BT: jax.Array, profile_UT: jax.Array, susceptibility_U:
       score_u = s_u * sqrt(sum_t w_t^2 p_u[pos t]^2) / scale
 
   p_u the unit's calibrated per-position reconstruction error (what the forward would show, on average), scale as
-  in unit_exposure. A unit with a flat profile and the default scale scores s_u * p_u * ||w||_2 / ||w||_1; 0 when
-  no token is updated (nothing can reach the gradient)."""
+  in unit_exposure. A unit with a flat profile and the default scale scores s_u * p_u * ||w||_2 / ||w||_1
+  (coherent) or s_u * p_u (incoherent); 0 when no token is updated (nothing can reach the gradient)."""
   prof = fit_length(profile_UT, w_abs_BT.shape[1])
   prof = prof if sw.activation else jnp.ones_like(prof)
   s = susceptibility_U if sw.susceptibility else jnp.ones_like(susceptibility_U)
-  scale = jnp.maximum(jnp.sum(w_abs_BT) if scale is None else scale, 1e-30)
+  scale = jnp.maximum(token_norm(w_abs_BT, sw.coherence) if scale is None else scale, 1e-30)
   w2 = jnp.sum(w_abs_BT * w_abs_BT, axis=0)  # [T]: rows at one position share the profile
   return s * jnp.sqrt(jnp.einsum("t,ut->u", w2, prof * prof)) / scale

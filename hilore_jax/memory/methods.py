@@ -19,11 +19,11 @@ from hilore_jax.model import codec
 from hilore_jax.model import units as U
 
 METHODS = MEMORY_POLICIES
-CALIBRATED = ("greedy_bits", "greedy_bits_gc", "adacc_style", "hilore")  # methods that need measured per-unit errors
-SOLVED = ("optimal_hr", "adacc_style", "hilore")  # one exact solver over the layer graph's options for all of them
+CALIBRATED = ("greedy_bits", "greedy_bits_gc", "hilore_static", "hilore")  # methods that need measured per-unit errors
+SOLVED = ("optimal_hr", "hilore_static", "hilore")  # one exact solver over the layer graph's options for all of them
 # a method's risk-free subset: its options without L, whose own budget fit the method's plan must never be slower
 # than (memory/budget.py no_slower_than)
-RISK_FREE_SUBSET = {"adacc_style": "optimal_hr", "hilore": "optimal_hr"}
+RISK_FREE_SUBSET = {"hilore_static": "optimal_hr", "hilore": "optimal_hr"}
 # SAC-style named save policies (what jax.checkpoint_policies / PyTorch SAC users write by hand): the best of the
 # grid that fits, applied to as many layers as fit (the rest fully recomputed)
 SAC_GRID = {
@@ -138,7 +138,7 @@ def plan(method: str, unit_list: Sequence[Unit], op_s: dict, extra_bytes: int, *
   """The method's plan for `extra_bytes` of activation memory on top of full checkpointing.
 
   risk_of: predicted relative gradient error of each (layer, kind) as L (hilore: at this bucket's exposure;
-  adacc_style: static), summed over a plan's L units against the budget delta. sensitivity: measured error per
+  hilore_static: static), summed over a plan's L units against the budget delta. sensitivity: measured error per
   (layer, kind) (greedy_bits). solver: exact (the MILP, every solved method, to a proven relative gap mip_gap)
   or greedy (the run-time fast path).
   """
@@ -254,5 +254,5 @@ def active_constraint(method: str, unit_list, extra_bytes: int, chosen: Plan, pl
   total = sum(max(u.bytes_h, u.bytes_l or 0) for u in unit_list)
   faster = lambda p: p.time_s < chosen.time_s * (1 - rtol) - 1e-12
   mem = faster(plan_for(max(total * 4, extra_bytes + 1)))
-  risk = method in ("adacc_style", "hilore") and faster(plan_for(extra_bytes, float("inf")))
+  risk = method in ("hilore_static", "hilore") and faster(plan_for(extra_bytes, float("inf")))
   return "both" if mem and risk else "memory" if mem else "risk" if risk else "none"

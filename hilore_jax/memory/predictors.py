@@ -57,7 +57,7 @@ def score(sw: ExposureSwitches, norm: Normalisation, w_abs_BN, logp_BN, prompt_m
   per-token errors err_UBT [U, B, P-1+N] (cotangent_forward, where given) or the calibrated profiles."""
   c = weights(sw.predictor, w_abs_BN, logp_BN)
   w = exposure.sequence_weights(c, prompt_mask_BP, sw.prompt)
-  scale = exposure.normaliser(jnp.sum(c), norm.metric, grad_scale, norm.max_grad_norm)
+  scale = exposure.normaliser(exposure.token_norm(c, sw.coherence), norm.metric, grad_scale, norm.max_grad_norm)
   if err_UBT is not None and uses_forward(sw.predictor):
     return exposure.unit_exposure(w, err_UBT, susceptibility_U, sw, scale)
   P1, N = prompt_mask_BP.shape[1] - 1, w_abs_BN.shape[1]
@@ -88,7 +88,7 @@ class Scorer:
       def one(b, lp, pprof, prof, sus, gamma, err):
         w = self.hooks.token_weights(None, b, sw, lp)
         if l1:
-          return jnp.sum(weights(sw.predictor, w, lp))
+          return exposure.token_norm(weights(sw.predictor, w, lp), sw.coherence)
         return score(sw, norm, w, lp, b.prompt_mask, pprof, prof, sus, gamma, err)
       self._fns[key] = jax.jit(jax.vmap(one, in_axes=(0, 0, None, None, None, None, 0 if forward else None)))
     return self._fns[key]
@@ -113,16 +113,18 @@ class Scorer:
     return np.asarray(jax.device_get(out), np.float64)
 
   def l1(self, minibatches: Sequence, sw: ExposureSwitches, logp=None) -> np.ndarray:
-    """[M] each minibatch's sum of the predictor's completion weights (what normaliser scales)."""
+    """[M] each minibatch's token norm of the predictor's completion weights (exposure.token_norm under
+    sw.coherence: what normaliser scales)."""
     stacked = jax.tree.map(lambda *xs: jnp.stack([jnp.asarray(x) for x in xs]), *minibatches)
     cur = jnp.stack(self.current_logp(minibatches, logp))
     out = self._fn(sw, Normalisation(), False, l1=True)(stacked, cur, None, None, None, None, None)
     return np.asarray(jax.device_get(out), np.float64)
 
 
-def fit_grad_scale(grad_norms, l1) -> float:
-  """||g|| per unit of the weights' sum: the median ratio over calibration minibatches with weight (1 if none)."""
-  r = [g / w for g, w in zip(grad_norms, l1) if w > 0 and g > 0]
+def fit_grad_scale(grad_norms, wnorm) -> float:
+  """||g|| per unit of the weights' token norm: the median ratio over calibration minibatches with weight (1 if
+  none)."""
+  r = [g / w for g, w in zip(grad_norms, wnorm) if w > 0 and g > 0]
   return float(np.median(r)) if r else 1.0
 
 
