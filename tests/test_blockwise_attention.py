@@ -168,8 +168,8 @@ def test_the_sampler_decodes_the_same_tokens(tiny_cfg):
   np.testing.assert_array_equal(out["tokens"], want["tokens"])
   np.testing.assert_array_equal(out["mask"], want["mask"])
   assert rel_err(out["logprobs"], want["logprobs"]) <= 1e-5
-  # the prefill's [B, K, G, P-1, P+N] scores are blocks under blockwise
-  P, S = ids.shape[1], ids.shape[1] + sc.max_new_tokens
+  # the prefill's [B, K, G, P-1, P] scores (it fills a prompt-length cache) are blocks under blockwise
+  P = S = ids.shape[1]
   trace = lambda cfg: jax.make_jaxpr(lambda p: sampler.generate(cfg, p, ids, mask, jax.random.PRNGKey(0), sc, 1, 0))
   has = lambda cfg: any(s[-2:] == (P - 1, S) for s in _shapes(trace(cfg)(params).jaxpr) if len(s) == 5)
   assert has(xla) and not has(blk)
