@@ -151,6 +151,10 @@ class Config:
                         f"or be 0")
     if self.replay.group_size != G:  # validated again with G: naive mode's capacity must hold whole groups
       object.__setattr__(self, "replay", dataclasses.replace(self.replay, group_size=G))
+    if self.grpo.old_logp == "sampler" and (self.rollout.top_k or self.rollout.top_p < 1.0):
+      raise ConfigError(f"grpo.old_logp=sampler needs the sampler's distribution to be the policy's: rollout.top_k "
+                        f"must be 0 and rollout.top_p 1.0 (got {self.rollout.top_k} and {self.rollout.top_p}); or "
+                        f"use grpo.old_logp=forward")
     if not self.grpo.max_completion_len:  # Dr.GRPO's normaliser defaults to the generation budget
       object.__setattr__(self, "grpo", dataclasses.replace(self.grpo,
                                                            max_completion_len=self.rollout.max_new_tokens))

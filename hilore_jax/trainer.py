@@ -202,12 +202,13 @@ class Trainer:
     current one: every fresh row an update sees after the rollout's first update needs it; replayed rows keep the
     behaviour log-probs stored with them (their current log-probs are the exposure's ratio numerator)."""
     later = self.config.grpo.num_iterations > 1
+    sampled = self.config.grpo.old_logp == "sampler"  # fresh rows carry the sampler's: no forward for them
     out, current = [], []
     for b in minibatches:
       if self.spec.use_ref_logp:
         b = b.replace(ref_logp=self.stepper.logprobs(self.spec, self.ref_params, b))
       logp = None
-      if update_batch.needs_old_forward(b, later):
+      if update_batch.needs_old_forward(b, later) and not (sampled and b.replayed is None):
         logp = self.stepper.logprobs(self.spec, self.state["params"], b)
         if b.replayed is not None:  # replayed rows keep their stored behaviour log-probs
           b = b.replace(old_logp=jnp.where(b.replayed[:, None] > 0, b.old_logp, logp))

@@ -159,3 +159,32 @@ def test_training_logprobs_are_the_samplers_at_temperature(tmp_path):
   ignored = dataclasses.replace(t.spec, temperature=1.0)  # what the trainer computed before
   cold = jax.jit(lambda p, b: train_step.sequence_logprobs(ignored, p, b))(params, placed)
   assert np.abs(np.asarray(cold)[mask] - roll.sample_logprobs[mask]).mean() > 0.05
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_old_logp_from_the_sampler_needs_no_forward_and_trains_as_the_forward_does(tmp_path, temperature):
+  from hilore_jax import metrics
+
+  args = ["train.steps=2", "train.minibatch_size=4", "grpo.num_iterations=2", "grpo.filter_zero_std=false",
+          "eval.at_start=false", "eval.at_end=false", f"rollout.temperature={temperature}"]
+  runs = {}
+  for source in ("forward", "sampler"):
+    t = Trainer(tiny_config(tmp_path / source, *args, f"grpo.old_logp={source}"))
+    t.train()
+    runs[source] = (t, metrics.read_metrics(tmp_path / source / "metrics.jsonl"))
+  (tf, rf), (ts, rs) = runs["forward"], runs["sampler"]
+  assert tf.stepper._forwards and not ts.stepper._forwards  # the sampler's log-probs replaced the forward pass
+  # the same rollouts, and updates within the KV-cache path's float32 differences of each other
+  assert [r["reward/mean"] for r in rf] == [r["reward/mean"] for r in rs]
+  for key in ("loss", "grad_norm", "kl", "abs_log_ratio", "entropy"):
+    np.testing.assert_allclose([r[key] for r in rs], [r[key] for r in rf], rtol=1e-4, atol=1e-6, err_msg=key)
+  assert max(r["abs_log_ratio"] for r in rs) > 0  # later updates were off-policy: the old log-probs were read
+
+
+def test_old_logp_from_the_sampler_refuses_a_truncated_sampler(tmp_path):
+  from hilore_jax.errors import ConfigError
+
+  with pytest.raises(ConfigError, match=r"grpo.old_logp=sampler .* rollout.top_k must be 0 and rollout.top_p 1.0 "
+                                        r"\(got 5 and 1.0\)"):
+    tiny_config(tmp_path, "grpo.old_logp=sampler", "rollout.top_k=5")

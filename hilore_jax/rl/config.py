@@ -69,9 +69,15 @@ class GRPOConfig:
   max_completion_len: int = 0  # Dr.GRPO's constant normaliser; 0: rollout.max_new_tokens
   num_iterations: int = 1  # passes over each rollout batch
   filter_zero_std: bool = True  # drop groups whose rewards are all equal
+  # where an off-policy update's old log-probs of fresh rows come from: forward (a log-prob pass at the rollout's
+  # params before the step's first update) or sampler (the sampler's own log-probs of its tokens: the same tempered
+  # softmax at the same params, so no forward pass; float32 differences of the KV-cache path ~1e-6; needs
+  # rollout.top_k 0 and top_p 1, whose truncation the update's log-probs do not apply)
+  old_logp: str = "forward"
 
   def __post_init__(self):
     check_choice("grpo.advantage", self.advantage, grpo.ADVANTAGES)
+    check_choice("grpo.old_logp", self.old_logp, ("forward", "sampler"))
     check_choice("grpo.std_scale", self.std_scale, grpo.STD_SCALES)
     check_choice("grpo.loss_agg", self.loss_agg, grpo.LOSS_AGGS)
     check_choice("grpo.kl_estimator", self.kl_estimator, grpo.KL_ESTIMATORS)

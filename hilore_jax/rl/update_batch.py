@@ -93,6 +93,8 @@ def minibatches(c, roll: Rollout, rng: np.random.Generator, buffer: replay.Repla
   stats = {"frac_reward_zero_std": float(zero_std.mean()), "adv/abs_mean": float(np.abs(adv).mean())}
   full = {k: getattr(roll, k)[keep_rows] for k in SEQUENCE_FIELDS}
   full["adv"] = adv[keep_rows].astype(np.float32)
+  if use_old_logp and c.grpo.old_logp == "sampler":  # the behaviour policy's own log-probs: no forward needed
+    full["old_logp"] = roll.sample_logprobs[keep_rows].astype(np.float32)
   if buffer is not None:
     full, replayed, replay_stats = buffer.compose(full, step, np.random.default_rng([c.seed, step, 1]))
     full["replayed"] = replayed.astype(np.int32)
@@ -120,8 +122,11 @@ def minibatches(c, roll: Rollout, rng: np.random.Generator, buffer: replay.Repla
       # the rollout's first update is on-policy for its fresh rows: their denominator is the current log-prob
       part["on_policy"] = ((replayed == 0) & (j == 0)).astype(np.int32)
       stored = part.get("old_logp", np.full(part["tokens"].shape, np.nan, np.float32))
-      # 0 where unread (on-policy), NaN where a forward must fill it in: a forgotten fill is a non-finite loss
-      part["old_logp"] = np.where(part["on_policy"][:, None] > 0, 0.0, stored).astype(np.float32)
+      # 0 where unread (on-policy), NaN where a forward must fill it in: a forgotten fill is a non-finite loss; the
+      # sampler's log-probs stay on every row (a later pass reads the on-policy rows' too)
+      if c.grpo.old_logp != "sampler":
+        stored = np.where(part["on_policy"][:, None] > 0, 0.0, stored)
+      part["old_logp"] = stored.astype(np.float32)
     else:
       part.pop("replayed", None)
     out.append(UpdateBatch(**part))
