@@ -1,5 +1,5 @@
 """The end-to-end table of scripts/e2e_side_by_side.sh: per run, the median step (steps 2..N), rollout and update,
-the first step's end (seconds since the trainer process imported hilore_jax, or since TRL's script started), the
+the first step's end (seconds since the trainer process imported hilore_jax; TRL's side reports none), the
 run's wall time, peak RSS, and what the runs measured of HiLoRe (warm-up, set-up, guard). python scripts/e2e_table.py
 OUT"""
 
@@ -41,7 +41,7 @@ def main(out: str):
         full = {m["step"]: m for m in map(json.loads, fh)}
       steps = [{**full.get(st["step"], {}), **st} for st in steps]
       body = steps[1:] or steps
-    first = steps[0].get("time/elapsed_s") or steps[0].get("elapsed_s") or steps[0]["step_s"]
+    first = steps[0].get("time/elapsed_s")  # TRL's script reports no clock from its start: n/a
     warm = [st.get("alloc/warmup") for st in steps]
     plans_from = next((i + 1 for i, st in enumerate(steps) if st.get("alloc/warmup") == 0
                        and not st.get("alloc/guard_gc")), None) if key.startswith("hilore") else None
