@@ -106,15 +106,19 @@ def _block_sizes(T: int, S: int, block_q: int, block_k: int) -> tuple[int, int]:
   return min(block_q, T), min(block_k, S)
 
 
+def _key_blocks(q_BTNH, k_BSKH, v_BSKH, key_mask_BS, block_q: int, block_k: int):
+  """What forward and backward both start from: (block sizes, softmax scale, key, value and key-mask blocks)."""
+  bq, bk = _block_sizes(q_BTNH.shape[1], k_BSKH.shape[1], block_q, block_k)
+  scale = 1.0 / math.sqrt(q_BTNH.shape[-1])
+  return bq, bk, scale, _kv_blocks(k_BSKH, bk), _kv_blocks(v_BSKH, bk), _mask_blocks(key_mask_BS, bk)
+
+
 def _blockwise_fwd_impl(q_BTNH, k_BSKH, v_BSKH, key_mask_BS, query_offset, block_q, block_k):
   """(out [B, T, N, H] in q's dtype, logsumexp [B, K, G, T] float32; -inf where a row sees no key)."""
-  B, T, N, H = q_BTNH.shape
-  S, KV = k_BSKH.shape[1], k_BSKH.shape[2]
-  bq, bk = _block_sizes(T, S, block_q, block_k)
-  scale = 1.0 / math.sqrt(H)
+  B, T, N, _ = q_BTNH.shape
+  KV = k_BSKH.shape[2]
+  bq, bk, scale, k_n, v_n, km_n = _key_blocks(q_BTNH, k_BSKH, v_BSKH, key_mask_BS, block_q, block_k)
   q_n = _q_blocks(q_BTNH, KV, bq) * scale
-  k_n, v_n = _kv_blocks(k_BSKH, bk), _kv_blocks(v_BSKH, bk)
-  km_n = _mask_blocks(key_mask_BS, bk)
   nk = k_n.shape[0]
 
   def q_block(i, q_BKGqH):
@@ -169,15 +173,12 @@ def _blockwise_bwd(block_q, block_k, res, dout_BTNH):
   q_BTNH, k_BSKH, v_BSKH, key_mask_BS, query_offset, out_BTNH, lse_BKGT = res
   B, T, N, H = q_BTNH.shape
   S, KV = k_BSKH.shape[1], k_BSKH.shape[2]
-  bq, bk = _block_sizes(T, S, block_q, block_k)
-  scale = 1.0 / math.sqrt(H)
+  bq, bk, scale, k_n, v_n, km_n = _key_blocks(q_BTNH, k_BSKH, v_BSKH, key_mask_BS, block_q, block_k)
   q_n = _q_blocks(q_BTNH, KV, bq)
   do_n = _q_blocks(dout_BTNH, KV, bq)
   # D = rowsum(dout * out): the softmax derivative's row term, without the probabilities
   d_n = jnp.sum(do_n * _q_blocks(out_BTNH, KV, bq), axis=-1)
   lse_n = _row_blocks(jnp.where(jnp.isfinite(lse_BKGT), lse_BKGT, 0.0), bq)
-  k_n, v_n = _kv_blocks(k_BSKH, bk), _kv_blocks(v_BSKH, bk)
-  km_n = _mask_blocks(key_mask_BS, bk)
   nq = q_n.shape[0]
 
   def k_block(dq_n, j):
