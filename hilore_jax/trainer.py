@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 _NOT_IN_MEMORY_KEY = ("out_dir", "logging", "eval", "checkpoint")
 
 
-def memory_store(c: Config) -> stores.StateStore | None:
+def memory_store(c: Config) -> stores.JsonStore | None:
   """Where this recipe's memory set-up is cached between runs (memory.cache): keyed by the config (less output,
   logging, evaluation and checkpoint settings, and the step count unless the risk is the optimizer update's), the
   model's files, the library's code, JAX's version, its devices and XLA flags."""
@@ -54,7 +54,7 @@ def memory_store(c: Config) -> stores.StateStore | None:
   devs = jax.devices()
   d["jax"] = [jax.__version__, devs[0].platform, devs[0].device_kind, len(devs), jax.process_count(),
               os.environ.get("XLA_FLAGS", "")]
-  return stores.StateStore(runtime.cache_dir("memory"), stores.digest(d))
+  return stores.JsonStore(runtime.cache_dir("memory"), stores.digest(d))
 
 
 def layer_policies(mc: MemoryConfig, cfg) -> tuple[model.LayerPolicy, ...]:

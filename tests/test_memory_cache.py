@@ -23,7 +23,7 @@ def _rows(out):
 
 
 def test_store_is_atomic_and_an_unreadable_file_is_ignored(tmp_path, caplog):
-  s = stores.StateStore(str(tmp_path / "memory"), "k1")
+  s = stores.JsonStore(str(tmp_path / "memory"), "k1")
   assert s.load() is None
   s.save({"gc_bytes": 7, "nested": [1, 2]})
   assert s.load() == {"gc_bytes": 7, "nested": [1, 2]} and os.listdir(tmp_path / "memory") == ["k1.json"]
@@ -31,7 +31,7 @@ def test_store_is_atomic_and_an_unreadable_file_is_ignored(tmp_path, caplog):
     f.write('{"gc_bytes": 7, "nest')  # a torn file (the write is atomic, but a disk can still damage it)
   with caplog.at_level(logging.WARNING):
     assert s.load() is None
-  assert "k1.json is unreadable" in caplog.text and "calibrating again" in caplog.text
+  assert "k1.json is unreadable" in caplog.text and "measuring again" in caplog.text
 
 
 def test_key_follows_what_set_up_measures_and_nothing_else(tmp_path, monkeypatch):
@@ -145,25 +145,29 @@ def test_a_run_resumed_mid_warmup_warms_up_as_the_uninterrupted_one(tmp_path):
 
 @pytest.mark.slow
 def test_a_bucket_met_mid_step_is_fitted_after_the_step_not_on_its_clock(tmp_path):
-  # exposure on: buckets are vectors of unit levels, new ones appear as rollouts change
-  t = Trainer(tiny_config(tmp_path, *RUN, "memory.cache=false", "memory.buckets=3", "train.steps=6",
+  # exposure on: buckets are vectors of unit levels; from step 4 on the scores are raised 4x a step (each unit 4
+  # levels up), so every later step meets a bucket no fitted one covers, whatever the rollouts were
+  t = Trainer(tiny_config(tmp_path, *RUN, "memory.cache=false", "memory.buckets=3", "train.steps=5",
                           "memory.budget_ratio=1.5"))
-  seen = []
-  finish = t.memory.finish_step
+  seen, finish, scores, step_now = [], t.memory.finish_step, t.memory.unit_scores, [0]
+  run_step = t.run_step
+
+  def counted(step):
+    step_now[0] = step
+    return run_step(step)
 
   def spy(*a, **k):
     seen.append(sorted(t.memory.pending_fits))
     return finish(*a, **k)
 
-  t.memory.finish_step = spy
+  t.run_step, t.memory.finish_step = counted, spy
+  t.memory.unit_scores = lambda *a, **k: scores(*a, **k) * 4.0 ** max(step_now[0] - 2, 0)
   t.train()
   rows = _rows(tmp_path)
-  plan_rows = rows[2:]
   assert all(r["time/plan_fit_s"] == 0 for r in rows)  # no fit on a step's clock
-  deferred = [r for r in plan_rows if r["alloc/deferred"]]
-  assert deferred, "the rollouts met no new bucket after the warm-up: the test needs another seed"
-  # every deferred bucket was pending at the step's end, fitted then (verified), and its time is in the next row
-  assert any(seen[1:]) and all(b in t.memory.state.verified for bs in seen for b in bs)
-  for i, r in enumerate(rows[:-1]):
-    if r["alloc/deferred"]:
-      assert rows[i + 1]["time/memory_setup_s"] > 0
+  assert rows[0]["alloc/deferred"] == 0 and rows[-1]["alloc/deferred"] == 1  # the raised scores meet a new bucket
+  for i, r in enumerate(rows):
+    if r["alloc/deferred"]:  # its (one) minibatch ran GC's program; the bucket was fitted after, timed in the next row
+      assert r["alloc/frac_R"] == 1 and (i + 1 == len(rows) or rows[i + 1]["time/memory_setup_s"] > 0)
+  # every deferred bucket was pending at its step's end and fitted then
+  assert seen[-1] and all(b in t.memory.state.verified for bs in seen for b in bs)

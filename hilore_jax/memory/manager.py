@@ -44,7 +44,7 @@ class Allocation:
 class MemoryManager:
   """Chooses every minibatch's per-layer policies under the configured method and budget."""
 
-  def __init__(self, mc: MemoryConfig, hooks: StepHooks, store: stores.StateStore | None = None):
+  def __init__(self, mc: MemoryConfig, hooks: StepHooks, store: stores.JsonStore | None = None):
     self.mc, self.hooks, self.method = mc, hooks, mc.policy
     # the state on disk between runs (memory.cache): loaded before the first step, written after every change
     self.store = store

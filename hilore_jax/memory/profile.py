@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import time
 from typing import Callable
 
@@ -15,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hilore_jax import model, runtime
+from hilore_jax.memory.store import JsonStore
 from hilore_jax.model import codec
 from hilore_jax.model import units as U
 
@@ -91,11 +91,10 @@ def profile_ops(cfg: model.ModelConfig, batch: int, seq: int, group_size: int = 
                 cache_dir: str | None = None) -> dict:
   """Measured seconds (median of reps) per producer op, per unit and format for encode+decode, and per unit for
   a host round trip where offloading is supported; cached on disk by model shape, batch, dtype and backend."""
-  cache_dir = cache_dir or runtime.cache_dir("profiles")
-  path = os.path.join(cache_dir, profile_key(cfg, batch, seq, group_size) + ".json")
-  if os.path.exists(path):
-    with open(path) as f:
-      return json.load(f)
+  cache = JsonStore(cache_dir or runtime.cache_dir("profiles"), profile_key(cfg, batch, seq, group_size), "op profile")
+  cached = cache.load()
+  if cached is not None:
+    return cached
   sizes = U.dims(cfg, batch, seq)
   out: dict = {"ops": {op: _median_time(fn, args, reps) for op, (fn, args) in _op_calls(cfg, batch, seq).items()},
                "codec": {}, "offload": {}}
@@ -108,11 +107,7 @@ def profile_ops(cfg: model.ModelConfig, batch: int, seq: int, group_size: int = 
   if model.offload_supported():
     for kind in U.UNITS:
       out["offload"][kind] = _median_time(*_offload_roundtrip(U.shape(kind, sizes), cfg.compute_dtype), reps)
-  os.makedirs(cache_dir, exist_ok=True)
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(out, f, indent=2)
-  os.replace(tmp, path)
+  cache.save(out)
   return out
 
 

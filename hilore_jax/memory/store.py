@@ -41,12 +41,13 @@ def source_digest(package_dir: str) -> str:
   return h.hexdigest()[:20]
 
 
-class StateStore:
-  """One JSON file per key in a directory; writes are atomic (a kill leaves the old file or the new one), and an
-  unreadable file is reported and ignored (it is a cache: the run recalibrates)."""
+class JsonStore:
+  """One JSON file per key in a directory (the manager's set-up, the op profile); writes are atomic (a kill leaves
+  the old file or the new one), and an unreadable file is reported and ignored (it is a cache: it is measured
+  again)."""
 
-  def __init__(self, directory: str, key: str):
-    self.directory, self.key = directory, key
+  def __init__(self, directory: str, key: str, what: str = "memory set-up"):
+    self.directory, self.key, self.what = directory, key, what
     self.path = os.path.join(directory, f"{key}.json")
 
   def load(self) -> dict | None:
@@ -56,15 +57,15 @@ class StateStore:
       with open(self.path) as f:
         return json.load(f)
     except (OSError, ValueError) as e:
-      log.warning("memory: the cached calibration %s is unreadable (%s): calibrating again", self.path, e)
+      log.warning("the cached %s %s is unreadable (%s): measuring again", self.what, self.path, e)
       return None
 
-  def save(self, state_json: dict):
+  def save(self, obj: dict):
     try:
       os.makedirs(self.directory, exist_ok=True)
       tmp = f"{self.path}.tmp{os.getpid()}"
       with open(tmp, "w") as f:
-        json.dump(state_json, f)
+        json.dump(obj, f)
       os.replace(tmp, self.path)
-    except OSError as e:  # a read-only or full cache directory costs the next run its set-up, not this run
-      log.warning("memory: could not write the calibration cache %s (%s)", self.path, e)
+    except OSError as e:  # a read-only or full cache directory costs the next run its measurement, not this run
+      log.warning("could not write the cached %s %s (%s)", self.what, self.path, e)
