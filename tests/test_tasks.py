@@ -125,6 +125,32 @@ def test_question_format_asks_in_words_and_rewards_the_final_number():
     ArithmeticSpec(format="prose")
 
 
+def test_word_format_tells_two_step_stories_and_rewards_the_final_number():
+  from hilore_jax.tasks.task import WORD_STORIES
+
+  spec = ArithmeticSpec(seed=5, min_value=1, max_value=13, num_terms=3, ops=("+", "-"), format="word")
+  t = tasks.build_task(TaskConfig(arithmetic=spec, prompt_template="{question} Think step by step."))
+  seen = set()
+  for e in t.train_batch(0, 200) + list(t.test_examples[:50]):
+    assert e.prompt.endswith("? Think step by step.")
+    a, b, c = map(int, re.findall(r"\d+", e.prompt))  # the story's three numbers, in order of use
+    story = next(s for s in WORD_STORIES if re.fullmatch(re.sub(r"\\{[abcn]\\}", ".+?", re.escape(s[1])),
+                                                       e.prompt[:-len(" Think step by step.")]))
+    seen.add(story[1])
+    first = a + b if story[0][0] == "+" else a - b
+    assert first >= 0 and e.reference == (first + c if story[0][1] == "+" else first - c) >= 0
+    assert t.reward(f"{a} and {b} and {c} give {e.reference}.", e.reference) == 1.0
+    assert t.reward(f"{e.reference + 1}", e.reference) == 0.0
+  assert len(seen) == len(WORD_STORIES)  # every story is drawn
+  assert not {e.prompt for e in t.test_examples} & {e.prompt for e in t.train_batch(0, 500)}
+  only_plus = tasks.arithmetic_task(ArithmeticSpec(num_terms=3, ops=("+",), format="word"))
+  assert all(" fly away" not in e.prompt and " sold " not in e.prompt for e in only_plus.train_batch(0, 100))
+  with pytest.raises(ConfigError, match="set num_terms: 3"):
+    ArithmeticSpec(format="word")
+  with pytest.raises(ConfigError, match="'\\+' and '-' only"):
+    ArithmeticSpec(format="word", num_terms=3, ops=("*",))
+
+
 def test_biased_teacher_changes_only_warmstart_targets():
   clean = tasks.arithmetic_task(ArithmeticSpec(seed=2, fixed_width=True))
   biased = tasks.arithmetic_task(ArithmeticSpec(seed=2, fixed_width=True, teacher_error_rate=0.6))

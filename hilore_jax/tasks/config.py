@@ -23,7 +23,9 @@ class ArithmeticSpec:
   # the others' last digit): '3+5=' -> '8#3,3,3,3,3,3'; the reward reads the answer before the '#'
   scratchpad: bool = False
   # symbols: '12+35=' and the bare answer; question: 'What is 12 + 35?' in words (through task.prompt_template), the
-  # reward reading the completion's final number (free text such as '12 + 35 = 47', a chat model's answer)
+  # reward reading the completion's final number (free text such as '12 + 35 = 47', a chat model's answer);
+  # word: a short story with num_terms = 3 numbers and two operations ('Mia has 12 pens. She buys 7 more and then
+  # gives away 5. How many pens does Mia have now?'), rewarded the same way: a problem that needs steps
   format: str = "symbols"
 
   def __post_init__(self):
@@ -39,10 +41,16 @@ class ArithmeticSpec:
     check_positive("task.arithmetic.num_test", self.num_test)
     if self.scratchpad and "*" in self.ops:
       raise ConfigError("task.arithmetic.scratchpad counts digits of the later operands: ops must not include '*'")
-    check_choice("task.arithmetic.format", self.format, ("symbols", "question"))
-    if self.format == "question" and (self.fixed_width or self.scratchpad):
-      raise ConfigError("task.arithmetic.format=question writes plain numbers and reads the final one: "
+    check_choice("task.arithmetic.format", self.format, ("symbols", "question", "word"))
+    if self.format != "symbols" and (self.fixed_width or self.scratchpad):
+      raise ConfigError(f"task.arithmetic.format={self.format} writes plain numbers and reads the final one: "
                         "fixed_width and scratchpad apply to format=symbols only")
+    if self.format == "word":
+      if self.num_terms != 3:
+        raise ConfigError(f"task.arithmetic.format=word tells stories with three numbers: set num_terms: 3, got "
+                          f"{self.num_terms}")
+      if set(self.ops) - {"+", "-"}:
+        raise ConfigError(f"task.arithmetic.format=word has stories for '+' and '-' only, got ops {list(self.ops)}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,7 +47,44 @@ def _answer_width(spec: ArithmeticSpec) -> int:
   return len(str(biggest)) + ("-" in spec.ops)
 
 
+# Stories for format=word: (ops, text) with {n} a name, {a} {b} {c} the numbers in order of use; every intermediate
+# result of a story stays >= 0 (numbers are redrawn until it does), so each one reads as a real situation.
+WORD_STORIES = (
+    (("+", "-"), "{n} has {a} marbles. {n} wins {b} more and then gives {c} to a friend. "
+                 "How many marbles does {n} have now?"),
+    (("-", "-"), "A shop had {a} apples. It sold {b} in the morning and {c} in the afternoon. "
+                 "How many apples are left?"),
+    (("+", "+"), "{n} read {a} pages on Monday, {b} pages on Tuesday and {c} pages on Wednesday. "
+                 "How many pages did {n} read in all?"),
+    (("-", "+"), "There are {a} birds on a tree. {b} fly away and then {c} more land on it. "
+                 "How many birds are on the tree now?"),
+    (("-", "+"), "{n} had {a} dollars, spent {b} dollars on lunch and then earned {c} dollars. "
+                 "How many dollars does {n} have now?"),
+    (("+", "-"), "A bus has {a} people on it. At the first stop {b} people get on, and at the second stop {c} "
+                 "people get off. How many people are on the bus now?"),
+    (("-", "-"), "{n} baked {a} cookies, ate {b} of them and gave {c} to the neighbours. "
+                 "How many cookies are left?"),
+    (("+", "+"), "A farm has {a} cows, {b} sheep and {c} goats. How many animals does the farm have?"),
+)
+WORD_NAMES = ("Mia", "Sam", "Ava", "Leo", "Zoe", "Ben", "Ivy", "Max")
+
+
+def _word_problem(spec: ArithmeticSpec, rng: random.Random, template: str) -> Example:
+  stories = [s for s in WORD_STORIES if set(s[0]) <= set(spec.ops)]
+  ops, text = stories[rng.randrange(len(stories))]
+  while True:
+    a, b, c = (rng.randint(spec.min_value, spec.max_value) for _ in range(3))
+    first = a + b if ops[0] == "+" else a - b
+    value = first + c if ops[1] == "+" else first - c
+    if first >= 0 and value >= 0:
+      break
+  question = text.format(n=WORD_NAMES[rng.randrange(len(WORD_NAMES))], a=a, b=b, c=c)
+  return Example(prompt=template.replace("{question}", question), reference=value, target=str(value))
+
+
 def _arith_problem(spec: ArithmeticSpec, rng: random.Random, template: str = "{question}") -> Example:
+  if spec.format == "word":
+    return _word_problem(spec, rng, template)
   terms = [rng.randint(spec.min_value, spec.max_value) for _ in range(spec.num_terms)]
   width = len(str(spec.max_value)) if spec.fixed_width else 0
   ops = [rng.choice(spec.ops) for _ in terms[1:]]
@@ -96,7 +133,7 @@ def arithmetic_task(spec: ArithmeticSpec, template: str = "{question}") -> Task:
     return ex
 
   reward = verifiers.scratchpad_reward if spec.scratchpad else verifiers.arithmetic_reward
-  if spec.format == "question":
+  if spec.format in ("question", "word"):
     reward = lambda completion, reference: verifiers.gsm8k_reward(completion, str(reference))  # its final number
   return Task("arithmetic", train_example, list(test.values()), reward)
 
@@ -194,7 +231,8 @@ def iter_jsonl_examples(path: str, reward_kind: str) -> Iterator[Example]:
 def build_task(tc: TaskConfig) -> Task:
   """The task a config names (JSONL files are read here)."""
   if tc.kind == "arithmetic":
-    return arithmetic_task(tc.arithmetic, tc.prompt_template if tc.arithmetic.format == "question" else "{question}")
+    words = tc.arithmetic.format in ("question", "word")
+    return arithmetic_task(tc.arithmetic, tc.prompt_template if words else "{question}")
   if tc.kind == "gsm8k":
     train, rep = load_gsm8k(tc.train_path, tc.skip_malformed, tc.prompt_template)
     test, rep_t = load_gsm8k(tc.test_path, tc.skip_malformed, tc.prompt_template)
