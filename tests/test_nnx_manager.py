@@ -10,6 +10,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from hilore_jax import model
+from hilore_jax.model import decoder
 from hilore_jax.memory import MemoryManager, StepHooks
 from hilore_jax.memory.config import MemoryConfig
 
@@ -61,9 +62,13 @@ def test_manager_plans_an_nnx_model_within_its_budget():
 
   shape = model.ModelConfig(vocab_size=8, hidden_size=D, intermediate_size=F, num_hidden_layers=LAYERS,
                             num_attention_heads=HEADS, num_key_value_heads=HEADS)
-  hooks = StepHooks(model_cfg=shape, compile_peak=compile_peak, batch_shape=lambda b: b["x"].shape[:2])
+  # fixed op times: the plan, and so this test's outcome, must not depend on how fast this machine runs the ops
+  times = {"ops": {op: 1e-3 for op in decoder.OPS}, "codec": {}, "offload": {}}
+  hooks = StepHooks(model_cfg=shape, compile_peak=compile_peak, batch_shape=lambda b: b["x"].shape[:2],
+                    op_profile=lambda *shape_args: times)
   mm = MemoryManager(MemoryConfig(policy="optimal_hr", budget_ratio=1.25, budget_probes=5), hooks)
   mm.setup(None, [batch], step=0)
+  assert mm.state.profile is times  # priced with the given times, nothing measured
   (alloc,) = mm.allocate([batch])
   peak = compile_peak(alloc.policies, batch)
   # never above the budget; XLA may schedule a mixed plan below GC's own peak, so only the plan's content says it

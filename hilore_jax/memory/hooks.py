@@ -31,6 +31,7 @@ class StepHooks:
   unit_tensors(params, batch): per layer, the L-capable units' activations [B, P-1+N, ...] at every position whose
     activations reach a completion log-prob: the prompt's but its last, then the N that predict the completion
     tokens (for per-token reconstruction errors).
+  op_profile(model_cfg, rows, seq, group_size): the op times the cost model prices plans with (default: measured).
   logprobs(params, batch): the current policy's log-probs of the completion tokens [B, N] (a forward pass).
   optimizer_update(grads, opt_state, params) -> (updates, opt_state): the optimizer (optax), for the update risk
     metric; max_grad_norm: its global-norm clip (0: none), for the clipped one.
@@ -48,6 +49,10 @@ class StepHooks:
   logprobs: Callable[[Any, Any], jax.Array] | None = None
   optimizer_update: Callable[[Any, Any, Any], Any] | None = None
   max_grad_norm: float = 0.0
+  # op_profile(model_cfg, rows, seq, group_size): the cost model's op times ({"ops", "codec", "offload"} as
+  # profile.profile_ops returns); None measures them on this machine. Given times make a plan independent of the
+  # machine's speed (a test, a compile-only capacity search)
+  op_profile: Callable[[ModelConfig, int, int, int], dict] | None = None
 
   @property
   def calibrates(self) -> bool:

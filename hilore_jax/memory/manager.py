@@ -86,7 +86,8 @@ class MemoryManager:
     gc_bytes = self.hooks.compile_peak(model.uniform(self.num_layers, model.FULL_REMAT), batch)
     budget = budgets.budget_bytes(gc_bytes, mc.budget_ratio, mc.budget_bytes)
     rows, seq = self.hooks.batch_shape(batch)
-    st = ManagerState(gc_bytes, budget, profile.profile_ops(cfg, rows, seq, mc.group_size), calibrated_at=step)
+    ops = (self.hooks.op_profile or profile.profile_ops)(cfg, rows, seq, mc.group_size)
+    st = ManagerState(gc_bytes, budget, ops, calibrated_at=step)
     if self.state is not None:  # a refresh keeps what was measured
       st.timings, st.guard, st.warmup_steps = self.state.timings, self.state.guard, self.state.warmup_steps
     else:
