@@ -293,14 +293,20 @@ class Trainer:
     return self.finish()
 
   def run_step(self, step: int) -> dict:
-    """rollout -> rewards -> advantages -> minibatches -> allocations (all minibatches at once) -> compiled
-    steps -> metrics, read to host once."""
-    c = self.config
+    """One GRPO step: a rollout under the current policy (sampled and scored), then its update."""
     t0 = time.perf_counter()
     roll = self.next_rollout()
     self.last_rollout = roll  # what the model saw and said this step (samples.jsonl, tests)
     runtime.release_host_memory()  # the sampler's freed temporaries would count towards the update's peak
     t_rollout = time.perf_counter() - t0
+    row = self.update(roll, step)
+    row.update({"time/rollout_s": t_rollout, "time/step_s": time.perf_counter() - t0})
+    return row
+
+  def update(self, roll: rollout.Rollout, step: int) -> dict:
+    """A rollout's update: advantages -> minibatches -> allocations (all minibatches at once) -> compiled steps ->
+    the step's metrics row (its rollout's timings aside), read to host once."""
+    c = self.config
     t1, compiles_before = time.perf_counter(), self.compiles.compiled
     shuffle = np.random.default_rng([c.seed, step])
     minibatches, stats = self.build_update_batch(roll, shuffle, step)
@@ -349,8 +355,7 @@ class Trainer:
     tokens *= c.grpo.num_iterations
     if peaks:
       row["memory/compiled_bytes"] = max(peaks)
-    row.update({"time/rollout_s": t_rollout, "time/update_s": t_update, "time/step_s": time.perf_counter() - t0,
-                "throughput/update_tokens_per_s": tokens / t_update if t_update > 0 else 0.0,
+    row.update({"time/update_s": t_update, "throughput/update_tokens_per_s": tokens / t_update if t_update > 0 else 0.0,
                 "memory/peak_bytes": peaks[-1] if peaks else 0, "compile/count": self.stepper.compile_count,
                 "compile/probes": self.stepper.probe_compiles, **self.compiles.metrics(), **runtime.host_memory_mib(),
                 "time/elapsed_s": time.time() - runtime.STARTED_AT})

@@ -1,0 +1,29 @@
+"""The paired A/B bench: both arms timed on the same rollouts from the same state, its ratio and file."""
+
+import json
+
+import pytest
+from trainer_util import TINY
+
+from hilore_jax.bench import paired
+
+BASE = [o for o in TINY if not o.startswith(("eval.", "train.warmstart"))] + ["memory.policy=gc",
+                                                                              "grpo.filter_zero_std=false"]
+
+
+def test_paired_bench_times_both_arms_on_the_same_rollouts(tmp_path):
+  out = paired.run(None, BASE, paired.Arm("xla", ()), paired.Arm("blockwise", ("model.attention=blockwise",)),
+                   rollouts=2, reps=2, out_dir=str(tmp_path), sampler=True)
+  assert len(out["update_s"]["xla"]) == len(out["update_s"]["blockwise"]) == 4
+  assert out["update_ratio"]["n"] == 4 and out["update_ratio"]["ci_low"] <= out["update_ratio"]["mean"]
+  # the same rollouts and minibatches: both arms updated the same rows
+  assert out["rows"]["xla"]["rows_updated"] == out["rows"]["blockwise"]["rows_updated"] == 12
+  assert len(out["sampler_s"]["shared"]) == len(out["sampler_s"]["repeated"]) == 4
+  assert json.load(open(tmp_path / "paired.json"))["b"]["overrides"] == ["model.attention=blockwise"]
+  assert "update blockwise / xla" in paired.table(out)
+
+
+def test_paired_bench_refuses_an_arm_with_nothing_to_time(tmp_path):
+  base = [o for o in BASE if o != "grpo.filter_zero_std=false"]  # an untrained tiny model: every reward 0
+  with pytest.raises(ValueError, match="arm a made no update"):
+    paired.run(None, base, paired.Arm("a", ()), paired.Arm("b", ()), 1, 1, str(tmp_path))
