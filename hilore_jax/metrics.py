@@ -142,7 +142,36 @@ def plot_run(out_dir: str, steps: int, eval_before: dict, eval_after: dict | Non
   if eval_after:
     extra["greedy eval after"] = (steps, eval_after["eval/accuracy"])
   plot_rewards(mpath, png, extra=extra)
-  return {"reward_png": png}
+  out = {"reward_png": png}
+  if plot_lengths(mpath, os.path.join(out_dir, "lengths.png")):
+    out["lengths_png"] = os.path.join(out_dir, "lengths.png")
+  return out
+
+
+LENGTHS = ("completion_len/p50", "completion_len/p90", "completion_len/max")
+
+
+def plot_lengths(metrics_path: str, out_png: str) -> bool:
+  """Completion length p50 / p90 / max per step and the share truncated at the cap; False (nothing written) if the
+  metrics carry no lengths."""
+  rows = [r for r in read_metrics(metrics_path) if LENGTHS[0] in r]
+  if not rows:
+    return False
+  steps = [r["step"] for r in rows]
+  with figure(out_png, (7, 4), dpi=110) as (fig, ax):
+    for k in LENGTHS:
+      ax.plot(steps, [r[k] for r in rows], label=k.split("/")[1])
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("completion tokens")
+    ax.grid(alpha=0.3)
+    right = ax.twinx()
+    right.plot(steps, [r.get("completion_len/truncated_frac", 0.0) for r in rows], "k:", label="truncated share")
+    right.set_ylabel("truncated share")
+    right.set_ylim(-0.02, 1.02)
+    lines = ax.get_legend_handles_labels(), right.get_legend_handles_labels()
+    ax.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], loc="upper left", fontsize=8)
+    ax.set_title("completion lengths")
+  return True
 
 
 @contextlib.contextmanager

@@ -97,3 +97,17 @@ def test_cli_end_to_end_writes_everything(tmp_path):
   assert evals[0]["eval/n"] == 8 and "eval/pass@2" in evals[0]
   lo, hi = summary["accuracy_gain_ci95_pp"]  # paired across the same 8 examples, around the gain
   assert lo <= summary["accuracy_gain_pp"] <= hi and len(summary["eval_after"]["eval/correct"]) == 8
+
+
+def test_run_plots_draw_completion_lengths_where_the_metrics_carry_them(tmp_path):
+  lengths = {"completion_len/p50": 40.0, "completion_len/p90": 90.0, "completion_len/max": 128.0,
+             "completion_len/truncated_frac": 0.25}
+  with open(tmp_path / "metrics.jsonl", "w") as f:
+    for s in (1, 2, 3):
+      f.write(json.dumps({"step": s, "reward/mean": 0.1 * s, **lengths}) + "\n")
+  out = metrics.plot_run(str(tmp_path), 3, {"eval/accuracy": 0.1}, {"eval/accuracy": 0.3})
+  assert out["lengths_png"] == str(tmp_path / "lengths.png") and (tmp_path / "lengths.png").stat().st_size > 0
+  bare = tmp_path / "bare"
+  bare.mkdir()
+  (bare / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.0}) + "\n")
+  assert "lengths_png" not in metrics.plot_run(str(bare), 1, {}, None) and not (bare / "lengths.png").exists()
