@@ -71,3 +71,15 @@ LONG_FILES = ("test_resume.py", "test_real_model.py", "test_bench.py", "test_mul
 def pytest_collection_modifyitems(items):
   first = {name: i for i, name in enumerate(LONG_FILES)}
   items.sort(key=lambda it: first.get(it.path.name, len(LONG_FILES)))  # stable: file order kept otherwise
+
+
+@pytest.fixture
+def fixed_op_times(monkeypatch):
+  """The memory manager's op profile as fixed times (1 ms an op, free codecs): a plan, and so a test's outcome, that
+  does not depend on how fast this machine runs the ops when the test does."""
+  from hilore_jax.memory import profile
+  from hilore_jax.model import decoder
+
+  times = {"ops": {op: 1e-3 for op in decoder.OPS}, "codec": {}, "offload": {}}
+  monkeypatch.setattr(profile, "profile_ops", lambda *a, **k: times)
+  return times

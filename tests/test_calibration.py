@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from hilore_jax import model, step_hooks
+from hilore_jax.model import decoder
 from hilore_jax.bench import synthetic
 from hilore_jax.bench import unit_risk
 from hilore_jax.memory import calibrate, calibration
@@ -145,6 +146,13 @@ def test_depth_sampled_calibration_measures_fewer_units_on_fewer_rows(grpo_setup
   calls.clear()
   calibration.measure_unit_errors(counting, p, sub, units, group_size=8, layers=layers)
   assert set(calls) == {5}
+  # decomposed: the weight-read units of every layer (the unprobed one too) from one probe, exact, not interpolated
+  calls.clear()
+  split = calibration.measure_unit_errors(counting, p, batch, units, group_size=8, layers=layers, decompose=True)
+  weight_read = [i for i, (_, kind) in enumerate(units) if kind in decoder.WEIGHT_READS]
+  assert len(calls) == 2 * (len(units) - len(weight_read)) // 3 + 1
+  np.testing.assert_allclose(split[weight_read], full[weight_read], rtol=1e-5)
+  assert any(units[i][0] not in layers for i in weight_read)
 
 
 @pytest.mark.slow
@@ -260,3 +268,29 @@ def test_one_calibration_minibatch_warns_and_widens_score_max(tiny_cfg, caplog):
     cal2 = calibrate.fit(hooks, mc, units, m, m.err, 1.0)
   assert not any("single sample" in r.getMessage() for r in caplog.records)
   np.testing.assert_allclose(cal2.score_max, m.err.max(0), rtol=1e-9)
+
+
+def test_one_probe_decomposes_every_weight_read_unit_as_its_own_probe_would(tiny_cfg):
+  # units read only by their projections' weight gradients: one probe with all of them L gives each one's error
+  # (on its own weights) as one probe per unit does, under every metric, on two minibatches
+  p = model.init_params(tiny_cfg, jax.random.PRNGKey(1), init_std=0.3)
+  spec = train_step.StepSpec(tiny_cfg, GRPOConfig(beta=0.02), model.uniform(tiny_cfg.num_hidden_layers, model.NO_REMAT),
+                             use_old_logp=True, use_ref_logp=True)
+  hooks = step_hooks.memory_hooks(None, spec, max_grad_norm=1e-3)  # clipped != relative: the clip binds
+  rng = np.random.default_rng(3)
+  units = [u for u in calibration.lowp_units(tiny_cfg.num_hidden_layers) if u[1] in decoder.WEIGHT_READS]
+  assert len({k for _, k in units}) == 4
+  metrics = ("relative", "clipped")
+  for _ in range(2):
+    batch = synthetic.grpo_batch(tiny_cfg, p, rng, 8, 5, 7, group=4, zero_adv_frac=0.25)
+    exact = calibration.exact_gradient(hooks, p, batch, group_size=8)
+    one_each = calibration.measure_unit_errors(hooks, p, batch, units, 8, exact=exact, metrics=metrics)
+    once = calibration.decomposed_unit_errors(hooks, p, batch, units, 8, exact=exact, metrics=metrics)
+    assert np.all(one_each > 0)
+    np.testing.assert_allclose(once, one_each, rtol=1e-5)  # the same weights' gradients: equal here bitwise
+  # with all of them L the probe's total error is not a sum of its parts' (they meet in the norm), so the
+  # decomposition is not the set's error; and a unit read by the attention's backward has no such shortcut
+  (both,) = calibration.set_errors(hooks, p, batch, units, [range(len(units))], 8, exact=exact)
+  assert both < np.sum(once[:, 0]) and both > np.max(once[:, 0])
+  with pytest.raises(ValueError, match="measure them with one probe each"):
+    calibration.decomposed_unit_errors(hooks, p, batch, [(0, model.ATTN_PROBS)], 8, exact=exact)

@@ -113,7 +113,8 @@ def measure(hooks: StepHooks, mc: MemoryConfig, units, batches: Sequence, contex
                 "risks are undefined and this calibration is not meaningful")
   # errors measured on calib_rows rows, scaled to the minibatch's own row count (rows_factor)
   scale = np.array([rows_factor(hooks, c, f, b, r) for c, f, b, r in zip(contexts, full, batches, refs)])
-  err = np.stack([measure_unit_errors(hooks, c.params, b, units, mc.group_size, mc.lowp_format, r, layers)
+  err = np.stack([measure_unit_errors(hooks, c.params, b, units, mc.group_size, mc.lowp_format, r, layers,
+                                      decompose=mc.calib_decompose)
                   for c, b, r in zip(contexts, batches, refs)]) * scale[:, None]
   pprof, prof, token_err = error_profile(hooks, [c.params for c in contexts], batches, units, mc.group_size,
                                          mc.lowp_format)

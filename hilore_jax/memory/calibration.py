@@ -26,6 +26,7 @@ from hilore_jax.memory.config import ExposureSwitches
 from hilore_jax.memory.hooks import StepHooks
 from hilore_jax.model import codec
 from hilore_jax.model import units as U
+from hilore_jax.model.decoder import WEIGHT_READS
 
 # every gradient a risk is measured from (the exact one, the probes, the arms' plans) runs at this matmul precision:
 # on GPUs "default" is TF32, whose rounding would put a floor under the int8 errors being measured, and a reference
@@ -161,17 +162,78 @@ def set_errors(hooks: StepHooks, params, batch, units, sets, group_size: int, fm
 
 
 def measure_unit_errors(hooks: StepHooks, params, batch, units, group_size: int, fmt: str = "int8", exact=None,
-                        layers: Sequence[int] | None = None, metrics: Sequence[str] | None = None) -> np.ndarray:
+                        layers: Sequence[int] | None = None, metrics: Sequence[str] | None = None,
+                        decompose: bool = False) -> np.ndarray:
   """[U] true error of each unit alone as L (one probe gradient each; set_errors' reference and metrics); with
   `layers`, only units there are measured and every other unit's error is interpolated over depth from its kind's
-  (interpolate_layers)."""
-  chosen = [i for i, (layer, _) in enumerate(units) if layers is None or layer in layers]
-  measured = set_errors(hooks, params, batch, units, [[i] for i in chosen], group_size, fmt, exact, metrics)
-  if layers is None:
-    return measured
-  cols = measured.reshape(len(chosen), -1).T
-  out = np.stack([interpolate_layers(units, {tuple(units[i]): e for i, e in zip(chosen, col)}) for col in cols], 1)
+  (interpolate_layers). With decompose, the WEIGHT_READS units are measured at every layer by one probe between
+  them (decomposed_unit_errors), the others as above."""
+  ref = risk.as_reference(exact_gradient(hooks, params, batch, fmt, group_size) if exact is None else exact)
+  split = [i for i, (_, kind) in enumerate(units) if decompose and kind in WEIGHT_READS]
+  chosen = [i for i, (layer, _) in enumerate(units) if i not in split and (layers is None or layer in layers)]
+  width = 1 if metrics is None else len(metrics)
+  measured = {}
+  if chosen:
+    errs = set_errors(hooks, params, batch, units, [[i] for i in chosen], group_size, fmt, ref, metrics)
+    measured.update(zip(chosen, errs.reshape(len(chosen), width)))
+  if split:
+    errs = decomposed_unit_errors(hooks, params, batch, [units[i] for i in split], group_size, fmt, ref, metrics)
+    measured.update(zip(split, errs.reshape(len(split), width)))
+  if len(measured) == len(units):
+    out = np.stack([measured[i] for i in range(len(units))])
+  else:
+    out = np.stack([interpolate_layers(units, {tuple(units[i]): e[j] for i, e in measured.items()})
+                    for j in range(width)], 1)
   return out[:, 0] if metrics is None else out
+
+
+def decomposable(units) -> bool:
+  """Whether every (layer, kind) of units is read by its projections' weight gradients alone (WEIGHT_READS)."""
+  return all(kind in WEIGHT_READS for _, kind in units)
+
+
+@jax.jit
+def _leaf_norms(g_all, exact):
+  """Per layer and WEIGHT_READS kind, ||g_all - exact|| over that kind's weights: [layers, kinds]."""
+  rows = []
+  for ga, ge in zip(g_all["layers"], exact["layers"]):
+    rows.append(jnp.stack([jnp.sqrt(sum(jnp.sum(jnp.square(ga[blk][n].astype(jnp.float32) -
+                                                             ge[blk][n].astype(jnp.float32))) for n in names))
+                           for blk, names in WEIGHT_READS.values()]))
+  return jnp.stack(rows)
+
+
+def decomposed_unit_errors(hooks: StepHooks, params, batch, units, group_size: int, fmt: str = "int8", exact=None,
+                           metrics: Sequence[str] | None = None) -> np.ndarray:
+  """[U] each unit's error alone as L, as measure_unit_errors measures it with one probe gradient per unit, from a
+  single probe with every unit L: each is a WEIGHT_READS unit, whose error reaches its own projections' weight
+  gradients and nothing else, so that probe's difference from the reference on those weights is the unit's own
+  (float rounding aside). The update metric needs the optimizer on each unit's gradient (one update per unit,
+  no backward); relative and clipped read the norms alone."""
+  if not decomposable(units):
+    bad = sorted({k for _, k in units if k not in WEIGHT_READS})
+    raise ValueError(f"units {bad} are read by more than their projections' weight gradients: measure them with "
+                     f"one probe each (measure_unit_errors)")
+  ref = risk.as_reference(exact_gradient(hooks, params, batch, fmt, group_size) if exact is None else exact)
+  n = hooks.model_cfg.num_hidden_layers
+  with measuring():
+    g_all = hooks.probe_gradient(params, batch, probe_mix(n, units, range(len(units))), fmt, group_size)
+    dg_LK = np.asarray(_leaf_norms(g_all, ref.grad))
+  kinds = list(WEIGHT_READS)
+  metrics_ = (ref.metric,) if metrics is None else tuple(metrics)
+  out = []
+  for layer, kind in units:
+    dg = float(dg_LK[layer, kinds.index(kind)])
+    row = {"relative": float(risk.relative(dg, ref.grad_norm)),
+           "clipped": float(risk.clipped(dg, ref.grad_norm, ref.max_grad_norm))}
+    if "update" in metrics_:
+      blk, names = WEIGHT_READS[kind]
+      g_u = jax.tree_util.tree_map(lambda x: x, ref.grad)  # a new tree with the exact leaves, but this unit's
+      g_u["layers"][layer] = {**g_u["layers"][layer], blk: {**g_u["layers"][layer][blk],
+                                                            **{m: g_all["layers"][layer][blk][m] for m in names}}}
+      row["update"] = ref.errors(g_u, ("update",))["update"]
+    out.append(row[metrics_[0]] if metrics is None else [row[m] for m in metrics_])
+  return np.array(out)
 
 
 def calibration_rows(batch, rows: int):

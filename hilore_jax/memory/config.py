@@ -73,6 +73,9 @@ class MemoryConfig:
   # calib_rows rows are scaled to the minibatch's row count (calibrate.rows_factor)
   calib_rows: int = 0
   calib_layers: int = 0
+  # the units only their projections' weight gradients read (attn_norm, attn_ctx, mlp_norm, mlp_down_in) measured
+  # exactly at every layer by one probe between them, not one probe per unit at calib_layers layers
+  calib_decompose: bool = True
   solver: str = "exact"  # exact (MILP) | greedy: the allocator of the solved methods; the other's gap is logged
   # exact: the relative optimality gap HiGHS must prove (0: proven optimal). Below ~0.5% some two-budget plans took
   # minutes to prove (measured: 217 s at 0.1%, 0.7 s at 0.5%, the same plan time to 0.06%)

@@ -117,6 +117,15 @@ def _proj(x, w, b, spec):
 
 
 
+# The units read in backward by their projections' weight gradients alone (lowp.apply's VJP of x @ W at the kept x:
+# the input's cotangent is delta @ W^T, which never reads x), with the params (block, names) those projections own:
+# an L error in such a unit lands in these weights' gradients and nowhere else (calibration's one-probe
+# decomposition, memory/calibration.py)
+WEIGHT_READS: dict[str, tuple[str, tuple[str, ...]]] = {
+    U.ATTN_NORM: ("attn", ("wq_DNH", "wk_DKH", "wv_DKH")), U.ATTN_CTX: ("attn", ("wo_NHD",)),
+    U.MLP_NORM: ("mlp", ("wgate_DF", "wup_DF")), U.MLP_DOWN_IN: ("mlp", ("wdown_FD",))}
+
+
 class LayerCtx(NamedTuple):
   """What every layer reads besides its own params and input: RoPE tables and the attention mask, as [B, T, S]
   and as its parts (the blockwise kernel builds each block's mask from them, never the T x S one)."""
