@@ -10,7 +10,7 @@ from hilore_jax import model, step_hooks
 from hilore_jax.model import decoder
 from hilore_jax.bench import synthetic
 from hilore_jax.bench import unit_risk
-from hilore_jax.memory import calibrate, calibration
+from hilore_jax.memory import calibrate, calibration, riskfit
 from hilore_jax.memory.config import ExposureSwitches, MemoryConfig
 from hilore_jax.rl import train_step
 from hilore_jax.rl.config import GRPOConfig
@@ -19,11 +19,11 @@ from hilore_jax.rl.update_batch import UpdateBatch
 
 def test_risk_metrics_by_hand():
   err = np.array([0.1, 0.5, 0.2, 0.9, 0.05, 0.3, 0.7, 0.15, 0.4, 0.6])
-  perfect = calibration.risk_metrics(err * 3, err)
+  perfect = riskfit.risk_metrics(err * 3, err)
   assert perfect == {"spearman": pytest.approx(1.0), "top10_recall": 1.0, "auroc": 1.0}
-  worst = calibration.risk_metrics(-err, err)
+  worst = riskfit.risk_metrics(-err, err)
   assert worst["spearman"] == pytest.approx(-1.0) and worst["top10_recall"] == 0.0 and worst["auroc"] == 0.0
-  assert np.isnan(calibration.risk_metrics(np.ones(10), err)["spearman"])  # a constant score ranks nothing
+  assert np.isnan(riskfit.risk_metrics(np.ones(10), err)["spearman"])  # a constant score ranks nothing
 
 
 @pytest.fixture
@@ -81,12 +81,12 @@ def test_coherence_and_set_fit_by_hand():
   unit_err = np.array([[0.1, 0.2, 0.3]])
   sets = [[0, 1], [1, 2], [0, 1, 2]]
   measured = np.array([[0.25, 0.4, 0.45]])  # ratios to the sums .3, .5, .6: 0.833, 0.8, 0.75
-  assert calibration.fit_coherence(unit_err, sets, measured) == pytest.approx(0.25 / 0.3)
-  fit = calibration.set_fit(unit_err[0], sets, measured[0], 0.25 / 0.3)
+  assert riskfit.fit_coherence(unit_err, sets, measured) == pytest.approx(0.25 / 0.3)
+  fit = riskfit.set_fit(unit_err[0], sets, measured[0], 0.25 / 0.3)
   assert fit["linear_covered"] == 1.0 and fit["sets"] == 3
   # root sums of squares .224, .361, .374: all under the measured errors
   assert fit["orthogonal_covered"] == 0.0
-  assert calibration.random_sets(10, 3, np.random.default_rng(0))[-1] == list(range(10))
+  assert riskfit.random_sets(10, 3, np.random.default_rng(0))[-1] == list(range(10))
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import optax
 
-from hilore_jax.memory import MemoryManager, calibration, predictors, risk
+from hilore_jax.memory import MemoryManager, calibration, predictors, risk, riskfit
 from hilore_jax.memory.config import PREDICTORS
 
 ABLATIONS = ("ratio_clip", "update_mask", "kl", "activation", "prompt")
@@ -27,7 +27,7 @@ def _scores(on: MemoryManager, sw, held, token_err) -> tuple[np.ndarray, np.ndar
   gamma = predictors.fit_grad_scale([r.grad_norm for r in m.refs], on.scorer.l1(m.batches, sw, logp_cal))
   inputs = predictors.ScoreInputs(m.prompt_profile, m.profile, np.ones(U), gamma)
   raw_cal = on.scorer(m.batches, inputs, sw, on.normalisation, logp_cal, m.token_err)
-  sus = calibration.fit_susceptibility(raw_cal, m.err) if sw.susceptibility else np.ones(U)
+  sus = riskfit.fit_susceptibility(raw_cal, m.err) if sw.susceptibility else np.ones(U)
   raw = on.scorer([r.batch for r in held], inputs, sw, on.normalisation, [r.logp for r in held], token_err)
   return raw, sus
 

@@ -19,7 +19,7 @@ from hilore_jax import engine, model, sharding, step_hooks
 from hilore_jax.bench import flops, projection, report, roofline, stats, synthetic, timing, unit_risk
 from hilore_jax.bench.config import BenchConfig
 from hilore_jax.config import Config
-from hilore_jax.memory import MemoryManager, calibration, methods, profile
+from hilore_jax.memory import MemoryManager, calibration, methods, profile, riskfit
 from hilore_jax.rl import train_step
 
 log = logging.getLogger(__name__)
@@ -253,12 +253,12 @@ def _diagnostics(cfg, bc, hooks, params, calib, cal_batches, risk_batches, exact
     # the set-risk model as the allocator uses it: calibration's per-unit errors and coherence, predicting the
     # measured error of random L sets on held-out batches
     progress(f"bench: set-risk fit on {bc.risk_sets} random L sets x {len(risk_batches)} held-out batches")
-    sets = calibration.random_sets(len(units), bc.risk_sets, np.random.default_rng(cfg.seed + 2))
+    sets = riskfit.random_sets(len(units), bc.risk_sets, np.random.default_rng(cfg.seed + 2))
     set_err = np.stack([calibration.set_errors(hooks, params, b, units, sets, mc.group_size, mc.lowp_format, ref)
                         for b, ref in zip(risk_batches, exact)])
     static = np.asarray(calib.static_error)
     risk_fit = {"coherence": calib.coherence, "calibration": calib.set_fit,
-                "held_out": calibration.set_fit(static, sets, set_err.mean(0), calib.coherence),
+                "held_out": riskfit.set_fit(static, sets, set_err.mean(0), calib.coherence),
                 "set_sizes": [len(s) for s in sets], "measured": set_err.mean(0).tolist(),
                 "predicted_linear": [calib.coherence * float(static[s].sum()) for s in sets]}
   if bc.unit_risk_table:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax.memory import calibration, predictors
+from hilore_jax.memory import calibration, predictors, riskfit
 from hilore_jax.memory.config import ExposureSwitches
 from hilore_jax.memory.hooks import StepHooks
 
@@ -43,17 +43,17 @@ def risk_report(hooks: StepHooks, params, cal_batches: Sequence, eval_batches: S
   rows = {}
   for name, (fn, s) in variants.items():
     raw_cal, raw_ev = fn(cal_batches, s), fn(eval_batches, s)
-    sus = calibration.fit_susceptibility(raw_cal, err_cal) if s.susceptibility else ones
-    rows[name] = calibration.risk_metrics((raw_ev * sus).ravel(), err_ev.ravel())
+    sus = riskfit.fit_susceptibility(raw_cal, err_cal) if s.susceptibility else ones
+    rows[name] = riskfit.risk_metrics((raw_ev * sus).ravel(), err_ev.ravel())
   # baselines: the unit's reconstruction error alone; its calibrated mean error (type/layer, batch-independent);
   # the batch's total |advantage| (the same for every unit of a batch)
   recon = jax.jit(lambda b: jnp.sqrt(jnp.sum(calibration.token_errors(hooks, params, b, units, group_size, fmt) ** 2,
                                              axis=(1, 2))))
-  rows["baseline: reconstruction error only"] = calibration.risk_metrics(
+  rows["baseline: reconstruction error only"] = riskfit.risk_metrics(
       np.stack([np.asarray(recon(b)) for b in eval_batches]).ravel(), err_ev.ravel())
-  rows["baseline: static type/layer"] = calibration.risk_metrics(np.tile(err_cal.mean(0), len(eval_batches)),
+  rows["baseline: static type/layer"] = riskfit.risk_metrics(np.tile(err_cal.mean(0), len(eval_batches)),
                                                                  err_ev.ravel())
-  rows["baseline: advantage only"] = calibration.risk_metrics(
+  rows["baseline: advantage only"] = riskfit.risk_metrics(
       np.repeat([np.abs(np.asarray(b.adv)).sum() for b in eval_batches], len(units)), err_ev.ravel())
   return rows
 

@@ -14,8 +14,8 @@ import numpy as np
 
 from hilore_jax.memory import risk
 from hilore_jax.memory.calibration import (UpdateContext, calibration_rows, error_profile, exact_gradient,
-                                           fit_coherence, fit_susceptibility, measure_unit_errors, norm,
-                                           probed_layers, random_sets, reference, risk_metrics, set_errors, set_fit)
+                                           measure_unit_errors, norm, probed_layers, reference, set_errors)
+from hilore_jax.memory.riskfit import fit_coherence, fit_susceptibility, random_sets, risk_metrics, set_fit
 from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.memory.hooks import StepHooks
 from hilore_jax.memory.state import Calibration
