@@ -169,7 +169,12 @@ class Trainer:
     where they divide, else replicated."""
     n = sharding.num_batch_shards(self.engine.mesh)
     split, rep = sharding.batch_sharding(self.engine.mesh), sharding.replicated(self.engine.mesh)
-    return jax.device_put(batch, jax.tree.map(lambda v: split if v.shape[0] % n == 0 else rep, batch))
+    shardings = jax.tree.map(lambda v: split if v.shape[0] % n == 0 else rep, batch)
+    if jax.process_count() == 1:
+      return jax.device_put(batch, shardings)
+    # every process holds the whole host batch and places only its own devices' rows: device_put would first
+    # check that the processes agree, and NaN (old_logp's "to be filled in") never equals itself
+    return jax.tree.map(lambda v, s: jax.make_array_from_callback(v.shape, s, lambda idx: v[idx]), batch, shardings)
 
   def evaluate(self, params, rng) -> dict:
     c = self.config
@@ -204,11 +209,11 @@ class Trainer:
     later = self.config.grpo.num_iterations > 1
     sampled = self.config.grpo.old_logp == "sampler"  # fresh rows carry the sampler's: no forward for them
     out, current = [], []
-    for b in minibatches:
+    for j, b in enumerate(minibatches):
       if self.spec.use_ref_logp:
         b = b.replace(ref_logp=self.stepper.logprobs(self.spec, self.ref_params, b))
       logp = None
-      if update_batch.needs_old_forward(b, later) and not (sampled and b.replayed is None):
+      if update_batch.needs_old_forward(b, j, later) and not (sampled and b.replayed is None):
         logp = self.stepper.logprobs(self.spec, self.state["params"], b)
         if b.replayed is not None:  # replayed rows keep their stored behaviour log-probs
           b = b.replace(old_logp=jnp.where(b.replayed[:, None] > 0, b.old_logp, logp))

@@ -31,26 +31,47 @@ def _wait(*procs):
     assert p.returncode == 0, out[-3000:]
 
 
-@pytest.mark.slow
-def test_two_processes_match_one_and_resume_in_one(tmp_path):
+def _one_and_two(tmp_path, one_steps: int, two_steps: int, *overrides) -> tuple[list, list]:
+  """The metrics of one process on both devices of the data=2 mesh and of two processes on one device each."""
   with socket.socket() as s:  # a free port for the coordinator
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   dist = ["mesh.distributed=true", f"mesh.coordinator_address=127.0.0.1:{port}", "mesh.num_processes=2"]
-  one = _launch(tmp_path, tmp_path / "one", 2, "train.steps=3")  # one process, both devices of the data=2 mesh
-  two = [_launch(tmp_path, tmp_path / "two", 1, "train.steps=2", *dist, f"mesh.process_id={i}") for i in (0, 1)]
+  one = _launch(tmp_path, tmp_path / "one", 2, f"train.steps={one_steps}", *overrides)
+  two = [_launch(tmp_path, tmp_path / "two", 1, f"train.steps={two_steps}", *overrides, *dist,
+                 f"mesh.process_id={i}") for i in (0, 1)]
   _wait(one, *two)
   ref = stable(metrics.read_metrics(tmp_path / "one" / "metrics.jsonl"))
   got = stable(metrics.read_metrics(tmp_path / "two" / "metrics.jsonl"))
-  assert [r["step"] for r in got] == [1, 2]  # written once, by the first process
+  assert [r["step"] for r in got] == list(range(1, two_steps + 1))  # written once, by the first process
   assert ref[0]["reward/std"] > 0 and ref[0]["grad_norm"] > 0  # the comparison is not of zeros
   for a, b in zip(got, ref):
     assert a.keys() == b.keys()
     for k in a:
       assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
+  return ref, got
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_and_resume_in_one(tmp_path):
+  ref, _ = _one_and_two(tmp_path, 3, 2)
   # the two processes' checkpoint (step 2) resumes in one process and continues as the one-process run did
   _wait(_launch(tmp_path, tmp_path / "two", 2, "train.steps=3", "train.resume=true"))
   got = stable(metrics.read_metrics(tmp_path / "two" / "metrics.jsonl"))
   assert [r["step"] for r in got] == [1, 2, 3]
   for k in got[2]:
     assert got[2][k] == pytest.approx(ref[2][k], rel=1e-5, abs=1e-7), k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    # 3 minibatches of 4 rows in one pass: the second and third are off-policy and need a forward for old log-probs
+    ("train.minibatch_size=4", "grpo.beta=0.05"),
+    # two passes over each rollout and replayed rows from step 2 on
+    ("train.minibatch_size=4", "grpo.num_iterations=2", "grpo.beta=0.05", "replay.enabled=true", "replay.share=0.5"),
+], ids=["one_pass", "two_passes_replay"])
+def test_two_processes_match_one_with_off_policy_minibatches_replay_and_a_reference(tmp_path, overrides):
+  ref, _ = _one_and_two(tmp_path, 3, 3, *overrides)
+  assert any(r["kl"] > 0 for r in ref), "no reference pass ran"
+  if "replay.enabled=true" in overrides:
+    assert any(r["replay/frac"] > 0 for r in ref), "no row was replayed: the comparison misses replay"

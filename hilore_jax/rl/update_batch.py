@@ -133,9 +133,11 @@ def minibatches(c, roll: Rollout, rng: np.random.Generator, buffer: replay.Repla
   return out, stats
 
 
-def needs_old_forward(batch: UpdateBatch, later_passes: bool) -> bool:
-  """Whether a forward pass must give this host minibatch's old log-probs: a fresh row is not on-policy now or on a
-  later pass over the rollout (where no row is), or a replayed row's current log-prob is wanted."""
+def needs_old_forward(batch: UpdateBatch, index: int, later_passes: bool) -> bool:
+  """Whether a forward pass must give old log-probs to minibatch `index` of a pass: a fresh row is on-policy only
+  in the rollout's first minibatch of its first pass (minibatches' on_policy), or a replayed row's current log-prob
+  is wanted. Decided on the host from the composition, never by reading placed arrays back (no device sync, and
+  across processes none holds every row)."""
   if batch.old_logp is None:
     return False
-  return later_passes or batch.replayed is not None or not bool(np.all(batch.on_policy))
+  return later_passes or batch.replayed is not None or index > 0
