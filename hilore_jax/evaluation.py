@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import checkpointing, engine, model, optim, preflight, tasks
+from hilore_jax import checkpointing, engine, model, optim, preflight, stats, tasks
 from hilore_jax import config as config_lib
 from hilore_jax.config import Config
 from hilore_jax.errors import CheckpointError
@@ -39,7 +39,8 @@ def evaluate(cfg, params, prompter: Prompter, examples: Sequence[Example], rewar
       rng, key = jax.random.split(rng)
       r = rollout.sample_completions(cfg, params, prompter, chunk, pass_k, max_prompt_len, sampled, key, reward_fn)
       passed.extend((r.rewards.reshape(len(chunk), pass_k) >= 1.0).any(axis=1))
-  out = {"eval/accuracy": float(np.mean(correct)), "eval/accuracy_ci95": wilson_ci(int(np.sum(correct)), len(correct)),
+  out = {"eval/accuracy": float(np.mean(correct)),
+         "eval/accuracy_ci95": stats.wilson_ci(int(np.sum(correct)), len(correct)),
          "eval/correct": "".join("1" if c else "0" for c in correct), "eval/completion_len": float(np.mean(lens)),
          "eval/n": len(examples)}
   if pass_k > 0:
@@ -47,18 +48,9 @@ def evaluate(cfg, params, prompter: Prompter, examples: Sequence[Example], rewar
   return out
 
 
-def wilson_ci(successes: int, n: int, z: float = 1.96) -> list[float]:
-  """[lo, hi] Wilson score interval of a proportion (exact at 0 and n, unlike the normal one)."""
-  p, z2 = successes / n, z * z
-  centre, half = (p + z2 / (2 * n)) / (1 + z2 / n), z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
-  return [max(0.0, float(centre - half)), min(1.0, float(centre + half))]
-
-
 def paired_gain_ci(before: str, after: str) -> list[float]:
   """[lo, hi] in points of accuracy: the bench's bootstrap CI of the per-example difference between two evaluations
   of the same examples ('0'/'1' strings), which pairing narrows where both solve the same ones."""
-  from hilore_jax.bench import stats
-
   if len(before) != len(after):
     raise ValueError(f"paired evaluations differ in length: {len(before)} vs {len(after)}")
   lo, hi = stats.bootstrap_ci([int(a) - int(b) for a, b in zip(after, before)])

@@ -138,6 +138,8 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
         out.append(f"{mod} -> {dep}: tasks/ imports only itself, errors and runtime")
       if _in(mod, "tasks") and dep in ARRAY_LIBRARIES:
         out.append(f"{mod} -> {dep}: tasks/ imports no JAX (data code runs anywhere)")
+      if _in(dep, "bench") and not _in(mod, "bench"):
+        out.append(f"{mod} -> {dep}: the library never imports the lab (bench/)")
       if dep == "hilore_jax.trainer" and not mod.startswith(("hilore_jax.bench", "train")):
         out.append(f"{mod} -> {dep}: only bench/ and train/ import the trainer")
   internal_graph = {m: {d for d in ds if d.startswith(PKG)} for m, ds in graph.items()}
@@ -166,6 +168,7 @@ def test_the_package_keeps_its_import_rules():
     (("hilore_jax.tasks.prompts", "hilore_jax.rl.grpo"), "tasks/ imports only itself"),
     (("hilore_jax.tasks.verifiers", "jax"), "tasks/ imports no JAX"),
     (("hilore_jax.evaluation", "hilore_jax.trainer"), "only bench/ and train/ import the trainer"),
+    (("hilore_jax.evaluation", "hilore_jax.bench.report"), "the library never imports the lab"),
 ])
 def test_each_rule_catches_a_synthetic_break(edge, rule):
   graph = import_graph(external=True)

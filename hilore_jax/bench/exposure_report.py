@@ -33,7 +33,7 @@ def compare_arms(arms: dict) -> tuple[dict, dict]:
   """(pairs, closed): paired measured gains with CIs (nan without timing) and recompute-removed differences for the
   issue's comparisons, and the share of the oracle's gain over static risk that exposure-on recovers (in FLOPs and,
   when timed, measured time; undefined where the oracle gains nothing)."""
-  from hilore_jax.bench import stats
+  from hilore_jax import stats
 
   pairs = {}
   for a, b in PAIRS:

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from hilore_jax import model
-from hilore_jax.bench import stats
+from hilore_jax import stats
 
 
 def _time_grad(step, params, batch, calls: int = 3) -> float:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hilore_jax import cli
-from hilore_jax.bench import stats
+from hilore_jax import stats
 from hilore_jax.rl import rollout
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from hilore_jax.bench import stats
+from hilore_jax import stats
 
 SHOWN = ("matmul", "elementwise", "copy", "custom_call", "loop", "other", "executor")
 TOP_OPS = 12

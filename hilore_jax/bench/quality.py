@@ -18,7 +18,7 @@ import numpy as np
 
 from hilore_jax import config as config_lib
 from hilore_jax import metrics
-from hilore_jax.bench.stats import summary
+from hilore_jax.stats import summary
 from hilore_jax.config import Config
 from hilore_jax.errors import ConfigError
 

@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from hilore_jax.bench import stats
+from hilore_jax import stats
 
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "XLA_FLAGS", "TF_CPP_MIN_LOG_LEVEL")
 

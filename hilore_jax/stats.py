@@ -1,4 +1,4 @@
-"""Uncertainty for benchmark figures: bootstrap confidence intervals of means and of paired ratios."""
+"""Uncertainty, one leaf module for the trainer and the lab: bootstrap CIs of means and paired ratios, Wilson CIs."""
 
 from __future__ import annotations
 
@@ -73,3 +73,10 @@ def run_floor(control_gains_pct, rows, seed: int = 0) -> dict:
 def beats_floor(ci_low: float | None, floor: dict | None) -> bool:
   """A win the control cannot explain: the gain's CI low above the floor's bound (the control's CI high, mirrored)."""
   return bool(floor is not None and ci_low is not None and not np.isnan(floor["bound"]) and ci_low > floor["bound"])
+
+
+def wilson_ci(successes: int, n: int, z: float = 1.96) -> list[float]:
+  """[lo, hi] Wilson score interval of a proportion (exact at 0 and n, unlike the normal one)."""
+  p, z2 = successes / n, z * z
+  centre, half = (p + z2 / (2 * n)) / (1 + z2 / n), z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+  return [max(0.0, float(centre - half)), min(1.0, float(centre + half))]
