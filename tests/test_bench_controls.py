@@ -10,7 +10,8 @@ import pytest
 
 from hilore_jax import engine, model, sharding
 from hilore_jax.bench import config as bench_config
-from hilore_jax.bench import projection, roofline, stats, synthetic, timing
+from hilore_jax import stats
+from hilore_jax.bench import projection, roofline, synthetic, timing
 from hilore_jax.errors import ConfigError
 
 TINY = ["model.vocab_size=37", "model.hidden_size=24", "model.intermediate_size=40", "model.num_hidden_layers=3",

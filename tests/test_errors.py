@@ -103,6 +103,11 @@ CASES = {
     "unknown_key": (["train.stepz=3"], "config error", r"unknown config key 'train.stepz'"),
     "unknown_key/bench": (["bench.repz=3"], "config error", r"unknown config key 'bench.repz'", bench_main),
     "bench_section_in_a_run": (["bench.reps=3"], "config error", r"unknown config key 'bench'"),
+    # one key per fact: a study's old budget keys name the key that now says it
+    "moved/bench_exposure": (["bench_exposure.budget_ratio=1.1"], "config error",
+                             r"bench_exposure.budget_ratio is now memory.budget_ratio", bench_exposure_main),
+    "range/budget/bench": (["bench.budget_ratios=[0.9]"], "config error",
+                           r"bench.budget_ratios must be >= 1.0 \(full checkpointing is the floor\)", bench_main),
     # paths
     "path/config": (["--config", "{tmp}/nope.yaml"], "config error", r"--config \S+/nope.yaml: no such file"),
     "path/out_dir": (["out_dir={a_file}"], "config error", r"out_dir \S+/a_file: exists and is not a directory"),

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from hilore_jax import cli
-from hilore_jax.bench import quality, stats
+from hilore_jax import stats
+from hilore_jax.bench import quality
 from hilore_jax.errors import ConfigError
 
 

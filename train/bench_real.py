@@ -7,8 +7,9 @@ def body(args):
   from hilore_jax.bench import config, real_model
 
   cfg, br = config.load(args.config, args.overrides, "bench_real")
+  _, sweep = config.load(args.config, args.overrides, "bench")  # the budgets every study sweeps: bench.budget_ratios
   runtime.enable_compilation_cache()
-  real_model.run(cfg, br, args.out, progress=cli.progress)
+  real_model.run(cfg, br, args.out, sweep.budget_ratios, progress=cli.progress)
   cli.print_files(args.out, "real_model.md")
 
 

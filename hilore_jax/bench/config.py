@@ -8,7 +8,7 @@ from typing import Sequence
 
 from hilore_jax import config as config_lib
 from hilore_jax.errors import ConfigError, check_choice, check_positive, check_range
-from hilore_jax.memory.config import MEMORY_POLICIES, check_policy
+from hilore_jax.memory.config import MEMORY_POLICIES, check_budget_ratio, check_policy
 from hilore_jax.model.codec import FORMATS
 
 
@@ -47,8 +47,7 @@ class BenchConfig:
     if not 0 < self.prompt_len < self.seq_len:
       raise ConfigError(f"bench.prompt_len must be in (0, bench.seq_len={self.seq_len}), got {self.prompt_len}")
     for r in self.budget_ratios:
-      if r < 1.0:
-        raise ConfigError(f"bench.budget_ratios must be >= 1.0 (full checkpointing is the floor), got {r}")
+      check_budget_ratio("bench.budget_ratios", r)
     for m in self.methods:
       check_policy("bench.methods", m)
     check_range("bench.zero_adv_frac", self.zero_adv_frac, 0.0, 1.0)
@@ -66,7 +65,6 @@ class ExposureBenchConfig:
 
   rollout_steps: int = 4  # rollouts of the warm-started policy; each gives grpo.num_iterations passes of minibatches
   calib_minibatches: int = 8  # the first minibatches (step 0, first pass) calibrate; every later one is held out
-  budget_ratio: float = 1.10  # every arm's memory budget, a multiple of the GC step's peak
   reps: int = 5  # interleaved timing rounds over every distinct plan (with timing)
   bootstrap: int = 2000  # resamples of the held-out minibatches for the Spearman CIs
   arms: bool = True  # false: risk prediction only (no per-arm plans, budget fits, sweep or timing)
@@ -82,8 +80,6 @@ class ExposureBenchConfig:
     for k in ("rollout_steps", "calib_minibatches", "reps", "bootstrap"):
       check_positive(f"bench_exposure.{k}", getattr(self, k))
     check_positive("bench_exposure.held_out", self.held_out, allow_zero=True)
-    if self.budget_ratio < 1.0:
-      raise ConfigError(f"bench_exposure.budget_ratio must be >= 1.0, got {self.budget_ratio}")
     if not self.sweep or min(self.sweep) < 0:
       raise ConfigError(f"bench_exposure.sweep must be non-empty multiples >= 0 of delta, got {list(self.sweep)}")
     check_range("bench_exposure.violation_target", self.violation_target, 0.0, 1.0, low_open=True, high_open=True)
@@ -101,8 +97,6 @@ class RealBenchConfig:
   shapes: tuple[str, ...] = ("8x1024", "4x2048")  # minibatch rows x tokens per row of the compile-only memory table
   prompt_fraction: float = 0.25  # share of each row's tokens that are prompt
   methods: tuple[str, ...] = ("none", "gc", "sac", "optimal_hr", "hilore_static", "hilore")
-  budget_ratios: tuple[float, ...] = (1.00, 1.10)
-  budget_probes: int = 2  # compiles per plan to fit its allowance to the compiled peak (30-layer mixed plans unroll)
   logra_rank: int = 32
   formats: tuple[str, ...] = ("int8", "fp8_e4m3", "int4")
   lerror_minibatches: int = 2  # rollout minibatches the L-error table measures (besides the calibration's)
@@ -118,10 +112,6 @@ class RealBenchConfig:
     check_range("bench_real.prompt_fraction", self.prompt_fraction, 0.0, 1.0, low_open=True, high_open=True)
     for m in self.methods:
       check_policy("bench_real.methods", m)
-    for r in self.budget_ratios:
-      if r < 1.0:
-        raise ConfigError(f"bench_real.budget_ratios must be >= 1.0, got {r}")
-    check_positive("bench_real.budget_probes", self.budget_probes)
     check_positive("bench_real.logra_rank", self.logra_rank)
     for f in self.formats:
       check_choice("bench_real.formats", f, FORMATS)
@@ -129,6 +119,10 @@ class RealBenchConfig:
 
 
 SECTIONS = {"bench": BenchConfig, "bench_exposure": ExposureBenchConfig, "bench_real": RealBenchConfig}
+# one key per fact: the memory budget of a single plan is memory.budget_ratio, the budgets a study sweeps are
+# bench.budget_ratios, and the compiles that fit a plan are memory.budget_probes, for every study alike
+MOVED = {"bench_exposure.budget_ratio": "memory.budget_ratio", "bench_real.budget_ratios": "bench.budget_ratios",
+         "bench_real.budget_probes": "memory.budget_probes"}
 
 
 def load(path: str | None, overrides: Sequence[str], section: str):
@@ -136,4 +130,8 @@ def load(path: str | None, overrides: Sequence[str], section: str):
   bench section the file holds) is taken out, the rest is an ordinary trainer config."""
   d = config_lib.merged(config_lib.read_yaml(path), overrides)
   raw = {name: d.pop(name, None) for name in SECTIONS}
+  for old, new in MOVED.items():
+    name, key = old.split(".")
+    if key in (raw[name] or {}):
+      raise ConfigError(f"{old} is now {new} (one key per fact); set that instead")
   return config_lib.from_dict(d), config_lib.build(SECTIONS[section], raw[section] or {}, f"{section}.")

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hilore_jax import model, step_hooks
-from hilore_jax.bench import exposure_risk, exposure_sweep, stats
+from hilore_jax import stats
+from hilore_jax.bench import exposure_risk, exposure_sweep
 from hilore_jax.bench.config import ExposureBenchConfig
 from hilore_jax.bench.exposure_report import compare_arms, plot, plot_sweep, report, spearman_summary, where_it_varies
 from hilore_jax.bench.exposure_timing import time_plans
@@ -112,7 +113,7 @@ class OracleManager(MemoryManager):
 
 
 def arm_managers(cfg: Config, be: ExposureBenchConfig, hooks) -> dict[str, MemoryManager]:
-  mc = dataclasses.replace(cfg.memory, budget_ratio=be.budget_ratio, budget_bytes=None)
+  mc = cfg.memory.at_budget(None)  # memory.budget_ratio for every arm, never an absolute budget
   if mc.buckets <= 1:
     raise ConfigError("memory.buckets must be > 1 for the exposure-on arm (1 is the exposure-off arm)")
   return {"optimal_hr": MemoryManager(dataclasses.replace(mc, policy="optimal_hr"), hooks),
@@ -179,7 +180,7 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
   L = trainer.model_cfg.num_hidden_layers
   units = calibration.lowp_units(L)
   mc, tol, metric = cfg.memory, cfg.memory.grad_err_tolerance, cfg.memory.risk_metric
-  probe = MemoryManager(dataclasses.replace(mc, policy="hilore", budget_ratio=be.budget_ratio), hooks)
+  probe = MemoryManager(mc.at_budget(None, "hilore"), hooks)
   # the bench gives cotangent_forward the forward's errors (token_err below), and refits predictors on one measurement
   probe.forward_errors = probe.keep_measured = True
   calibrate_on(probe, cal)
@@ -229,7 +230,7 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
   regime = {"gc_peak_bytes": gc_peak, "none_peak_bytes": none_peak, "none_over_gc": none_peak / gc_peak,
             "budget_bytes": on.state.budget_bytes, "memory_binds": none_peak > on.state.budget_bytes,
             "all_L_error": float(np.median(all_l)), "tolerance": tol, "risk_binds": float(np.median(all_l)) > tol}
-  progress(f"regime: No-GC/GC peak {regime['none_over_gc']:.2f}x, budget {be.budget_ratio}x; every unit L "
+  progress(f"regime: No-GC/GC peak {regime['none_over_gc']:.2f}x, budget {cfg.memory.budget_ratio}x; every unit L "
            f"{regime['all_L_error']:.2e} vs tolerance {tol:.0e}")
 
   arms, pairs, closed, sweep, equal = {}, {}, {}, {}, {}

@@ -21,7 +21,8 @@ import jax
 import numpy as np
 
 from hilore_jax import engine, model, sharding
-from hilore_jax.bench import flops, hlo_ops, op_profile, profile_report, projection, run, stats, synthetic, timing
+from hilore_jax import stats
+from hilore_jax.bench import flops, hlo_ops, op_profile, profile_report, projection, run, synthetic, timing
 from hilore_jax.bench.config import BenchConfig
 from hilore_jax.config import Config
 from hilore_jax.errors import ConfigError

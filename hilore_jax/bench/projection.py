@@ -128,7 +128,7 @@ def planned(cfg: Config, mcfg: model.ModelConfig, rows: int, prompt_len: int, co
   prof = projected_profile(mcfg, *hooks.batch_shape(batch), cfg.memory.group_size, device)
   for method in (m for m in methods_ if m not in ("none", "gc")):
     for ratio in ratios:
-      mm = MemoryManager(dataclasses.replace(cfg.memory, policy=method, budget_ratio=ratio, budget_bytes=None), hooks)
+      mm = MemoryManager(cfg.memory.at_budget(ratio, method), hooks)
       mm.load_state(ManagerState(gc_bytes, budgets.budget_bytes(gc_bytes, ratio), prof, 0), "projected profile")
       (alloc,) = mm.allocate([batch])
       plans[method, ratio] = alloc.policies

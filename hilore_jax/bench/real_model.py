@@ -104,7 +104,7 @@ def tiny_l_error(cfg: Config, br: RealBenchConfig, formats) -> dict:
 # ----------------------------------------------------------------------------- memory
 
 
-def memory_rows(cfg: Config, br: RealBenchConfig, cal, progress=print) -> list[dict]:
+def memory_rows(cfg: Config, br: RealBenchConfig, ratios, cal, progress=print) -> list[dict]:
   """Every (shape, method, budget): compiled peak, the plan's H/L/R shares and the step's byte breakdown."""
   mcfg = engine.model_config(cfg)
   eng, state = engine.build(cfg, mcfg, 1000, abstract=True)
@@ -121,14 +121,13 @@ def memory_rows(cfg: Config, br: RealBenchConfig, cal, progress=print) -> list[d
             # one chunk's float32 logits and their gradient are what the chunked log-prob holds at a time
             "logits_chunk_bytes": 2 * B * min(cfg.train.logprob_chunk, N) * mcfg.vocab_size * 4}
     for method in br.methods:
-      for ratio in ([None] if method in ("none", "gc") else br.budget_ratios):
+      for ratio in ([None] if method in ("none", "gc") else ratios):
         t0 = time.perf_counter()
         if method in ("none", "gc"):
           pols = model.uniform(mcfg.num_hidden_layers, model.NO_REMAT if method == "none" else model.FULL_REMAT)
           fr, budget = {"frac_H": float(method == "none"), "frac_L": 0.0, "frac_R": float(method == "gc")}, None
         else:
-          mc = dataclasses.replace(cfg.memory, policy=method, budget_ratio=ratio, budget_bytes=None, buckets=1,
-                                   budget_probes=br.budget_probes)
+          mc = dataclasses.replace(cfg.memory.at_budget(ratio, method), buckets=1)
           mm = MemoryManager(mc, hooks)
           mm.setup(None, [batch], 0, calibration_state=cal)
           (alloc,) = mm.allocate([batch])
@@ -219,7 +218,7 @@ def _write(out_dir: str, result: dict):
     os.replace(tmp, os.path.join(out_dir, name))
 
 
-def run(cfg: Config, br: RealBenchConfig, out_dir: str, progress=print) -> dict:
+def run(cfg: Config, br: RealBenchConfig, out_dir: str, ratios=(1.00, 1.10), progress=print) -> dict:
   """Rollouts of the model on its task, then br.parts in order (set-up cost, L-error table, memory table, LoGRA);
   real_model.json and real_model.md are rewritten after each part."""
   from hilore_jax.trainer import Trainer
@@ -256,7 +255,7 @@ def run(cfg: Config, br: RealBenchConfig, out_dir: str, progress=print) -> dict:
     _write(out_dir, result)
   if "memory" in br.parts:
     progress("memory of every method at the fixed shapes (compile only)")
-    result["memory"] = memory_rows(cfg, br, mm.state.calibration, progress)
+    result["memory"] = memory_rows(cfg, br, ratios, mm.state.calibration, progress)
     _write(out_dir, result)
   if "logra" in br.parts:
     result["logra"] = logra_rows(cfg, br, progress)

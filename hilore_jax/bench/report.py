@@ -9,7 +9,8 @@ import os
 import numpy as np
 
 from hilore_jax import metrics
-from hilore_jax import stats, unit_risk
+from hilore_jax import stats
+from hilore_jax.bench import unit_risk
 
 STYLE = ("sac", "uniform_int8", "uniform_int8_gc", "greedy_bits", "greedy_bits_gc", "hilore_static")
 TARGET_RATIO = 1.10  # the targets are stated at 1.10x GC's peak

@@ -16,7 +16,8 @@ import jax
 import numpy as np
 
 from hilore_jax import engine, model, sharding, step_hooks
-from hilore_jax.bench import flops, projection, report, roofline, stats, synthetic, timing, unit_risk
+from hilore_jax import stats
+from hilore_jax.bench import flops, projection, report, roofline, synthetic, timing, unit_risk
 from hilore_jax.bench.config import BenchConfig
 from hilore_jax.config import Config
 from hilore_jax.memory import MemoryManager, calibration, methods, profile, riskfit
@@ -282,7 +283,7 @@ def _configure(cfg, method, ratio, spec, hooks, stepper, params, batch, calib, e
     fr = {"frac_H": 1.0 if method == "none" else 0.0, "frac_L": 0.0, "frac_R": 0.0 if method == "none" else 1.0}
     budget, active, gap, rerun_s = None, "none", None, predicted[method]
   else:
-    mc = dataclasses.replace(cfg.memory, policy=method, budget_ratio=ratio, budget_bytes=None)
+    mc = cfg.memory.at_budget(ratio, method)
     mm = MemoryManager(mc, hooks)
     mm.setup(params, [batch], 0, calibration_state=calib)
     (alloc,) = mm.allocate([batch])

@@ -31,6 +31,12 @@ def check_policy(name: str, policy: str):
   check_choice(name, policy, MEMORY_POLICIES)
 
 
+def check_budget_ratio(name: str, ratio: float):
+  """The one check of a memory budget given as a multiple of full checkpointing's peak, which is its floor."""
+  if ratio < 1.0:
+    raise ConfigError(f"{name} must be >= 1.0 (full checkpointing is the floor), got {ratio}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ExposureSwitches:
   """Terms of the exposure score, each switchable for ablations (memory.exposure.*)."""
@@ -94,6 +100,12 @@ class MemoryConfig:
   verify_steps: int = 2
   exposure: ExposureSwitches = ExposureSwitches()
 
+  def at_budget(self, ratio: float | None, policy: str | None = None) -> MemoryConfig:
+    """This config with its budget at `ratio` x full checkpointing's peak (no absolute budget; None keeps the
+    ratio), and with `policy` where given: the one way a study sets a plan's budget."""
+    return dataclasses.replace(self, policy=policy or self.policy, budget_ratio=self.budget_ratio if ratio is None
+                               else ratio, budget_bytes=None)
+
   def __post_init__(self):
     check_policy("memory.policy", self.policy)
     check_choice("memory.lowp_format", self.lowp_format, FORMATS)
@@ -110,9 +122,7 @@ class MemoryConfig:
     check_positive("memory.verify_steps", self.verify_steps, allow_zero=True)
     if not 0.0 <= self.mip_gap < 1.0:
       raise ConfigError(f"memory.mip_gap must be in [0, 1) (a relative optimality gap), got {self.mip_gap}")
-    if self.budget_ratio < 1.0:
-      raise ConfigError(f"memory.budget_ratio must be >= 1.0 (full checkpointing is the floor), got "
-                        f"{self.budget_ratio}")
+    check_budget_ratio("memory.budget_ratio", self.budget_ratio)
     if self.budget_bytes is not None:
       check_positive("memory.budget_bytes", self.budget_bytes)
     check_positive("memory.grad_err_tolerance", self.grad_err_tolerance)
