@@ -20,7 +20,7 @@ from hilore_jax import (checkpointing, engine, evaluation, metrics, model, prefl
                         tasks)
 from hilore_jax.config import Config
 from hilore_jax.errors import ConfigError, RunExists, TrainingDiverged
-from hilore_jax.memory import MemoryManager
+from hilore_jax.memory import MemoryManager, methods
 from hilore_jax.memory import store as stores
 from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.model import hf
@@ -59,7 +59,7 @@ def memory_store(c: Config) -> stores.JsonStore | None:
 
 def layer_policies(mc: MemoryConfig, cfg) -> tuple[model.LayerPolicy, ...]:
   """Per-layer remat choice of the fixed policies (planned methods start from none and allocate per step)."""
-  return model.uniform(cfg.num_hidden_layers, model.FULL_REMAT if mc.policy == "gc" else model.NO_REMAT)
+  return model.uniform(cfg.num_hidden_layers, methods.REGISTRY[mc.policy].fixed or model.NO_REMAT)
 
 
 class Trainer:
@@ -102,7 +102,7 @@ class Trainer:
       raise ConfigError(f"train.microbatch_size ({micro}) must be divisible by the {n_shards} devices of the mesh")
     self.memory = (MemoryManager(c.memory, step_hooks.memory_hooks(self.stepper, self.spec,
                                                                    c.optimizer.max_grad_norm), memory_store(c))
-                   if c.memory.policy not in ("none", "gc") else None)
+                   if methods.REGISTRY[c.memory.policy].fixed is None else None)
     if self.memory is not None:
       self.memory.defer_fits = True  # a bucket met mid-step is fitted after it, not on the step's clock
     self.compiles = runtime.compile_stats()
@@ -322,7 +322,7 @@ class Trainer:
       allocations = self.memory.step(self.state["params"], minibatches, step, current_logp, self.state["opt_state"])
     # hilore reallocates every later pass: its minibatches are off-policy, and the previous pass's log-probs (an
     # output of that pass's step, no extra forward) tell the exposure which tokens now clip
-    per_pass = c.memory.policy == "hilore"
+    per_pass = methods.REGISTRY[c.memory.policy].exposure
     step_metrics, peaks, token_logp = [], [], []
     for it in range(c.grpo.num_iterations):
       batches = self.pass_batches(minibatches, it)

@@ -18,12 +18,32 @@ from hilore_jax.memory.profile import Unit
 from hilore_jax.model import codec
 from hilore_jax.model import units as U
 
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """What the trainer and the manager know of a memory method, so that neither names one."""
+
+  name: str
+  fixed: model.LayerPolicy | None = None  # every layer's policy where the method plans nothing (no manager)
+  calibrated: bool = False  # plans need measured per-unit errors
+  solved: bool = False  # one exact solver over the layer graph's options
+  # its options without L, whose own budget fit the method's plan must never be slower than (budget.no_slower_than)
+  risk_free_subset: str | None = None
+  exposure: bool = False  # scores each minibatch's exposure at run time: reallocated on every later pass
+
+
+REGISTRY = {m.name: m for m in (
+    Method("none", fixed=model.NO_REMAT), Method("gc", fixed=model.FULL_REMAT), Method("sac"),
+    Method("optimal_hr", solved=True), Method("uniform_int8"), Method("uniform_int8_gc"),
+    Method("greedy_bits", calibrated=True), Method("greedy_bits_gc", calibrated=True),
+    Method("hilore_static", calibrated=True, solved=True, risk_free_subset="optimal_hr"),
+    Method("hilore", calibrated=True, solved=True, risk_free_subset="optimal_hr", exposure=True))}
+assert tuple(REGISTRY) == MEMORY_POLICIES, "every memory.policy has one record"
 METHODS = MEMORY_POLICIES
-CALIBRATED = ("greedy_bits", "greedy_bits_gc", "hilore_static", "hilore")  # methods that need measured per-unit errors
-SOLVED = ("optimal_hr", "hilore_static", "hilore")  # one exact solver over the layer graph's options for all of them
-# a method's risk-free subset: its options without L, whose own budget fit the method's plan must never be slower
-# than (memory/budget.py no_slower_than)
-RISK_FREE_SUBSET = {"hilore_static": "optimal_hr", "hilore": "optimal_hr"}
+CALIBRATED = tuple(n for n, m in REGISTRY.items() if m.calibrated)
+SOLVED = tuple(n for n, m in REGISTRY.items() if m.solved)
+RISK_FREE_SUBSET = {n: m.risk_free_subset for n, m in REGISTRY.items() if m.risk_free_subset}
 # SAC-style named save policies (what jax.checkpoint_policies / PyTorch SAC users write by hand): the best of the
 # grid that fits, applied to as many layers as fit (the rest fully recomputed)
 SAC_GRID = {
