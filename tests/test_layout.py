@@ -182,6 +182,18 @@ def test_a_cycle_is_caught():
   assert violations(graph) == ["import cycle: hilore_jax.a -> hilore_jax.b -> hilore_jax.c"]
 
 
+TEST_FOLDERS = ("model", "memory", "rl", "tasks", "optim", "loop", "experiments")
+PROJECT_WIDE_TESTS = ("test_layout.py", "test_docs.py")  # the repository as a whole
+
+
+def test_tests_mirror_the_wings():
+  tests = os.path.join(ROOT, "tests")
+  for d, _, fs in os.walk(tests):
+    for f in (f for f in fs if f.startswith("test_") and f.endswith(".py")):
+      folder = os.path.relpath(d, tests)
+      assert folder in TEST_FOLDERS or (folder == "." and f in PROJECT_WIDE_TESTS), f"tests/{folder}/{f}"
+
+
 def test_modules_stay_short_or_say_why():
   for d, _, fs in os.walk(os.path.join(ROOT, PKG)):
     for f in fs:

@@ -15,8 +15,7 @@ import time
 import jax
 import numpy as np
 
-from hilore_jax import engine, model, sharding, step_hooks
-from hilore_jax import stats
+from hilore_jax import engine, model, sharding, stats, step_hooks
 from hilore_jax.bench import flops, projection, report, roofline, synthetic, timing, unit_risk
 from hilore_jax.bench.config import BenchConfig
 from hilore_jax.config import Config

@@ -11,7 +11,7 @@ import os
 import sys
 
 n_dev, data, fsdp, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the shared helpers
 from devices import force_cpu_devices  # noqa: E402
 
 force_cpu_devices(n_dev)

@@ -6,7 +6,8 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout, not an install
+# this checkout (tests/<wing>/ is two levels below it), not an installed copy
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 

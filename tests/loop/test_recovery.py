@@ -19,8 +19,9 @@ from hilore_jax import checkpointing, engine, metrics, runtime
 from hilore_jax.errors import CheckpointError, DataError
 from hilore_jax.trainer import Trainer
 from train import grpo as grpo_main
+import repo
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = repo.ROOT
 WORKER = os.path.join(ROOT, "tests", "crash_worker.py")
 TMP = ".orbax-checkpoint-tmp"
 RUN = ["eval.at_start=false", "eval.at_end=false", "checkpoint.every=1", "checkpoint.keep=2"]

@@ -10,8 +10,9 @@ import pytest
 from trainer_util import TINY, stable
 
 from hilore_jax import metrics
+import repo
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = repo.ROOT
 RUN = [*TINY, "eval.at_start=false", "eval.at_end=false", "grpo.filter_zero_std=false",
        "checkpoint.every=2"]
 

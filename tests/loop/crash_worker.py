@@ -6,7 +6,8 @@ import asyncio
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree, not an installed copy
+# this checkout (tests/<wing>/ is two levels below it), not an installed copy
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from orbax.checkpoint._src.path import atomicity  # noqa: E402
 

@@ -10,6 +10,7 @@ from hilore_jax.errors import ConfigError
 from hilore_jax.rl import sft
 from hilore_jax.tasks import Example, prompts, tokenizer
 from hilore_jax.tasks.config import TaskConfig
+import repo
 
 QUESTION = "Tom has 3 apples and buys 4 more. How many apples?"
 CHAT = TaskConfig(prompt_format="chat", system_prompt="Be brief.")
@@ -101,7 +102,7 @@ def test_decode_stops_at_the_first_stop_id_and_skips_specials(tok):
 
 def test_the_qwen_recipe_renders_gsm8k_questions_as_chat(tok):
   # the recipe's instruction holds '\boxed{}', which str.format would take for a field and reject
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = repo.ROOT
   sample = os.path.join(root, "tests", "data", "gsm8k_sample.jsonl")
   c = cli.load_config(os.path.join(root, "configs", "qwen2.5-0.5b-gsm8k.yaml"),
                       [f"task.train_path={sample}", f"task.test_path={sample}"])

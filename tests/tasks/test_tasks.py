@@ -12,9 +12,10 @@ from hilore_jax.errors import ConfigError
 from hilore_jax.tasks import task as tasks
 from hilore_jax.tasks import verifiers
 from hilore_jax.tasks.config import ArithmeticSpec, TaskConfig
+import repo
 
-SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k", "test.jsonl")
-SAMPLE = os.path.join(os.path.dirname(__file__), "data", "gsm8k_sample.jsonl")
+SHARED = os.path.join(repo.ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")
+SAMPLE = os.path.join(repo.DATA, "gsm8k_sample.jsonl")
 GSM8K = SHARED if os.path.exists(SHARED) else SAMPLE
 
 

@@ -8,6 +8,7 @@ import yaml
 from hilore_jax import cli
 from hilore_jax.bench import config as bench_config
 from hilore_jax.errors import ConfigError
+import repo
 
 
 def test_yaml_and_overrides(tmp_path):
@@ -56,7 +57,7 @@ def test_bad_values_name_the_key(override, message):
     cli.load_config(None, [override])
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = repo.ROOT
 
 
 @pytest.mark.slow

@@ -3,8 +3,9 @@
 import pathlib
 
 from hilore_jax.bench import prefill_flops
+import repo
 
-TINY = str(pathlib.Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml")
+TINY = str(pathlib.Path(repo.ROOT) / "configs" / "tiny.yaml")
 
 
 def test_bench_prefill_counts_the_prefill_once_per_group(capsys):

@@ -9,6 +9,7 @@ from trainer_util import tiny_config
 
 from hilore_jax import metrics
 from hilore_jax.trainer import Trainer, TrainingDiverged
+import repo
 
 
 @pytest.mark.slow
@@ -65,7 +66,7 @@ def test_cli_end_to_end_writes_everything(tmp_path):
   import sys
 
   from trainer_util import TINY
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = repo.ROOT
   out = tmp_path / "run"
   args = [a for a in TINY if not a.startswith(("logging.plot", "checkpoint.export_hf"))]
   proc = subprocess.run([sys.executable, "-m", "train.grpo", "--config", os.path.join(root, "configs", "tiny.yaml"),
