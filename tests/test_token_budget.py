@@ -2,7 +2,7 @@
 gradient and log-probs for every loss aggregation; every row is packed once within the budget; a run with the
 budget on updates as one with it off, on fewer positions; bad values are config errors."""
 
-import dataclasses
+import os
 
 import jax
 import numpy as np
@@ -10,12 +10,13 @@ import optax
 import pytest
 from trainer_util import stable, tiny_config
 
-from hilore_jax import cli, engine, model, packed_step, sharding
+from hilore_jax import engine, metrics, model, packed_step, sharding
 from hilore_jax.errors import ConfigError
 from hilore_jax.model import ModelConfig
 from hilore_jax.rl import token_budget, train_step
 from hilore_jax.rl.config import GRPOConfig
 from hilore_jax.rl.update_batch import UpdateBatch
+from hilore_jax.trainer import Trainer
 
 CFG = ModelConfig(vocab_size=31, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2)
@@ -91,3 +92,54 @@ def test_packed_loss_and_gradient_equal_the_unpacked_minibatch(loss_agg):
   st = engine.Stepper(mesh, opt, state, shardings)
   packed = packed_step.PackedStepper(st).logprobs(spec, params, batch, micros)
   np.testing.assert_allclose(np.asarray(packed)[mask], np.asarray(st.logprobs(spec, params, batch))[mask], rtol=1e-5)
+
+
+def test_bad_budget_values_are_config_errors(tmp_path):
+  with pytest.raises(ConfigError, match=r"train.max_tokens_per_microbatch \(10\) is smaller than one row at the cap.*"
+                                        r"6 \+ 7 = 13"):
+    tiny_config(tmp_path, "rollout.max_new_tokens=7", "train.max_tokens_per_microbatch=10")
+  with pytest.raises(ConfigError, match=r"train.max_tokens_per_logprob_pass \(12\) is smaller.*13"):
+    tiny_config(tmp_path, "rollout.max_new_tokens=7", "train.max_tokens_per_logprob_pass=12")
+  with pytest.raises(ConfigError, match="train.max_tokens_per_microbatch must be >= 0"):
+    tiny_config(tmp_path, "train.max_tokens_per_microbatch=-1")
+  with pytest.raises(ConfigError, match="train.length_buckets must be > 0"):
+    tiny_config(tmp_path, "train.length_buckets=0")
+  with pytest.raises(ConfigError, match="train.microbatch_size .* and train.max_tokens_per_microbatch"):
+    tiny_config(tmp_path, "train.microbatch_size=6", "train.max_tokens_per_microbatch=100")
+  with pytest.raises(ConfigError, match="memory.policy none or gc"):
+    Trainer(tiny_config(tmp_path, "train.max_tokens_per_microbatch=100", "memory.policy=sac"))
+
+
+def _run(out, *overrides):
+  # several updates per rollout (old log-probs) and a KL term (reference log-probs): every packed pass runs; Adam's
+  # eps of 1e-3 keeps an update near-linear in its gradient, so float32 noise stays float32 noise
+  c = tiny_config(out, "train.steps=2", "train.minibatch_size=6", "rollout.max_new_tokens=7", "grpo.beta=0.01",
+                  "optimizer.eps=0.001", "eval.at_start=false", "eval.at_end=false", "memory.policy=gc",
+                  "grpo.filter_zero_std=false", *overrides)
+  t = Trainer(c)
+  t.train()
+  return t, metrics.read_metrics(os.path.join(out, "metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_a_run_with_the_budget_updates_as_one_without_on_fewer_positions(tmp_path):
+  off, rows_off = _run(tmp_path / "off")
+  # 3 rows at the cap (6 + 7 tokens) per microbatch; the log-prob passes 2
+  on, rows_on = _run(tmp_path / "on", "train.max_tokens_per_microbatch=40", "train.max_tokens_per_logprob_pass=26")
+  assert off.packer is None and "budget/microbatches" not in rows_off[0]
+  budget_keys = ("budget/", "completion_len/")
+  for a, b in zip(stable(rows_off), stable(rows_on)):
+    assert set(a) - {k for k in a if k.startswith(budget_keys)} == set(b) - {k for k in b if k.startswith(budget_keys)}
+    for k, v in a.items():
+      if isinstance(v, float) and not k.startswith(budget_keys):
+        np.testing.assert_allclose(b[k], v, rtol=2e-4, atol=1e-6, err_msg=k)
+  for x, y in zip(jax.tree.leaves(on.state["params"]), jax.tree.leaves(off.state["params"])):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
+  # packing is on: short buckets compiled, fewer positions computed, a bounded set of shapes
+  caps = {cap for _, _, cap in on.packer.shapes}
+  assert min(caps) < 7, on.packer.shapes
+  assert all(r["budget/padding_frac"] < s["budget/padding_frac"] for r, s in zip(rows_on, rows_off))
+  assert rows_on[-1]["budget/compiled_shapes"] <= 2 * 3  # gradient and log-prob passes, 3 buckets each
+  assert all(r["budget/microbatches"] >= 2 * r["updates"] for r in rows_on)  # 6 rows never fit one microbatch
+  assert {"completion_len/p50", "completion_len/p90", "completion_len/max",
+          "completion_len/truncated_frac"} <= set(rows_off[0])
