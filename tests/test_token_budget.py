@@ -111,9 +111,9 @@ def test_bad_budget_values_are_config_errors(tmp_path):
 
 
 def _run(out, *overrides):
-  # several updates per rollout (old log-probs) and a KL term (reference log-probs): every packed pass runs; Adam's
+  # two passes over each rollout (old log-probs) and a KL term (reference log-probs): every packed pass runs; Adam's
   # eps of 1e-3 keeps an update near-linear in its gradient, so float32 noise stays float32 noise
-  c = tiny_config(out, "train.steps=2", "train.minibatch_size=6", "rollout.max_new_tokens=7", "grpo.beta=0.01",
+  c = tiny_config(out, "train.steps=2", "grpo.num_iterations=2", "rollout.max_new_tokens=7", "grpo.beta=0.01",
                   "optimizer.eps=0.001", "eval.at_start=false", "eval.at_end=false", "memory.policy=gc",
                   "grpo.filter_zero_std=false", *overrides)
   t = Trainer(c)
@@ -140,6 +140,6 @@ def test_a_run_with_the_budget_updates_as_one_without_on_fewer_positions(tmp_pat
   assert min(caps) < 7, on.packer.shapes
   assert all(r["budget/padding_frac"] < s["budget/padding_frac"] for r, s in zip(rows_on, rows_off))
   assert rows_on[-1]["budget/compiled_shapes"] <= 2 * 3  # gradient and log-prob passes, 3 buckets each
-  assert all(r["budget/microbatches"] >= 2 * r["updates"] for r in rows_on)  # 6 rows never fit one microbatch
+  assert all(r["budget/microbatches"] >= 2 * r["updates"] for r in rows_on)  # 12 rows never fit one microbatch
   assert {"completion_len/p50", "completion_len/p90", "completion_len/max",
           "completion_len/truncated_frac"} <= set(rows_off[0])

@@ -56,18 +56,24 @@ def rows_per_microbatch(budget: int, prompt_len: int, cap: int, max_rows: int, m
 def plan(lengths_B, prompt_len: int, caps: tuple[int, ...], budget: int, max_rows: int,
          multiple: int = 1) -> list[Micro]:
   """Microbatches holding every row with a completion token exactly once (rows without one carry no loss and are
-  left out), longest first: each starts at its longest remaining row's bucket and fills up with the next longest.
-  Every microbatch's rows x (prompt_len + cap) is within budget."""
+  left out), longest first: each starts at its longest remaining row's bucket and fills up with the next longest;
+  the last takes the bucket that holds the rest in the fewest positions. Every microbatch's rows x (prompt_len +
+  cap) is within budget."""
   lengths = np.asarray(lengths_B)
   order = np.argsort(-lengths, kind="stable")
   order = order[lengths[order] > 0]
   up = sorted(caps)
   out, pos = [], 0
+  rows_at = {c: rows_per_microbatch(budget, prompt_len, c, max_rows, multiple) for c in up}
   while pos < len(order):
-    cap = next(c for c in up if c >= lengths[order[pos]])
-    n = rows_per_microbatch(budget, prompt_len, cap, max_rows, multiple)
-    if n < 1:
+    fits = [c for c in up if c >= lengths[order[pos]]]
+    cap, left = fits[0], len(order) - pos
+    if rows_at[cap] < 1:
       raise ValueError(f"a token budget of {budget} holds no {multiple} row(s) of {prompt_len} + {cap} tokens")
+    whole = [c for c in fits if rows_at[c] >= left]  # the last microbatch: the fewest positions that hold the rest
+    if left <= rows_at[cap] and whole:
+      cap = min(whole, key=lambda c: (rows_at[c] * (prompt_len + c), c))
+    n = rows_at[cap]
     take = order[pos:pos + n]
     pos += len(take)
     pad = n - len(take)
