@@ -76,12 +76,16 @@ class PackedStepper:
                entry["seconds"], entry["peak_bytes"])
     return self._programs[key]
 
-  def step(self, spec: StepSpec, state: dict, batch: UpdateBatch, micros: list[token_budget.Micro]):
-    """One optimizer update on a packed minibatch -> (new state, metrics as the unpacked step's, peak bytes)."""
+  def step(self, spec: StepSpec | list[StepSpec], state: dict, batch: UpdateBatch,
+           micros: list[token_budget.Micro]):
+    """One optimizer update on a packed minibatch -> (new state, metrics as the unpacked step's, peak bytes); spec
+    a list: one per microbatch (a memory plan per shape)."""
+    specs = spec if isinstance(spec, list) else [spec] * len(micros)
+    spec = specs[0]  # the update program does not depend on the remat policies
     acc, norm = self._start(batch)(state["params"], batch)
     peak = 0
-    for m in micros:
-      program, bytes_ = self._gradient(spec, batch, m)
+    for spec_m, m in zip(specs, micros):
+      program, bytes_ = self._gradient(spec_m, batch, m)
       acc = program(state["params"], batch, m.rows, m.live, norm, acc)
       peak = max(peak, bytes_)
     grads, stats, logp = acc

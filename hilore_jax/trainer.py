@@ -24,10 +24,13 @@ from hilore_jax.memory import MemoryManager
 from hilore_jax.memory import store as stores
 from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.model import hf
+from hilore_jax.shaped_memory import ShapedMemory
 from hilore_jax.rl import replay, rollout, sft, token_budget, train_step, update_batch
 from hilore_jax.tasks import prompts
 
 log = logging.getLogger(__name__)
+_gather = jax.jit(token_budget.gather, static_argnums=3)  # a microbatch of a placed minibatch (the memory manager's)
+_columns = jax.jit(lambda x, rows, cap: x[rows, :cap], static_argnums=2)
 
 
 # config sections that change nothing the memory manager measures or fits at set-up
@@ -101,11 +104,14 @@ class Trainer:
     if micro % n_shards:
       raise ConfigError(f"train.microbatch_size ({micro}) must be divisible by the {n_shards} devices of the mesh")
     self.packer, self._row_lengths, self._prompt_lengths = self._token_budget(n_shards), [], []
-    self.memory = (MemoryManager(c.memory, step_hooks.memory_hooks(self.stepper, self.spec,
-                                                                   c.optimizer.max_grad_norm), memory_store(c))
-                   if c.memory.policy not in ("none", "gc") else None)
-    if self.memory is not None:
-      self.memory.defer_fits = True  # a bucket met mid-step is fitted after it, not on the step's clock
+    self.memory = None
+    if c.memory.policy not in ("none", "gc"):
+      hooks = step_hooks.memory_hooks(self.stepper, self.spec, c.optimizer.max_grad_norm)
+      if c.train.max_tokens_per_microbatch:  # a plan per microbatch shape (not cached between runs)
+        self.memory = ShapedMemory(lambda: MemoryManager(c.memory, hooks))
+      else:
+        self.memory = MemoryManager(c.memory, hooks, memory_store(c))
+        self.memory.defer_fits = True  # a bucket met mid-step is fitted after it, not on the step's clock
     self.compiles = runtime.compile_stats()
     # the memory manager's work after a step (set-up after a warm-up step, buckets the step deferred), reported in the
     # next step's row; the minibatches set-up measures on
@@ -122,9 +128,6 @@ class Trainer:
     c, tb = self.config, self.config.train
     if not (tb.max_tokens_per_microbatch or tb.max_tokens_per_logprob_pass):
       return None
-    if tb.max_tokens_per_microbatch and c.memory.policy not in ("none", "gc"):
-      raise ConfigError(f"train.max_tokens_per_microbatch needs memory.policy none or gc for now (one plan per "
-                        f"microbatch shape is not built yet), got {c.memory.policy}")
     P, N = c.rollout.max_prompt_len, c.rollout.max_new_tokens
     for key in ("max_tokens_per_microbatch", "max_tokens_per_logprob_pass"):
       budget = getattr(tb, key)
@@ -142,6 +145,16 @@ class Trainer:
     caps = token_budget.bucket_caps(c.rollout.max_new_tokens, c.train.length_buckets)
     return token_budget.plan(self._row_lengths[i], c.rollout.max_prompt_len, caps, budget, c.minibatch_size,
                              sharding.num_batch_shards(self.engine.mesh))
+
+  def memory_batches(self, batches: list, plans: list, logp=None) -> tuple[list, list | None]:
+    """(batches, logp), or with the token budget their microbatches, gathered on the devices, and logp's slices of
+    them: what the memory manager plans for (shaped_memory.py: one manager per microbatch shape)."""
+    if not plans or plans[0] is None:
+      return batches, logp
+    micro = [_gather(b, m.rows, m.live, m.cap) for b, p in zip(batches, plans) for m in p]
+    if logp is not None:
+      logp = [None if x is None else _columns(x, m.rows, m.cap) for x, p in zip(logp, plans) for m in p]
+    return micro, logp
 
   def logprobs(self, params, batch: update_batch.UpdateBatch, i: int):
     """Minibatch i's log-probs under params (old or reference): packed under train.max_tokens_per_logprob_pass."""
@@ -351,8 +364,10 @@ class Trainer:
     specs = [self.spec] * len(minibatches)
     plans = [self.budget_plan(i) for i in range(len(minibatches))]
     alloc_rows, allocations = [], None
+    # what the memory manager plans for: the minibatches, or with the token budget their microbatches
+    mem_batches, mem_logp = self.memory_batches(minibatches, plans, current_logp)
     if self.memory is not None and minibatches:
-      allocations = self.memory.step(self.state["params"], minibatches, step, current_logp, self.state["opt_state"])
+      allocations = self.memory.step(self.state["params"], mem_batches, step, mem_logp, self.state["opt_state"])
     # hilore reallocates every later pass: its minibatches are off-policy, and the previous pass's log-probs (an
     # output of that pass's step, no extra forward) tell the exposure which tokens now clip
     per_pass = c.memory.policy == "hilore"
@@ -361,8 +376,11 @@ class Trainer:
       batches = self.pass_batches(minibatches, it)
       if allocations is not None:
         if it > 0 and per_pass:
-          allocations = self.memory.allocate(batches, token_logp)
+          allocations = self.memory.allocate(*self.memory_batches(batches, plans, token_logp))
         specs = [dataclasses.replace(self.spec, policies=a.policies) for a in allocations]
+        if plans[0] is not None:  # one spec per microbatch, grouped by minibatch
+          ends = np.cumsum([len(m) for m in plans])
+          specs = [specs[e - len(m):e] for e, m in zip(ends, plans)]
         alloc_rows += [a.metrics for a in allocations]
       token_logp = []
       for spec, b, micros in zip(specs, batches, plans):
@@ -379,11 +397,11 @@ class Trainer:
     step_metrics = jax.device_get(step_metrics)
     t_update = time.perf_counter() - t1
     if self.memory is not None and self.memory.pending_setup:  # set-up measures on this step's own minibatches
-      self._last_minibatches, self._last_logp = minibatches, current_logp
+      self._last_minibatches, self._last_logp = mem_batches, mem_logp
     if self.memory is not None and minibatches:  # the measured guard: GC's time against the plans'
       clean = self.compiles.compiled == compiles_before and not any(r["time/plan_fit_s"] or r["alloc/deferred"]
                                                                     for r in alloc_rows)
-      self.memory.observe(t_update / (len(minibatches) * c.grpo.num_iterations), clean)
+      self.memory.observe(t_update / (len(mem_batches) * c.grpo.num_iterations), clean)
     row = {"step": step + 1, "reward/mean": float(roll.rewards.mean()), "reward/std": float(roll.rewards.std()),
            **stats, "completion_len/mean": float(roll.mask.sum(1).mean()), **metrics.completion_lengths(roll),
            "prompts/truncated": roll.truncated_prompts, "data/position": self.data_position,

@@ -16,6 +16,8 @@ from hilore_jax.model import ModelConfig
 from hilore_jax.rl import token_budget, train_step
 from hilore_jax.rl.config import GRPOConfig
 from hilore_jax.rl.update_batch import UpdateBatch
+from hilore_jax.memory import MemoryManager
+from hilore_jax.shaped_memory import ShapedMemory
 from hilore_jax.trainer import Trainer
 
 CFG = ModelConfig(vocab_size=31, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
@@ -106,8 +108,6 @@ def test_bad_budget_values_are_config_errors(tmp_path):
     tiny_config(tmp_path, "train.length_buckets=0")
   with pytest.raises(ConfigError, match="train.microbatch_size .* and train.max_tokens_per_microbatch"):
     tiny_config(tmp_path, "train.microbatch_size=6", "train.max_tokens_per_microbatch=100")
-  with pytest.raises(ConfigError, match="memory.policy none or gc"):
-    Trainer(tiny_config(tmp_path, "train.max_tokens_per_microbatch=100", "memory.policy=sac"))
 
 
 def _run(out, *overrides):
@@ -143,3 +143,22 @@ def test_a_run_with_the_budget_updates_as_one_without_on_fewer_positions(tmp_pat
   assert all(r["budget/microbatches"] >= 2 * r["updates"] for r in rows_on)  # 12 rows never fit one microbatch
   assert {"completion_len/p50", "completion_len/p90", "completion_len/max",
           "completion_len/truncated_frac"} <= set(rows_off[0])
+
+
+@pytest.mark.slow
+def test_hilore_plans_each_microbatch_shape_with_its_own_manager(tmp_path):
+  t = Trainer(tiny_config(tmp_path, "memory.policy=hilore", "memory.group_size=8", "memory.buckets=3",
+                          "memory.budget_probes=2", "memory.warmup=none", "train.steps=2", "eval.at_start=false",
+                          "eval.at_end=false", "grpo.filter_zero_std=false", "rollout.max_new_tokens=7",
+                          "train.max_tokens_per_microbatch=40"))
+  t.train()
+  rows = metrics.read_metrics(tmp_path / "metrics.jsonl")
+  grad_shapes = {f"{r}x{6 + cap}" for kind, r, cap in t.packer.shapes if kind == "grad"}
+  assert len(grad_shapes) > 1 and set(t.memory.managers) == grad_shapes  # one manager per compiled shape
+  gc_bytes = {k: m.state.gc_bytes for k, m in t.memory.managers.items()}
+  assert len(set(gc_bytes.values())) == len(gc_bytes), gc_bytes  # each measured its own shape's GC step
+  assert all("alloc/frac_H" in r for r in rows)
+  saved = t.memory.state_json()
+  fresh = ShapedMemory(lambda: MemoryManager(t.config.memory, t.memory.managers[next(iter(grad_shapes))].hooks))
+  fresh.load_state(saved)
+  assert fresh.state_json() == saved
