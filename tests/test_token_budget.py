@@ -2,6 +2,7 @@
 gradient and log-probs for every loss aggregation; every row is packed once within the budget; a run with the
 budget on updates as one with it off, on fewer positions; bad values are config errors."""
 
+import dataclasses
 import os
 
 import jax
@@ -94,6 +95,22 @@ def test_packed_loss_and_gradient_equal_the_unpacked_minibatch(loss_agg):
   st = engine.Stepper(mesh, opt, state, shardings)
   packed = packed_step.PackedStepper(st).logprobs(spec, params, batch, micros)
   np.testing.assert_allclose(np.asarray(packed)[mask], np.asarray(st.logprobs(spec, params, batch))[mask], rtol=1e-5)
+
+
+def test_completion_length_metrics_count_only_rows_the_cap_cut():
+  from hilore_jax.rl.rollout import Rollout
+
+  mask = (np.arange(5)[None] < np.array([5, 5, 2, 1, 3, 5, 4])[:, None]).astype(np.int32)
+  tokens = np.where(mask > 0, 7, 0).astype(np.int32)
+  tokens[1, 4] = 2  # the stop id at the last position: stopped, not cut
+  roll = Rollout(tokens, mask, tokens, mask, np.zeros(mask.shape, np.float32), [""] * 7, np.zeros(7, np.float32),
+                 cut_at_cap=(mask.sum(1) == 5) & (tokens[:, -1] != 2))
+  m = metrics.completion_lengths(roll)
+  assert (m["completion_len/p50"], m["completion_len/max"]) == (4.0, 5.0)
+  assert m["completion_len/p90"] == pytest.approx(5.0) and m["completion_len/truncated_frac"] == pytest.approx(2 / 7)
+  assert roll.lengths.tolist() == [5, 5, 2, 1, 3, 5, 4]
+  legacy = dataclasses.replace(roll, cut_at_cap=None)  # without the flag: every row at the cap
+  assert metrics.completion_lengths(legacy)["completion_len/truncated_frac"] == pytest.approx(3 / 7)
 
 
 def test_bad_budget_values_are_config_errors(tmp_path):
