@@ -179,3 +179,33 @@ def test_hilore_plans_each_microbatch_shape_with_its_own_manager(tmp_path):
   fresh = ShapedMemory(lambda: MemoryManager(t.config.memory, t.memory.managers[next(iter(grad_shapes))].hooks))
   fresh.load_state(saved)
   assert fresh.state_json() == saved
+
+
+_SHARDED = """
+import sys
+sys.path[:0] = [{tests!r}, {root!r}]
+from devices import force_cpu_devices
+force_cpu_devices(2)
+import jax, numpy as np
+from hilore_jax import runtime
+runtime.enable_compilation_cache()
+from test_token_budget import _run
+off, _ = _run({out!r} + '/off', 'mesh.data=1', 'mesh.fsdp=2')
+on, rows = _run({out!r} + '/on', 'mesh.data=1', 'mesh.fsdp=2', 'train.max_tokens_per_microbatch=40',
+                'train.max_tokens_per_logprob_pass=26')
+assert all(r % 2 == 0 for _, r, _ in on.packer.shapes), on.packer.shapes  # rows split over both devices
+assert min(cap for _, _, cap in on.packer.shapes) < 7
+for x, y in zip(jax.tree.leaves(on.state['params']), jax.tree.leaves(off.state['params'])):
+  np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
+"""
+
+
+@pytest.mark.slow
+def test_packed_microbatches_split_over_an_fsdp_mesh_update_as_unpacked(tmp_path):
+  import subprocess
+  import sys
+
+  tests = os.path.dirname(os.path.abspath(__file__))
+  code = _SHARDED.format(tests=tests, root=os.path.dirname(tests), out=str(tmp_path))
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
