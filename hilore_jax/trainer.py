@@ -24,8 +24,8 @@ from hilore_jax.memory import MemoryManager
 from hilore_jax.memory import store as stores
 from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.model import hf
-from hilore_jax.shaped_memory import ShapedMemory
 from hilore_jax.rl import replay, rollout, sft, token_budget, train_step, update_batch
+from hilore_jax.shaped_memory import ShapedMemory
 from hilore_jax.tasks import prompts
 
 log = logging.getLogger(__name__)
@@ -363,10 +363,10 @@ class Trainer:
     minibatches, current_logp = self.add_logprobs(minibatches)
     specs = [self.spec] * len(minibatches)
     plans = [self.budget_plan(i) for i in range(len(minibatches))]
-    alloc_rows, allocations = [], None
-    # what the memory manager plans for: the minibatches, or with the token budget their microbatches
-    mem_batches, mem_logp = self.memory_batches(minibatches, plans, current_logp)
+    alloc_rows, allocations, mem_batches, mem_logp = [], None, minibatches, current_logp
     if self.memory is not None and minibatches:
+      # what the memory manager plans for: the minibatches, or with the token budget their microbatches
+      mem_batches, mem_logp = self.memory_batches(minibatches, plans, current_logp)
       allocations = self.memory.step(self.state["params"], mem_batches, step, mem_logp, self.state["opt_state"])
     # hilore reallocates every later pass: its minibatches are off-policy, and the previous pass's log-probs (an
     # output of that pass's step, no extra forward) tell the exposure which tokens now clip
