@@ -145,6 +145,13 @@ class Config:
     if mb % (self.train.microbatch_size or mb):
       raise ConfigError(f"train.microbatch_size ({self.train.microbatch_size}) must divide "
                         f"train.minibatch_size ({mb})")
+    row = self.rollout.max_prompt_len + self.rollout.max_new_tokens
+    for key in ("max_tokens_per_microbatch", "max_tokens_per_logprob_pass"):
+      budget = getattr(self.train, key)
+      if budget and budget < row:
+        raise ConfigError(f"train.{key} ({budget}) is smaller than one row at the cap: rollout.max_prompt_len + "
+                          f"rollout.max_new_tokens = {self.rollout.max_prompt_len} + {self.rollout.max_new_tokens}"
+                          f" = {row} tokens")
     G = self.rollout.num_generations
     if self.replay.group_size not in (0, G):
       raise ConfigError(f"replay.group_size ({self.replay.group_size}) must equal rollout.num_generations ({G}) "

@@ -151,6 +151,15 @@ def plot_run(out_dir: str, steps: int, eval_before: dict, eval_after: dict | Non
 LENGTHS = ("completion_len/p50", "completion_len/p90", "completion_len/max")
 
 
+def completion_lengths(roll) -> dict:
+  """A rollout's completion length p50 / p90 / max and the share the cap cut (rollout.Rollout)."""
+  lens = roll.lengths
+  cut = roll.cut_at_cap if roll.cut_at_cap is not None else lens >= roll.tokens.shape[1]
+  p50, p90 = np.percentile(lens, [50, 90]) if len(lens) else (0.0, 0.0)
+  return {LENGTHS[0]: float(p50), LENGTHS[1]: float(p90), LENGTHS[2]: float(lens.max(initial=0)),
+          "completion_len/truncated_frac": float(np.mean(cut)) if len(lens) else 0.0}
+
+
 def plot_lengths(metrics_path: str, out_png: str) -> bool:
   """Completion length p50 / p90 / max per step and the share truncated at the cap; False (nothing written) if the
   metrics carry no lengths."""

@@ -16,18 +16,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import (checkpointing, engine, evaluation, metrics, model, preflight, runtime, sharding, step_hooks,
-                        tasks)
+from hilore_jax import (checkpointing, engine, evaluation, metrics, model, packed_step, preflight, runtime, sharding,
+                        step_hooks, tasks)
 from hilore_jax.config import Config
 from hilore_jax.errors import ConfigError, RunExists, TrainingDiverged
 from hilore_jax.memory import MemoryManager, methods
 from hilore_jax.memory import store as stores
 from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.model import hf
-from hilore_jax.rl import replay, rollout, sft, train_step, update_batch
+from hilore_jax.rl import replay, rollout, sft, token_budget, train_step, update_batch
+from hilore_jax.shaped_memory import ShapedMemory
 from hilore_jax.tasks import prompts
 
 log = logging.getLogger(__name__)
+_gather = jax.jit(token_budget.gather, static_argnums=3)  # a microbatch of a placed minibatch (the memory manager's)
+_columns = jax.jit(lambda x, rows, cap: x[rows, :cap], static_argnums=2)
 
 
 # config sections that change nothing the memory manager measures or fits at set-up
@@ -100,11 +103,15 @@ class Trainer:
     n_shards = sharding.num_batch_shards(self.engine.mesh)
     if micro % n_shards:
       raise ConfigError(f"train.microbatch_size ({micro}) must be divisible by the {n_shards} devices of the mesh")
-    self.memory = (MemoryManager(c.memory, step_hooks.memory_hooks(self.stepper, self.spec,
-                                                                   c.optimizer.max_grad_norm), memory_store(c))
-                   if methods.REGISTRY[c.memory.policy].fixed is None else None)
-    if self.memory is not None:
-      self.memory.defer_fits = True  # a bucket met mid-step is fitted after it, not on the step's clock
+    self.packer, self._row_lengths, self._prompt_lengths = self._token_budget(n_shards), [], []
+    self.memory = None
+    if methods.REGISTRY[c.memory.policy].fixed is None:
+      hooks = step_hooks.memory_hooks(self.stepper, self.spec, c.optimizer.max_grad_norm)
+      if c.train.max_tokens_per_microbatch:  # a plan per microbatch shape (not cached between runs)
+        self.memory = ShapedMemory(lambda: MemoryManager(c.memory, hooks))
+      else:
+        self.memory = MemoryManager(c.memory, hooks, memory_store(c))
+        self.memory.defer_fits = True  # a bucket met mid-step is fitted after it, not on the step's clock
     self.compiles = runtime.compile_stats()
     # the memory manager's work after a step (set-up after a warm-up step, buckets the step deferred), reported in the
     # next step's row; the minibatches set-up measures on
@@ -115,6 +122,46 @@ class Trainer:
     self.data_position = 0
     self.eval_before: dict = {}
     self.warmstart_losses: list[float] = []
+
+  def _token_budget(self, n_shards: int) -> packed_step.PackedStepper | None:
+    """The token budget's programs (train.max_tokens_per_*), checked against the mesh; None when both are off."""
+    c, tb = self.config, self.config.train
+    if not (tb.max_tokens_per_microbatch or tb.max_tokens_per_logprob_pass):
+      return None
+    P, N = c.rollout.max_prompt_len, c.rollout.max_new_tokens
+    for key in ("max_tokens_per_microbatch", "max_tokens_per_logprob_pass"):
+      budget = getattr(tb, key)
+      if budget and token_budget.rows_per_microbatch(budget, P, N, c.minibatch_size, n_shards) < 1:
+        raise ConfigError(f"train.{key} ({budget}) holds fewer than the mesh's {n_shards} rows of "
+                          f"{P} + {N} tokens ({n_shards * (P + N)})")
+    return packed_step.PackedStepper(self.stepper)
+
+  def budget_plan(self, i: int, key: str = "max_tokens_per_microbatch") -> list[token_budget.Micro] | None:
+    """Minibatch i's microbatches under train.<key> (None: that budget is off)."""
+    c = self.config
+    budget = getattr(c.train, key)
+    if not budget:
+      return None
+    caps = token_budget.bucket_caps(c.rollout.max_new_tokens, c.train.length_buckets)
+    return token_budget.plan(self._row_lengths[i], c.rollout.max_prompt_len, caps, budget, c.minibatch_size,
+                             sharding.num_batch_shards(self.engine.mesh))
+
+  def memory_batches(self, batches: list, plans: list, logp=None) -> tuple[list, list | None]:
+    """(batches, logp), or with the token budget their microbatches, gathered on the devices, and logp's slices of
+    them: what the memory manager plans for (shaped_memory.py: one manager per microbatch shape)."""
+    if not plans or plans[0] is None:
+      return batches, logp
+    micro = [_gather(b, m.rows, m.live, m.cap) for b, p in zip(batches, plans) for m in p]
+    if logp is not None:
+      logp = [None if x is None else _columns(x, m.rows, m.cap) for x, p in zip(logp, plans) for m in p]
+    return micro, logp
+
+  def logprobs(self, params, batch: update_batch.UpdateBatch, i: int):
+    """Minibatch i's log-probs under params (old or reference): packed under train.max_tokens_per_logprob_pass."""
+    micros = self.budget_plan(i, "max_tokens_per_logprob_pass")
+    if micros is None:
+      return self.stepper.logprobs(self.spec, params, batch)
+    return self.packer.logprobs(self.spec, params, batch, micros)
 
   @property
   def stepper(self) -> engine.Stepper:
@@ -199,6 +246,9 @@ class Trainer:
     """The step's update minibatches (rl/update_batch.py), each built on the host and placed in one transfer, and
     the step's stats."""
     minibatches, stats = update_batch.minibatches(self.config, roll, rng, self.replay, step, self.spec.use_old_logp)
+    # the token budget's plans and the padding metric read them on the host
+    self._row_lengths = [b.mask.sum(1) for b in minibatches]
+    self._prompt_lengths = [b.prompt_mask.sum(1) for b in minibatches]
     return [self.place(b) for b in minibatches], stats
 
   def add_logprobs(self, minibatches: list[update_batch.UpdateBatch]) -> tuple[list, list]:
@@ -209,12 +259,12 @@ class Trainer:
     later = self.config.grpo.num_iterations > 1
     sampled = self.config.grpo.old_logp == "sampler"  # fresh rows carry the sampler's: no forward for them
     out, current = [], []
-    for j, b in enumerate(minibatches):
+    for i, b in enumerate(minibatches):
       if self.spec.use_ref_logp:
-        b = b.replace(ref_logp=self.stepper.logprobs(self.spec, self.ref_params, b))
+        b = b.replace(ref_logp=self.logprobs(self.ref_params, b, i))
       logp = None
-      if update_batch.needs_old_forward(b, j, later) and not (sampled and b.replayed is None):
-        logp = self.stepper.logprobs(self.spec, self.state["params"], b)
+      if update_batch.needs_old_forward(b, i, later) and not (sampled and b.replayed is None):
+        logp = self.logprobs(self.state["params"], b, i)
         if b.replayed is not None:  # replayed rows keep their stored behaviour log-probs
           b = b.replace(old_logp=jnp.where(b.replayed[:, None] > 0, b.old_logp, logp))
         else:  # every row: a later pass reads the on-policy rows' too
@@ -317,9 +367,12 @@ class Trainer:
     minibatches, stats = self.build_update_batch(roll, shuffle, step)
     minibatches, current_logp = self.add_logprobs(minibatches)
     specs = [self.spec] * len(minibatches)
-    alloc_rows, allocations = [], None
+    plans = [self.budget_plan(i) for i in range(len(minibatches))]
+    alloc_rows, allocations, mem_batches, mem_logp = [], None, minibatches, current_logp
     if self.memory is not None and minibatches:
-      allocations = self.memory.step(self.state["params"], minibatches, step, current_logp, self.state["opt_state"])
+      # what the memory manager plans for: the minibatches, or with the token budget their microbatches
+      mem_batches, mem_logp = self.memory_batches(minibatches, plans, current_logp)
+      allocations = self.memory.step(self.state["params"], mem_batches, step, mem_logp, self.state["opt_state"])
     # hilore reallocates every later pass: its minibatches are off-policy, and the previous pass's log-probs (an
     # output of that pass's step, no extra forward) tell the exposure which tokens now clip
     per_pass = methods.REGISTRY[c.memory.policy].exposure
@@ -328,27 +381,34 @@ class Trainer:
       batches = self.pass_batches(minibatches, it)
       if allocations is not None:
         if it > 0 and per_pass:
-          allocations = self.memory.allocate(batches, token_logp)
+          allocations = self.memory.allocate(*self.memory_batches(batches, plans, token_logp))
         specs = [dataclasses.replace(self.spec, policies=a.policies) for a in allocations]
+        if plans[0] is not None:  # one spec per microbatch, grouped by minibatch
+          ends = np.cumsum([len(m) for m in plans])
+          specs = [specs[e - len(m):e] for e, m in zip(ends, plans)]
         alloc_rows += [a.metrics for a in allocations]
       token_logp = []
-      for spec, b in zip(specs, batches):
-        compiled = self.stepper.get(spec, b, reason=f"memory.policy={c.memory.policy}")
-        self.state, m = compiled(self.state, b)
+      for spec, b, micros in zip(specs, batches, plans):
+        if micros is None:
+          compiled = self.stepper.get(spec, b, reason=f"memory.policy={c.memory.policy}")
+          self.state, m = compiled(self.state, b)
+          peaks.append(compiled.peak_bytes)
+        else:
+          self.state, m, peak = self.packer.step(spec, self.state, b, micros)
+          peaks.append(peak)
         token_logp.append(m.pop(train_step.TOKEN_LOGP))
         step_metrics.append(m)
-        peaks.append(compiled.peak_bytes)
     # the next rollout needs these params anyway, so waiting here costs nothing and times the update honestly
     step_metrics = jax.device_get(step_metrics)
     t_update = time.perf_counter() - t1
     if self.memory is not None and self.memory.pending_setup:  # set-up measures on this step's own minibatches
-      self._last_minibatches, self._last_logp = minibatches, current_logp
+      self._last_minibatches, self._last_logp = mem_batches, mem_logp
     if self.memory is not None and minibatches:  # the measured guard: GC's time against the plans'
       clean = self.compiles.compiled == compiles_before and not any(r["time/plan_fit_s"] or r["alloc/deferred"]
                                                                     for r in alloc_rows)
-      self.memory.observe(t_update / (len(minibatches) * c.grpo.num_iterations), clean)
+      self.memory.observe(t_update / (len(mem_batches) * c.grpo.num_iterations), clean)
     row = {"step": step + 1, "reward/mean": float(roll.rewards.mean()), "reward/std": float(roll.rewards.std()),
-           **stats, "completion_len/mean": float(roll.mask.sum(1).mean()),
+           **stats, "completion_len/mean": float(roll.mask.sum(1).mean()), **metrics.completion_lengths(roll),
            "prompts/truncated": roll.truncated_prompts, "data/position": self.data_position,
            "lr": float(self.engine.lr_schedule(max(int(self.state["step"]) - 1, 0))), "updates": len(step_metrics)}
     row.update(metrics.reduce_updates(step_metrics))
@@ -358,6 +418,7 @@ class Trainer:
     row.update(metrics.reduce_allocations(alloc_rows))
     tokens = sum(b.rows * (b.prompt_len + b.completion_len) for b in minibatches)
     tokens *= c.grpo.num_iterations
+    row.update(self.budget_metrics(minibatches, plans))
     if peaks:
       row["memory/compiled_bytes"] = max(peaks)
     row.update({"time/update_s": t_update, "throughput/update_tokens_per_s": tokens / t_update if t_update > 0 else 0.0,
@@ -367,6 +428,19 @@ class Trainer:
     if self._setup_s:
       row["time/memory_setup_s"], self._setup_s = self._setup_s, 0.0
     return row
+
+  def budget_metrics(self, minibatches: list, plans: list) -> dict:
+    """budget/*: the update's padded share of the positions it computes (with the token budget on: its
+    microbatches, and the distinct microbatch shapes compiled so far)."""
+    real = sum(float(np.sum((n + p) * (n > 0))) for n, p in zip(self._row_lengths, self._prompt_lengths))
+    computed = sum(b.rows * (b.prompt_len + b.completion_len) if m is None else
+                   token_budget.positions(m, b.prompt_len) for b, m in zip(minibatches, plans))
+    out = {"budget/padding_frac": 1.0 - real / computed if computed else 0.0}
+    if self.packer is not None:
+      micro = sum(self.spec.microbatches if m is None else len(m) for m in plans)
+      out.update({"budget/microbatches": micro * self.config.grpo.num_iterations,
+                  "budget/compiled_shapes": len(self.packer.shapes)})
+    return out
 
   def finish(self) -> dict:
     c = self.config

@@ -100,6 +100,11 @@ class TrainConfig:
   steps: int = 100
   minibatch_size: int = 0  # sequences per optimizer update; 0: the whole batch
   microbatch_size: int = 0  # sequences per gradient-accumulation slice; 0: the whole minibatch
+  # the token budget (rl/token_budget.py): a minibatch's rows packed by completion length into microbatches of at
+  # most this many positions (rows x (prompt + bucket cap)); 0: off, rows padded to rollout.max_new_tokens
+  max_tokens_per_microbatch: int = 0
+  max_tokens_per_logprob_pass: int = 0  # the same for the old and reference log-prob forwards; 0: off
+  length_buckets: int = 3  # completion-length caps max_new_tokens / 2^k, k < length_buckets (with a budget on)
   logprob_chunk: int = 128
   resume: bool = False
   warmstart_steps: int = 0  # supervised steps on task answers before GRPO (from scratch models)
@@ -110,6 +115,12 @@ class TrainConfig:
     check_positive("train.steps", self.steps)
     check_positive("train.minibatch_size", self.minibatch_size, allow_zero=True)
     check_positive("train.microbatch_size", self.microbatch_size, allow_zero=True)
+    check_positive("train.max_tokens_per_microbatch", self.max_tokens_per_microbatch, allow_zero=True)
+    check_positive("train.max_tokens_per_logprob_pass", self.max_tokens_per_logprob_pass, allow_zero=True)
+    check_positive("train.length_buckets", self.length_buckets)
+    if self.max_tokens_per_microbatch and self.microbatch_size:
+      raise ConfigError(f"train.microbatch_size ({self.microbatch_size}) and train.max_tokens_per_microbatch "
+                        f"({self.max_tokens_per_microbatch}) both set the microbatches: set one (the other 0)")
     check_positive("train.logprob_chunk", self.logprob_chunk)
     check_positive("train.warmstart_steps", self.warmstart_steps, allow_zero=True)
     check_positive("train.warmstart_lr", self.warmstart_lr)

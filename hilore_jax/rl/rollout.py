@@ -27,6 +27,13 @@ class Rollout:
   texts: list[str]
   rewards: np.ndarray  # [B]
   truncated_prompts: int = 0
+  # [B] bool: completions the cap cut (max_new_tokens reached with no stop id); None: those at the cap
+  cut_at_cap: np.ndarray | None = None
+
+  @property
+  def lengths(self) -> np.ndarray:
+    """[B] completion tokens per row (the sampler stops a row at its stop id, and the loop when all have)."""
+    return self.mask.sum(1)
 
 
 def sample_rows(prompter: Prompter, roll: Rollout, rows: Sequence[int]) -> list[dict]:
@@ -47,5 +54,7 @@ def sample_completions(cfg: ModelConfig, params, prompter: Prompter, examples: S
   texts = prompter.decode(out["tokens"], out["mask"])
   refs = [e.reference for e in examples for _ in range(num_generations)]
   rewards = np.array([reward_fn(t, r) for t, r in zip(texts, refs)], np.float32)
-  return Rollout(np.asarray(out["prompt_ids"]), np.asarray(out["prompt_mask"]), np.asarray(out["tokens"]),
-                 np.asarray(out["mask"]), np.asarray(out["logprobs"]), texts, rewards, truncated)
+  tokens, mask = np.asarray(out["tokens"]), np.asarray(out["mask"])
+  cut = (mask.sum(1) == sc.max_new_tokens) & ~np.isin(tokens[:, -1], prompter.stop_ids)
+  return Rollout(np.asarray(out["prompt_ids"]), np.asarray(out["prompt_mask"]), tokens, mask,
+                 np.asarray(out["logprobs"]), texts, rewards, truncated, cut)

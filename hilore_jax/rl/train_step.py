@@ -13,7 +13,7 @@ import optax
 from hilore_jax import model
 from hilore_jax.model import LayerPolicy, ModelConfig
 from hilore_jax.optim.config import KLControlConfig
-from hilore_jax.rl import grpo, kl_control, logprobs
+from hilore_jax.rl import grpo, kl_control, logprobs, token_budget
 from hilore_jax.rl.config import GRPOConfig
 from hilore_jax.rl.update_batch import UpdateBatch
 
@@ -96,10 +96,11 @@ def loss_and_stats(params, batch: UpdateBatch, spec: StepSpec, num_seqs, num_tok
   return loss, stats
 
 
-def grads_and_stats(params, batch: UpdateBatch, spec: StepSpec, probe_mix=None):
+def grads_and_stats(params, batch: UpdateBatch, spec: StepSpec, probe_mix=None, norm=None):
   """Gradient of the minibatch loss, accumulated over spec.microbatches slices (normalisers are global); probe_mix
-  [L, units] (with spec.lowp_probe) is per layer, not per row: every microbatch reads all of it."""
-  num_seqs, num_tokens = grpo.normalisers(batch.mask)
+  [L, units] (with spec.lowp_probe) is per layer, not per row: every microbatch reads all of it. norm: the
+  (num_seqs, num_tokens) normalisers of the minibatch batch is part of (default: batch's own)."""
+  num_seqs, num_tokens = grpo.normalisers(batch.mask) if norm is None else norm
   grad_fn = jax.grad(loss_and_stats, has_aux=True)
   if spec.microbatches == 1:
     return grad_fn(params, batch, spec, num_seqs, num_tokens, probe_mix)
@@ -135,6 +136,37 @@ def gradient_step(params, batch: UpdateBatch, spec: StepSpec):
   """The gradient program: (grads, metrics) of one minibatch under spec's remat policies."""
   grads, stats = grads_and_stats(params, batch, spec)
   return grads, step_metrics(stats)
+
+
+def packed_gradient(params, batch: UpdateBatch, rows_R, live_R, norm, acc, spec: StepSpec, cap: int):
+  """The packed gradient program (the token budget): one microbatch of batch (token_budget.gather) added to acc
+  = (grads, loss sums, token log-probs [B, N] scattered to the minibatch's rows); norm = the whole minibatch's
+  (num_seqs, num_tokens), so the sum over its microbatches is the unpacked minibatch's gradient and loss."""
+  mb = token_budget.gather(batch, rows_R, live_R, cap)
+  grads, stats = grads_and_stats(params, mb, spec, norm=(norm[0], norm[1]))
+  logp = stats.pop(TOKEN_LOGP)
+  acc_grads, acc_stats, acc_logp = acc
+  grads = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_grads, grads)
+  stats = jax.tree.map(jnp.add, acc_stats, stats)
+  return grads, stats, token_budget.scatter(acc_logp, rows_R, live_R, logp)
+
+
+def packed_start(params, batch: UpdateBatch):
+  """(a packed minibatch's empty accumulator: zero gradients, loss sums and token log-probs; its normalisers)."""
+  stats = {k: jnp.zeros((), jnp.float32) for k in STAT_SUMS}
+  acc = jax.tree.map(jnp.zeros_like, params), stats, jnp.zeros(batch.tokens.shape, jnp.float32)
+  return acc, jnp.stack(grpo.normalisers(batch.mask))
+
+
+def packed_logprobs(spec: StepSpec, params, batch: UpdateBatch, rows_R, live_R, acc_BN, cap: int):
+  """The packed log-prob forward: one microbatch's log-probs written into acc [B, N] at its rows."""
+  mb = token_budget.gather(batch.sequences(), rows_R, live_R, cap)
+  logp = completion_logprobs(spec.model_cfg, params, mb, None, spec.logprob_chunk, spec.temperature)[0]
+  return token_budget.scatter(acc_BN, rows_R, live_R, logp)
+
+
+# the loss sums a packed minibatch accumulates over its microbatches (grads_and_stats' stats but token_logp)
+STAT_SUMS = ("clipped_tokens", "kl_sum", "tokens", "abs_log_ratio_sum", "entropy_sum", "loss")
 
 
 def kl_functions(spec: StepSpec, batch: UpdateBatch):

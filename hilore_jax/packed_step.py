@@ -1,0 +1,120 @@
+"""The token budget's compiled programs (rl/token_budget.py): per microbatch shape a packed gradient program (gather
+the rows, gradient, add to a donated accumulator) and a packed log-prob forward; the update program (clipping, the
+optimizer) runs once per minibatch, on its accumulated gradient. Gradient programs are counted and logged on the
+engine's Stepper like the unpacked ones."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+
+from hilore_jax import sharding
+from hilore_jax.engine import Stepper, _memory, abstract
+from hilore_jax.rl import token_budget, train_step
+from hilore_jax.rl.train_step import StepSpec
+from hilore_jax.rl.update_batch import UpdateBatch
+
+log = logging.getLogger(__name__)
+_metrics = jax.jit(train_step.step_metrics)
+
+
+class PackedStepper:
+  """Compiles a packed program once per (spec, minibatch signature, microbatch shape) and runs a minibatch's plan."""
+
+  def __init__(self, stepper: Stepper):
+    self.stepper = stepper
+    self._programs: dict[tuple, tuple] = {}
+    self.shapes: set[tuple[str, int, int]] = set()  # (pass, rows, cap) compiled so far: budget/compiled_shapes
+
+  def _shardings(self, batch: UpdateBatch):
+    st = self.stepper
+    rep = sharding.replicated(st.mesh)
+    acc_sh = (st.state_shardings["params"], {k: rep for k in train_step.STAT_SUMS}, sharding.batch_sharding(st.mesh))
+    return st.batch_shardings(batch), rep, acc_sh
+
+  def _abstract(self, batch: UpdateBatch, micro: token_budget.Micro):
+    batch_sh, rep, _ = self._shardings(batch)
+    idx = jax.ShapeDtypeStruct(micro.rows.shape, jnp.int32, sharding=rep)
+    return abstract(batch, batch_sh), idx
+
+  def _start(self, batch: UpdateBatch):
+    key = ("start", batch.signature())
+    if key not in self._programs:
+      batch_sh, rep, acc_sh = self._shardings(batch)
+      fn = jax.jit(train_step.packed_start, in_shardings=(self.stepper.state_shardings["params"], batch_sh),
+                   out_shardings=(acc_sh, rep))
+      self._programs[key] = (fn.lower(self.stepper.state_abstract["params"], abstract(batch, batch_sh)).compile(), 0)
+    return self._programs[key][0]
+
+  def _gradient(self, spec: StepSpec, batch: UpdateBatch, micro: token_budget.Micro):
+    """(the packed gradient program of micro's shape, its peak bytes: temp plus the accumulator it writes)."""
+    key = ("grad", spec, batch.signature(), micro.shape)
+    if key not in self._programs:
+      t0, st = time.perf_counter(), self.stepper
+      batch_sh, rep, acc_sh = self._shardings(batch)
+      cap = micro.cap
+      fn = jax.jit(lambda p, b, r, lv, n, a: train_step.packed_gradient(p, b, r, lv, n, a, spec, cap),
+                   in_shardings=(st.state_shardings["params"], batch_sh, rep, rep, rep, acc_sh),
+                   out_shardings=acc_sh, donate_argnums=5)
+      b_abs, idx = self._abstract(batch, micro)
+      acc_abs = jax.eval_shape(train_step.packed_start, st.state_abstract["params"], b_abs)
+      acc = abstract(acc_abs[0], acc_sh)
+      norm = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=rep)
+      compiled = fn.lower(st.state_abstract["params"], b_abs, idx, idx, norm, acc).compile()
+      temp, out = _memory(compiled)
+      self._programs[key] = (compiled, temp + out)
+      self.shapes.add(("grad", *micro.shape))
+      st.compile_count += 1
+      entry = {"count": st.compile_count, "reason": f"token budget: {micro.shape[0]} rows x {cap} completion tokens",
+               "seconds": time.perf_counter() - t0, "peak_bytes": temp + out, "batch": f"packed {list(micro.shape)}"}
+      st.compile_log.append(entry)
+      log.info("compiled packed gradient program #%d (%s) in %.1fs, peak %d bytes", entry["count"], entry["reason"],
+               entry["seconds"], entry["peak_bytes"])
+    return self._programs[key]
+
+  def step(self, spec: StepSpec | list[StepSpec], state: dict, batch: UpdateBatch,
+           micros: list[token_budget.Micro]):
+    """One optimizer update on a packed minibatch -> (new state, metrics as the unpacked step's, peak bytes); spec
+    a list: one per microbatch (a memory plan per shape)."""
+    specs = spec if isinstance(spec, list) else [spec] * len(micros)
+    spec = specs[0]  # the update program does not depend on the remat policies
+    acc, norm = self._start(batch)(state["params"], batch)
+    peak = 0
+    for spec_m, m in zip(specs, micros):
+      program, bytes_ = self._gradient(spec_m, batch, m)
+      acc = program(state["params"], batch, m.rows, m.live, norm, acc)
+      peak = max(peak, bytes_)
+    grads, stats, logp = acc
+    update = self.stepper.update_program(spec, batch)
+    if self.stepper.kl is not None:
+      state, metrics = update(state, grads, batch.sequences())
+    else:
+      state, metrics = update(state, grads)
+    return state, {**_metrics({**stats, train_step.TOKEN_LOGP: logp}), **metrics}, peak
+
+  def logprobs(self, spec: StepSpec, params, batch: UpdateBatch, micros: list[token_budget.Micro]) -> jax.Array:
+    """log pi(completion token) [B, N] of params on batch's sequences, microbatch by microbatch (0 past a row's
+    bucket cap and on rows without a completion token, which no loss reads)."""
+    seqs = batch.sequences()
+    spec = dataclasses.replace(spec, policies=())
+    batch_sh, rep, acc_sh = self._shardings(seqs)
+    acc = None
+    for m in micros:
+      key = ("logp", spec, seqs.signature(), m.shape)
+      if key not in self._programs:
+        cap = m.cap
+        fn = jax.jit(lambda p, b, r, lv, a: train_step.packed_logprobs(spec, p, b, r, lv, a, cap),
+                     in_shardings=(self.stepper.state_shardings["params"], batch_sh, rep, rep, acc_sh[2]),
+                     out_shardings=acc_sh[2], donate_argnums=4)
+        b_abs, idx = self._abstract(seqs, m)
+        logp_abs = jax.ShapeDtypeStruct(seqs.tokens.shape, jnp.float32, sharding=acc_sh[2])
+        self._programs[key] = (fn.lower(self.stepper.state_abstract["params"], b_abs, idx, idx, logp_abs).compile(), 0)
+        self.shapes.add(("logp", *m.shape))
+      if acc is None:
+        acc = jax.device_put(jnp.zeros(seqs.tokens.shape, jnp.float32), acc_sh[2])
+      acc = self._programs[key][0](params, seqs, m.rows, m.live, acc)
+    return acc if acc is not None else jax.device_put(jnp.zeros(seqs.tokens.shape, jnp.float32), acc_sh[2])

@@ -1,0 +1,211 @@
+"""The token budget (rl/token_budget.py, packed_step.py): packed microbatches give the unpacked minibatch's loss,
+gradient and log-probs for every loss aggregation; every row is packed once within the budget; a run with the
+budget on updates as one with it off, on fewer positions; bad values are config errors."""
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+from trainer_util import stable, tiny_config
+
+from hilore_jax import engine, metrics, model, packed_step, sharding
+from hilore_jax.errors import ConfigError
+from hilore_jax.model import ModelConfig
+from hilore_jax.rl import token_budget, train_step
+from hilore_jax.rl.config import GRPOConfig
+from hilore_jax.rl.update_batch import UpdateBatch
+from hilore_jax.memory import MemoryManager
+from hilore_jax.shaped_memory import ShapedMemory
+from hilore_jax.trainer import Trainer
+import repo
+
+CFG = ModelConfig(vocab_size=31, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)
+B, P, N = 7, 5, 13
+LENGTHS = np.array([13, 2, 0, 7, 1, 13, 4])  # a row of zero length: a short minibatch's padding row
+
+
+def _batch(rng=np.random.default_rng(0)) -> UpdateBatch:
+  mask = (np.arange(N)[None] < LENGTHS[:, None]).astype(np.int32)
+  prompt_mask = (np.arange(P)[None] >= rng.integers(0, 3, B)[:, None]).astype(np.int32)  # left-padded
+  return UpdateBatch((rng.integers(1, 31, (B, P)) * prompt_mask).astype(np.int32), prompt_mask,
+                     (rng.integers(1, 31, (B, N)) * mask).astype(np.int32), mask,
+                     rng.normal(size=B).astype(np.float32),
+                     old_logp=(np.log(rng.uniform(0.02, 0.2, (B, N))) * mask).astype(np.float32),
+                     on_policy=np.array([1, 0, 0, 0, 1, 0, 0], np.int32))
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
+
+
+def test_bucket_caps_and_the_plan_keep_every_row_once_within_the_budget():
+  assert token_budget.bucket_caps(5, 3) == (5, 3, 2)
+  assert token_budget.bucket_caps(256, 3) == (256, 128, 64)
+  assert token_budget.bucket_caps(100, 3) == (100, 56, 32)  # multiples of 8 from 64 tokens on
+  assert token_budget.bucket_caps(1, 4) == (1,)
+  rng = np.random.default_rng(1)
+  caps = token_budget.bucket_caps(N, 3)
+  for budget in (18, 40, 77, 200):
+    lengths = rng.integers(0, N + 1, 41)
+    micros = token_budget.plan(lengths, P, caps, budget, max_rows=41)
+    real = np.concatenate([m.rows[m.live > 0] for m in micros])
+    assert sorted(real.tolist()) == np.flatnonzero(lengths > 0).tolist()  # every row with a token, exactly once
+    for m in micros:
+      assert m.cap in caps and len(m.rows) * (P + m.cap) <= budget
+      assert np.all(lengths[m.rows[m.live > 0]] <= m.cap)
+    # one row count per bucket: at most len(caps) shapes
+    assert len({m.shape for m in micros}) <= len(caps)
+    assert len({m.shape[0] for m in micros if m.cap == caps[0]}) <= 1
+  with pytest.raises(ValueError, match="holds no 2 row"):
+    token_budget.plan(np.array([13]), P, caps, P + N, max_rows=4, multiple=2)
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_packed_loss_and_gradient_equal_the_unpacked_minibatch(loss_agg):
+  lc = GRPOConfig(loss_agg=loss_agg, max_completion_len=N, beta=0.05)
+  spec = train_step.StepSpec(CFG, lc, model.uniform(CFG.num_hidden_layers, model.FULL_REMAT), use_old_logp=True,
+                             use_ref_logp=True)
+  params = model.init_params(CFG, jax.random.PRNGKey(3), init_std=0.2)
+  batch = _batch()
+  batch = batch.replace(ref_logp=(batch.old_logp * 1.1).astype(np.float32))
+  want_g, want_m = jax.jit(lambda p, b: train_step.gradient_step(p, b, spec))(params, batch)
+  micros = token_budget.plan(LENGTHS, P, token_budget.bucket_caps(N, 3), budget=3 * (P + N), max_rows=B)
+  assert {m.cap for m in micros} > {N}  # shorter buckets are used
+  run = jax.jit(lambda p, b, r, lv, n, a, cap: train_step.packed_gradient(p, b, r, lv, n, a, spec, cap),
+                static_argnums=6)
+  acc, norm = jax.jit(train_step.packed_start)(params, batch)
+  for m in micros:
+    acc = run(params, batch, m.rows, m.live, norm, acc, m.cap)
+  grads, stats, logp = acc
+  got_m = train_step.step_metrics({**stats, train_step.TOKEN_LOGP: logp})
+  assert _rel(got_m["loss"], want_m["loss"]) <= 1e-5
+  for k in ("tokens", "clipfrac", "kl", "entropy", "abs_log_ratio"):
+    np.testing.assert_allclose(float(got_m[k]), float(want_m[k]), rtol=1e-5, atol=1e-7)
+  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_g)):
+    assert _rel(g, w) <= 1e-5
+  mask = batch.mask > 0
+  np.testing.assert_allclose(np.asarray(logp)[mask], np.asarray(want_m[train_step.TOKEN_LOGP])[mask], rtol=1e-5)
+  # the log-prob forward: the same values scattered back to the minibatch's row order
+  mesh, opt = sharding.make_mesh(), optax.sgd(0.1)
+  state, shardings = engine.init_state(mesh, opt, jax.eval_shape(lambda: params), lambda sh: jax.device_put(params, sh))
+  st = engine.Stepper(mesh, opt, state, shardings)
+  packed = packed_step.PackedStepper(st).logprobs(spec, params, batch, micros)
+  np.testing.assert_allclose(np.asarray(packed)[mask], np.asarray(st.logprobs(spec, params, batch))[mask], rtol=1e-5)
+
+
+def test_completion_length_metrics_count_only_rows_the_cap_cut():
+  from hilore_jax.rl.rollout import Rollout
+
+  mask = (np.arange(5)[None] < np.array([5, 5, 2, 1, 3, 5, 4])[:, None]).astype(np.int32)
+  tokens = np.where(mask > 0, 7, 0).astype(np.int32)
+  tokens[1, 4] = 2  # the stop id at the last position: stopped, not cut
+  roll = Rollout(tokens, mask, tokens, mask, np.zeros(mask.shape, np.float32), [""] * 7, np.zeros(7, np.float32),
+                 cut_at_cap=(mask.sum(1) == 5) & (tokens[:, -1] != 2))
+  m = metrics.completion_lengths(roll)
+  assert (m["completion_len/p50"], m["completion_len/max"]) == (4.0, 5.0)
+  assert m["completion_len/p90"] == pytest.approx(5.0) and m["completion_len/truncated_frac"] == pytest.approx(2 / 7)
+  assert roll.lengths.tolist() == [5, 5, 2, 1, 3, 5, 4]
+  legacy = dataclasses.replace(roll, cut_at_cap=None)  # without the flag: every row at the cap
+  assert metrics.completion_lengths(legacy)["completion_len/truncated_frac"] == pytest.approx(3 / 7)
+
+
+def test_bad_budget_values_are_config_errors(tmp_path):
+  with pytest.raises(ConfigError, match=r"train.max_tokens_per_microbatch \(10\) is smaller than one row at the cap.*"
+                                        r"6 \+ 7 = 13"):
+    tiny_config(tmp_path, "rollout.max_new_tokens=7", "train.max_tokens_per_microbatch=10")
+  with pytest.raises(ConfigError, match=r"train.max_tokens_per_logprob_pass \(12\) is smaller.*13"):
+    tiny_config(tmp_path, "rollout.max_new_tokens=7", "train.max_tokens_per_logprob_pass=12")
+  with pytest.raises(ConfigError, match="train.max_tokens_per_microbatch must be >= 0"):
+    tiny_config(tmp_path, "train.max_tokens_per_microbatch=-1")
+  with pytest.raises(ConfigError, match="train.length_buckets must be > 0"):
+    tiny_config(tmp_path, "train.length_buckets=0")
+  with pytest.raises(ConfigError, match="train.microbatch_size .* and train.max_tokens_per_microbatch"):
+    tiny_config(tmp_path, "train.microbatch_size=6", "train.max_tokens_per_microbatch=100")
+
+
+def _run(out, *overrides):
+  # two passes over each rollout (old log-probs) and a KL term (reference log-probs): every packed pass runs; Adam's
+  # eps of 1e-3 keeps an update near-linear in its gradient, so float32 noise stays float32 noise
+  c = tiny_config(out, "train.steps=2", "grpo.num_iterations=2", "rollout.max_new_tokens=7", "grpo.beta=0.01",
+                  "optimizer.eps=0.001", "eval.at_start=false", "eval.at_end=false", "memory.policy=gc",
+                  "grpo.filter_zero_std=false", *overrides)
+  t = Trainer(c)
+  t.train()
+  return t, metrics.read_metrics(os.path.join(out, "metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_a_run_with_the_budget_updates_as_one_without_on_fewer_positions(tmp_path):
+  off, rows_off = _run(tmp_path / "off")
+  # 3 rows at the cap (6 + 7 tokens) per microbatch; the log-prob passes 2
+  on, rows_on = _run(tmp_path / "on", "train.max_tokens_per_microbatch=40", "train.max_tokens_per_logprob_pass=26")
+  assert off.packer is None and "budget/microbatches" not in rows_off[0]
+  budget_keys = ("budget/", "completion_len/")
+  for a, b in zip(stable(rows_off), stable(rows_on)):
+    assert set(a) - {k for k in a if k.startswith(budget_keys)} == set(b) - {k for k in b if k.startswith(budget_keys)}
+    for k, v in a.items():
+      if isinstance(v, float) and not k.startswith(budget_keys):
+        np.testing.assert_allclose(b[k], v, rtol=2e-4, atol=1e-6, err_msg=k)
+  for x, y in zip(jax.tree.leaves(on.state["params"]), jax.tree.leaves(off.state["params"])):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
+  # packing is on: short buckets compiled, fewer positions computed, a bounded set of shapes
+  for kind in ("grad", "logp"):  # both the update and the log-prob passes ran short buckets
+    assert min(cap for k, _, cap in on.packer.shapes if k == kind) < 7, on.packer.shapes
+  assert all(r["budget/padding_frac"] < s["budget/padding_frac"] for r, s in zip(rows_on, rows_off))
+  assert rows_on[-1]["budget/compiled_shapes"] <= 2 * 3  # gradient and log-prob passes, 3 buckets each
+  assert all(r["budget/microbatches"] >= 2 * r["updates"] for r in rows_on)  # 12 rows never fit one microbatch
+  assert {"completion_len/p50", "completion_len/p90", "completion_len/max",
+          "completion_len/truncated_frac"} <= set(rows_off[0])
+
+
+@pytest.mark.slow
+def test_hilore_plans_each_microbatch_shape_with_its_own_manager(tmp_path):
+  t = Trainer(tiny_config(tmp_path, "memory.policy=hilore", "memory.group_size=8", "memory.buckets=3",
+                          "memory.budget_probes=2", "memory.warmup=none", "train.steps=2", "eval.at_start=false",
+                          "eval.at_end=false", "grpo.filter_zero_std=false", "rollout.max_new_tokens=7",
+                          "train.max_tokens_per_microbatch=40"))
+  t.train()
+  rows = metrics.read_metrics(tmp_path / "metrics.jsonl")
+  grad_shapes = {f"{r}x{6 + cap}" for kind, r, cap in t.packer.shapes if kind == "grad"}
+  assert len(grad_shapes) > 1 and set(t.memory.managers) == grad_shapes  # one manager per compiled shape
+  gc_bytes = {k: m.state.gc_bytes for k, m in t.memory.managers.items()}
+  assert len(set(gc_bytes.values())) == len(gc_bytes), gc_bytes  # each measured its own shape's GC step
+  assert all("alloc/frac_H" in r for r in rows)
+  saved = t.memory.state_json()
+  fresh = ShapedMemory(lambda: MemoryManager(t.config.memory, t.memory.managers[next(iter(grad_shapes))].hooks))
+  fresh.load_state(saved)
+  assert fresh.state_json() == saved
+
+
+_SHARDED = """
+import sys
+sys.path[:0] = [{tests!r}, {root!r}]
+from devices import force_cpu_devices
+force_cpu_devices(2)
+import jax, numpy as np
+from hilore_jax import runtime
+runtime.enable_compilation_cache()
+from test_token_budget import _run
+off, _ = _run({out!r} + '/off', 'mesh.data=1', 'mesh.fsdp=2')
+on, rows = _run({out!r} + '/on', 'mesh.data=1', 'mesh.fsdp=2', 'train.max_tokens_per_microbatch=40',
+                'train.max_tokens_per_logprob_pass=26')
+assert all(r % 2 == 0 for _, r, _ in on.packer.shapes), on.packer.shapes  # rows split over both devices
+assert min(cap for _, _, cap in on.packer.shapes) < 7
+for x, y in zip(jax.tree.leaves(on.state['params']), jax.tree.leaves(off.state['params'])):
+  np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
+"""
+
+
+@pytest.mark.slow
+def test_packed_microbatches_split_over_an_fsdp_mesh_update_as_unpacked(tmp_path):
+  import subprocess
+  import sys
+
+  code = _SHARDED.format(tests=repo.TESTS, root=repo.ROOT, out=str(tmp_path))
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
