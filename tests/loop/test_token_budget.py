@@ -184,7 +184,7 @@ def test_hilore_plans_each_microbatch_shape_with_its_own_manager(tmp_path):
 
 _SHARDED = """
 import sys
-sys.path[:0] = [{tests!r}, {root!r}]
+sys.path[:0] = [{here!r}, {tests!r}, {root!r}]
 from devices import force_cpu_devices
 force_cpu_devices(2)
 import jax, numpy as np
@@ -206,6 +206,7 @@ def test_packed_microbatches_split_over_an_fsdp_mesh_update_as_unpacked(tmp_path
   import subprocess
   import sys
 
-  code = _SHARDED.format(tests=repo.TESTS, root=repo.ROOT, out=str(tmp_path))
+  code = _SHARDED.format(here=os.path.dirname(os.path.abspath(__file__)), tests=repo.TESTS, root=repo.ROOT,
+                        out=str(tmp_path))
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
