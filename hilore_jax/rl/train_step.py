@@ -56,11 +56,16 @@ def completion_positions(x_BT, batch: UpdateBatch):
 
 def completion_logprobs(cfg: ModelConfig, params, batch: UpdateBatch, policies=None, chunk: int = 128,
                         temperature: float = 1.0, probe=None):
-  """(log pi(completion token), entropy) [B, N] with chunked log-softmax over the vocabulary."""
-  ids, mask = sequence_inputs(batch)
-  h = model.hidden_states(cfg, params, ids, mask, layer_policies=policies, probe=probe)
-  return logprobs.token_logprobs(completion_positions(h, batch), model.lm_head_weight(cfg, params), batch.tokens,
-                                 chunk, temperature)
+  """(log pi(completion token), entropy) [B, N] with chunked log-softmax over the vocabulary; a batch with a
+  prompt table computes each distinct prompt once (model.shared_hidden_states; a calibration probe reads every
+  row's own)."""
+  if batch.prompt_index is not None and probe is None:
+    h = model.shared_hidden_states(cfg, params, batch.prompt_table, batch.prompt_table_mask, batch.prompt_index,
+                                   batch.tokens, batch.mask, policies)
+  else:
+    ids, mask = sequence_inputs(batch)
+    h = completion_positions(model.hidden_states(cfg, params, ids, mask, layer_policies=policies, probe=probe), batch)
+  return logprobs.token_logprobs(h, model.lm_head_weight(cfg, params), batch.tokens, chunk, temperature)
 
 
 def sequence_logprobs(spec: StepSpec, params, batch: UpdateBatch) -> jax.Array:

@@ -1,0 +1,68 @@
+"""A GRPO group's prompt computed once in the update (issue 35): each minibatch's distinct prompts as a table, each
+row an index into it (`UpdateBatch.prompt_table`, `prompt_table_mask`, `prompt_index`), built on the host.
+
+Minibatches keep their rows (the shuffle decides them, as without sharing): a table holds the distinct prompts of
+each microbatch slice, so a partial group (any 1..G of its rows, replayed rows) is just fewer rows indexing the same
+entry. The table's length per microbatch is the largest slice's distinct count rounded up to a power of two (few
+compiled shapes), padded with copies of a real prompt no row indexes; where that is not below the slice's rows the
+batch stays unshared (sharing would compute as much). On the data mesh the table is replicated and the rows (and
+their indices) split as always: every shard computes every prompt of the minibatch, which is exact whatever rows it
+holds; the saving is G-fold per shard only when a shard holds whole groups.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hilore_jax.rl.update_batch import UpdateBatch
+
+TABLE_FIELDS = ("prompt_table", "prompt_table_mask")  # replicated on the mesh (not split by rows)
+SHARE_FIELDS = (*TABLE_FIELDS, "prompt_index")
+
+
+def table_size(distinct: int, rows: int) -> int:
+  """Table entries per microbatch: the distinct prompts rounded up to a power of two, at most the rows."""
+  return min(rows, 1 << max(distinct - 1, 0).bit_length())
+
+
+def share_prompts(batch: UpdateBatch, microbatches: int = 1) -> UpdateBatch:
+  """batch (host arrays) with a prompt table per microbatch slice and each row's index into its own slice's
+  entries; batch unchanged where the table would not be smaller than the slice."""
+  ids, pmask = np.asarray(batch.prompt_ids), np.asarray(batch.prompt_mask)
+  B, P = ids.shape
+  m = B // microbatches
+  firsts, inverses = [], []
+  for j in range(microbatches):
+    key = np.concatenate([ids[j * m:(j + 1) * m], pmask[j * m:(j + 1) * m]], axis=1)
+    _, first, inverse = np.unique(key, axis=0, return_index=True, return_inverse=True)
+    firsts.append(j * m + first)
+    inverses.append(inverse.reshape(-1))
+  U = table_size(max(len(f) for f in firsts), m)
+  if U >= m:
+    return batch
+  rows = np.concatenate([np.pad(f, (0, U - len(f)), mode="edge") for f in firsts])
+  return batch.replace(prompt_table=ids[rows], prompt_table_mask=pmask[rows],
+                       prompt_index=np.concatenate(inverses).astype(np.int32))
+
+
+def unshared(batch: UpdateBatch) -> UpdateBatch:
+  """The same batch without its prompt table (every row computes its own prompt)."""
+  return batch.replace(**{f: None for f in SHARE_FIELDS})
+
+
+def shared(batch: UpdateBatch) -> bool:
+  return batch.prompt_index is not None
+
+
+def token_counts(batch: UpdateBatch) -> tuple[int, int]:
+  """(token positions the update computes, token positions it would compute unshared) of one minibatch."""
+  unshared_tokens = batch.rows * (batch.prompt_len + batch.completion_len)
+  if not shared(batch):
+    return unshared_tokens, unshared_tokens
+  return batch.prompt_table.shape[0] * batch.prompt_len + batch.rows * batch.completion_len, unshared_tokens
+
+
+def field_shardings(batch, split, rep):
+  """Each present field's sharding: the prompt table replicated, every other field split over the batch axes."""
+  return type(batch)(**{f: None if v is None else rep if f in TABLE_FIELDS else split
+                        for f, v in vars(batch).items()})
