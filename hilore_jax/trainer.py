@@ -24,7 +24,7 @@ from hilore_jax.memory import MemoryManager
 from hilore_jax.memory import store as stores
 from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.model import hf
-from hilore_jax.rl import replay, rollout, sft, train_step, update_batch
+from hilore_jax.rl import prompt_share, replay, rollout, sft, train_step, update_batch
 from hilore_jax.tasks import prompts
 
 log = logging.getLogger(__name__)
@@ -169,6 +169,8 @@ class Trainer:
     where they divide, else replicated."""
     n = sharding.num_batch_shards(self.engine.mesh)
     split, rep = sharding.batch_sharding(self.engine.mesh), sharding.replicated(self.engine.mesh)
+    if isinstance(batch, update_batch.UpdateBatch):  # as the compiled step takes it: its prompt table replicated
+      return jax.device_put(batch, prompt_share.field_shardings(batch, split, rep))
     return jax.device_put(batch, jax.tree.map(lambda v: split if v.shape[0] % n == 0 else rep, batch))
 
   def evaluate(self, params, rng) -> dict:
@@ -194,6 +196,8 @@ class Trainer:
     """The step's update minibatches (rl/update_batch.py), each built on the host and placed in one transfer, and
     the step's stats."""
     minibatches, stats = update_batch.minibatches(self.config, roll, rng, self.replay, step, self.spec.use_old_logp)
+    if self.config.train.share_prompt:
+      minibatches = [prompt_share.share_prompts(b, self.spec.microbatches) for b in minibatches]
     return [self.place(b) for b in minibatches], stats
 
   def add_logprobs(self, minibatches: list[update_batch.UpdateBatch]) -> tuple[list, list]:
@@ -351,8 +355,10 @@ class Trainer:
       raise TrainingDiverged(f"non-finite loss or gradient at step {step + 1} (loss={row['loss']}, "
                              f"grad_norm={row['grad_norm']})")
     row.update(metrics.reduce_allocations(alloc_rows))
-    tokens = sum(b.rows * (b.prompt_len + b.completion_len) for b in minibatches)
-    tokens *= c.grpo.num_iterations
+    computed, unshared = (sum(x) * c.grpo.num_iterations
+                          for x in zip(*(prompt_share.token_counts(b) for b in minibatches))) if minibatches else (0, 0)
+    row.update({"tokens/computed": computed, "tokens/unshared": unshared})
+    tokens = unshared
     if peaks:
       row["memory/compiled_bytes"] = max(peaks)
     row.update({"time/update_s": t_update, "throughput/update_tokens_per_s": tokens / t_update if t_update > 0 else 0.0,

@@ -66,3 +66,15 @@ def field_shardings(batch, split, rep):
   """Each present field's sharding: the prompt table replicated, every other field split over the batch axes."""
   return type(batch)(**{f: None if v is None else rep if f in TABLE_FIELDS else split
                         for f, v in vars(batch).items()})
+
+
+def activation_shape(batch: UpdateBatch, microbatches: int, shards: int) -> tuple[int, int]:
+  """(rows, sequence length) of the activations one gradient pass holds on one device: a microbatch's rows on a
+  device and, with a table, the length that makes rows x length the token positions it computes (its share of the
+  completions and, replicated, every prompt of the table once). The memory units of [B, T, ...] tensors count
+  exactly these; the xla kernel's [B, K, G, T, S] probabilities are then approximated at T = S = that length."""
+  rows = -(-batch.rows // (microbatches * shards))
+  if not shared(batch):
+    return rows, batch.prompt_len + batch.completion_len
+  table = batch.prompt_table.shape[0] // microbatches
+  return rows, -(-(table * batch.prompt_len + rows * batch.completion_len) // rows)
