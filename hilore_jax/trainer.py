@@ -197,7 +197,7 @@ class Trainer:
     the step's stats."""
     minibatches, stats = update_batch.minibatches(self.config, roll, rng, self.replay, step, self.spec.use_old_logp)
     if self.config.train.share_prompt:
-      minibatches = [prompt_share.share_prompts(b, self.spec.microbatches) for b in minibatches]
+      minibatches = prompt_share.share_all(minibatches, self.spec.microbatches)
     return [self.place(b) for b in minibatches], stats
 
   def add_logprobs(self, minibatches: list[update_batch.UpdateBatch]) -> tuple[list, list]:

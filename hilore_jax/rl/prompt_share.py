@@ -25,24 +25,46 @@ def table_size(distinct: int, rows: int) -> int:
   return min(rows, 1 << max(distinct - 1, 0).bit_length())
 
 
-def share_prompts(batch: UpdateBatch, microbatches: int = 1) -> UpdateBatch:
-  """batch (host arrays) with a prompt table per microbatch slice and each row's index into its own slice's
-  entries; batch unchanged where the table would not be smaller than the slice."""
+def _slices(batch: UpdateBatch, microbatches: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+  """Per microbatch slice: the rows (batch indices) of its distinct prompts and each row's index among them."""
   ids, pmask = np.asarray(batch.prompt_ids), np.asarray(batch.prompt_mask)
-  B, P = ids.shape
-  m = B // microbatches
+  m = ids.shape[0] // microbatches
   firsts, inverses = [], []
   for j in range(microbatches):
     key = np.concatenate([ids[j * m:(j + 1) * m], pmask[j * m:(j + 1) * m]], axis=1)
     _, first, inverse = np.unique(key, axis=0, return_index=True, return_inverse=True)
     firsts.append(j * m + first)
     inverses.append(inverse.reshape(-1))
-  U = table_size(max(len(f) for f in firsts), m)
+  return firsts, inverses
+
+
+def distinct_prompts(batch: UpdateBatch, microbatches: int = 1) -> int:
+  """The most distinct prompts any microbatch slice of batch holds."""
+  return max(len(f) for f in _slices(batch, microbatches)[0])
+
+
+def share_prompts(batch: UpdateBatch, microbatches: int = 1, distinct: int | None = None) -> UpdateBatch:
+  """batch (host arrays) with a prompt table per microbatch slice and each row's index into its own slice's
+  entries, table_size(distinct) entries each (default: batch's own count); batch unchanged where the table would
+  not be smaller than the slice."""
+  firsts, inverses = _slices(batch, microbatches)
+  m = batch.rows // microbatches
+  U = table_size(max(distinct or 0, *(len(f) for f in firsts)), m)
   if U >= m:
     return batch
   rows = np.concatenate([np.pad(f, (0, U - len(f)), mode="edge") for f in firsts])
-  return batch.replace(prompt_table=ids[rows], prompt_table_mask=pmask[rows],
+  return batch.replace(prompt_table=np.asarray(batch.prompt_ids)[rows],
+                       prompt_table_mask=np.asarray(batch.prompt_mask)[rows],
                        prompt_index=np.concatenate(inverses).astype(np.int32))
+
+
+def share_all(batches: list[UpdateBatch], microbatches: int = 1) -> list[UpdateBatch]:
+  """A step's minibatches, all with tables of one size (one compiled signature; the memory manager stacks them)
+  or all unshared."""
+  if not batches:
+    return batches
+  distinct = max(distinct_prompts(b, microbatches) for b in batches)
+  return [share_prompts(b, microbatches, distinct) for b in batches]
 
 
 def unshared(batch: UpdateBatch) -> UpdateBatch:
