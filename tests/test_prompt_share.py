@@ -115,3 +115,27 @@ def test_memory_units_count_the_prompt_once():
   # would predict 1.0
   predicted, compiled = units["s"] / units["u"], kept(shared) / kept(batch)
   assert compiled < 0.5 and abs(predicted - compiled) < 0.2 * compiled, (predicted, compiled)
+
+
+def test_the_trainer_shares_by_default_and_one_switch_turns_it_off(tmp_path):
+  from trainer_util import tiny_config
+
+  from hilore_jax.rl.rollout import Rollout
+  from hilore_jax.trainer import Trainer
+
+  rng = np.random.default_rng(1)
+  B, G, P, N = 12, 4, 6, 3
+  pmask = np.ones((B, P), np.int32)
+  pmask[:G, :2] = 0  # a left-padded prompt
+  roll = Rollout(np.repeat(rng.integers(3, 80, (B // G, P)), G, 0).astype(np.int32) * pmask, pmask,
+                 rng.integers(3, 80, (B, N)).astype(np.int32), np.ones((B, N), np.int32), np.zeros((B, N)),
+                 [""] * B, rng.integers(0, 2, B).astype(np.float32))
+  rows = {}
+  for name, extra in (("on", ()), ("off", ("train.share_prompt=false",))):
+    t = Trainer(tiny_config(tmp_path / name, "train.warmstart_steps=0", "grpo.filter_zero_std=false", *extra))
+    rows[name] = t.update(roll, 0)
+  on, off = rows["on"], rows["off"]
+  assert on["tokens/unshared"] == off["tokens/unshared"] == off["tokens/computed"] == B * (P + N)
+  assert on["tokens/computed"] == 4 * P + B * N  # 3 prompts in a table of 4, every row's completion
+  for k in ("loss", "grad_norm", "entropy"):
+    assert_close(on[k], off[k], ULPS, scale=abs(off[k]), err_msg=k)
