@@ -57,7 +57,8 @@ class UpdateBatch:
     return self.tokens.shape[1]
 
   def sequences(self) -> UpdateBatch:
-    """Only the token fields (what a log-prob forward reads: one compilation whatever else the batch carries)."""
+    """Only the token fields and a prompt table (what a log-prob forward reads: one compilation whatever else the
+    batch carries)."""
     return UpdateBatch(self.prompt_ids, self.prompt_mask, self.tokens, self.mask, prompt_table=self.prompt_table,
                        prompt_table_mask=self.prompt_table_mask, prompt_index=self.prompt_index)
 
