@@ -139,3 +139,14 @@ def test_the_trainer_shares_by_default_and_one_switch_turns_it_off(tmp_path):
   assert on["tokens/computed"] == 4 * P + B * N  # 3 prompts in a table of 4, every row's completion
   for k in ("loss", "grad_norm", "entropy"):
     assert_close(on[k], off[k], ULPS, scale=abs(off[k]), err_msg=k)
+
+
+def test_calibration_rows_of_a_shared_batch_unshare_it():
+  # the table indexes every row of a slice: a row subset (calibration's calib_rows) computes its own prompts
+  from hilore_jax.memory import calibration
+
+  shared = prompt_share.share_prompts(_batch(), microbatches=2)
+  part = calibration.calibration_rows(shared, 5)
+  assert not prompt_share.shared(part) and part.rows == 5
+  np.testing.assert_array_equal(part.prompt_ids, shared.prompt_ids[:5])
+  assert calibration.calibration_rows(shared, 0) is shared
