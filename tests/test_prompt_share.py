@@ -150,3 +150,18 @@ def test_calibration_rows_of_a_shared_batch_unshare_it():
   assert not prompt_share.shared(part) and part.rows == 5
   np.testing.assert_array_equal(part.prompt_ids, shared.prompt_ids[:5])
   assert calibration.calibration_rows(shared, 0) is shared
+
+
+def test_kl_control_reads_the_table_and_predicts_the_same_kl():
+  from hilore_jax.rl import kl_control
+
+  params = _params()
+  updates = jax.tree.map(lambda p: 1e-2 * jax.random.normal(jax.random.PRNGKey(3), p.shape, p.dtype), params)
+  batch = _batch()
+  shared = prompt_share.share_prompts(batch, microbatches=2)
+  spec = train_step.StepSpec(CFG, GRPOConfig(), model.uniform(3, model.NO_REMAT), microbatches=2)
+  for kl_fn in (kl_control.predicted_kl, kl_control.realized_kl):
+    kl = jax.jit(lambda p, u, b: train_step.minibatch_kl(kl_fn, spec, p, u, b, 8))
+    want = float(kl(params, updates, batch.sequences()))
+    assert want > 0
+    assert_close(float(kl(params, updates, shared.sequences())), want, ULPS, scale=want)

@@ -145,9 +145,14 @@ def gradient_step(params, batch: UpdateBatch, spec: StepSpec):
 def kl_functions(spec: StepSpec, batch: UpdateBatch):
   """(hidden_fn, head_fn) for kl_control: final hidden states at the positions predicting the completion tokens,
   and the lm head divided by spec's temperature, so the KL is that of the distribution rollouts sample from (the
-  one GRPO's ratio is taken under). No remat: the KL's forward and JVP have no backward."""
-  ids, mask = sequence_inputs(batch)
-  hidden_fn = lambda p: completion_positions(model.hidden_states(spec.model_cfg, p, ids, mask), batch)
+  one GRPO's ratio is taken under). No remat: the KL's forward and JVP have no backward. A prompt table is read
+  as the gradient program reads it (each prompt once)."""
+  if batch.prompt_index is not None:
+    hidden_fn = lambda p: model.shared_hidden_states(spec.model_cfg, p, batch.prompt_table, batch.prompt_table_mask,
+                                                     batch.prompt_index, batch.tokens, batch.mask)
+  else:
+    ids, mask = sequence_inputs(batch)
+    hidden_fn = lambda p: completion_positions(model.hidden_states(spec.model_cfg, p, ids, mask), batch)
   if spec.temperature == 1.0:
     return hidden_fn, lambda p: model.lm_head_weight(spec.model_cfg, p)
   return hidden_fn, lambda p: model.lm_head_weight(spec.model_cfg, p) / spec.temperature
