@@ -197,7 +197,8 @@ class Trainer:
     the step's stats."""
     minibatches, stats = update_batch.minibatches(self.config, roll, rng, self.replay, step, self.spec.use_old_logp)
     if self.config.train.share_prompt:
-      minibatches = prompt_share.share_all(minibatches, self.spec.microbatches)
+      bound = prompt_share.max_distinct(self.config)
+      minibatches = prompt_share.share_all(minibatches, self.spec.microbatches, bound)
     return [self.place(b) for b in minibatches], stats
 
   def add_logprobs(self, minibatches: list[update_batch.UpdateBatch]) -> tuple[list, list]:

@@ -1,19 +1,20 @@
-"""A GRPO group's prompt computed once in the update (issue 35): each minibatch's distinct prompts as a table, each
-row an index into it (`UpdateBatch.prompt_table`, `prompt_table_mask`, `prompt_index`), built on the host.
+"""A GRPO group's prompt computed once in the update (issue 35): each minibatch's distinct prompts as a table, each row
+an index into it (`UpdateBatch.prompt_table`, `prompt_table_mask`, `prompt_index`), built on the host.
 
 Minibatches keep their rows (the shuffle decides them, as without sharing): a table holds the distinct prompts of
 each microbatch slice, so a partial group (any 1..G of its rows, replayed rows) is just fewer rows indexing the same
-entry. The table's length per microbatch is the largest slice's distinct count rounded up to a power of two (few
-compiled shapes), padded with copies of a real prompt no row indexes; where that is not below the slice's rows the
-batch stays unshared (sharing would compute as much). On the data mesh the table is replicated and the rows (and
-their indices) split as always: every shard computes every prompt of the minibatch, which is exact whatever rows it
-holds; the saving is G-fold per shard only when a shard holds whole groups.
-"""
+entry. The table's length per microbatch is the run's bound on distinct prompts (`max_distinct`: its rollout's
+prompts plus the most replayed rows) rounded up to a power of two, so every step compiles one shape and the memory
+budget measured on one step holds for all; it is padded with copies of a real prompt no row indexes; where that is
+not below the slice's rows the batch stays unshared (sharing would compute as much). On the data mesh the table is
+replicated and the rows (and their indices) split as always: every shard computes every prompt of the minibatch,
+which is exact whatever rows it holds; the saving is G-fold per shard only when a shard holds whole groups."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from hilore_jax.rl import replay
 from hilore_jax.rl.update_batch import UpdateBatch
 
 TABLE_FIELDS = ("prompt_table", "prompt_table_mask")  # replicated on the mesh (not split by rows)
@@ -58,13 +59,21 @@ def share_prompts(batch: UpdateBatch, microbatches: int = 1, distinct: int | Non
                        prompt_index=np.concatenate(inverses).astype(np.int32))
 
 
-def share_all(batches: list[UpdateBatch], microbatches: int = 1) -> list[UpdateBatch]:
+def share_all(batches: list[UpdateBatch], microbatches: int = 1, distinct: int = 0) -> list[UpdateBatch]:
   """A step's minibatches, all with tables of one size (one compiled signature; the memory manager stacks them)
-  or all unshared."""
+  or all unshared: sized for `distinct` prompts (a run's bound: its tables keep one shape, so the memory budget
+  measured on one step's holds for every step) or the most any minibatch holds, whichever is more."""
   if not batches:
     return batches
-  distinct = max(distinct_prompts(b, microbatches) for b in batches)
+  distinct = max(distinct, *(distinct_prompts(b, microbatches) for b in batches))
   return [share_prompts(b, microbatches, distinct) for b in batches]
+
+
+def max_distinct(c) -> int:
+  """The most distinct prompts a minibatch of run config c can hold: every fresh prompt of a rollout and every
+  replayed row's own (rollouts enter the update in groups, replayed rows may each be another prompt's)."""
+  fresh = c.rollout.num_prompts * c.rollout.num_generations
+  return c.rollout.num_prompts + replay.max_replay_rows(c.replay, fresh)
 
 
 def unshared(batch: UpdateBatch) -> UpdateBatch:
