@@ -356,10 +356,8 @@ class Trainer:
       raise TrainingDiverged(f"non-finite loss or gradient at step {step + 1} (loss={row['loss']}, "
                              f"grad_norm={row['grad_norm']})")
     row.update(metrics.reduce_allocations(alloc_rows))
-    computed, unshared = (sum(x) * c.grpo.num_iterations
-                          for x in zip(*(prompt_share.token_counts(b) for b in minibatches))) if minibatches else (0, 0)
-    row.update({"tokens/computed": computed, "tokens/unshared": unshared})
-    tokens = unshared
+    computed, tokens = (n * c.grpo.num_iterations for n in prompt_share.step_tokens(minibatches))
+    row.update({"tokens/computed": computed, "tokens/unshared": tokens})
     if peaks:
       row["memory/compiled_bytes"] = max(peaks)
     row.update({"time/update_s": t_update, "throughput/update_tokens_per_s": tokens / t_update if t_update > 0 else 0.0,

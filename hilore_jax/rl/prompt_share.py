@@ -93,6 +93,12 @@ def token_counts(batch: UpdateBatch) -> tuple[int, int]:
   return batch.prompt_table.shape[0] * batch.prompt_len + batch.rows * batch.completion_len, unshared_tokens
 
 
+def step_tokens(batches: list[UpdateBatch]) -> tuple[int, int]:
+  """token_counts summed over a step's minibatches (one pass)."""
+  counts = [token_counts(b) for b in batches]
+  return sum(c[0] for c in counts), sum(c[1] for c in counts)
+
+
 def field_shardings(batch, split, rep):
   """Each present field's sharding: the prompt table replicated, every other field split over the batch axes."""
   return type(batch)(**{f: None if v is None else rep if f in TABLE_FIELDS else split
