@@ -24,7 +24,7 @@ from hilore_jax import model, optim, sharding
 from hilore_jax.config import Config
 from hilore_jax.optim import logra
 from hilore_jax.optim.config import KLControlConfig
-from hilore_jax.rl import train_step
+from hilore_jax.rl import prompt_share, train_step
 from hilore_jax.rl.train_step import StepSpec
 from hilore_jax.rl.update_batch import UpdateBatch
 
@@ -148,8 +148,8 @@ class Stepper:
     self.probe_compiles = 0  # compiled to measure memory (the GC reference, budget probes)
 
   def batch_shardings(self, batch: UpdateBatch):
-    """Every present field of a batch split over the mesh's batch axes."""
-    return jax.tree.map(lambda _: sharding.batch_sharding(self.mesh), batch)
+    """Every present field of a batch split over the mesh's batch axes, but a prompt table (replicated)."""
+    return prompt_share.field_shardings(batch, sharding.batch_sharding(self.mesh), sharding.replicated(self.mesh))
 
   def logprobs(self, spec: StepSpec, params, batch: UpdateBatch) -> jax.Array:
     """log pi(completion token) [B, N] of params on batch's sequences (forward only, as the gradient program

@@ -12,7 +12,7 @@ from hilore_jax import model, sharding
 from hilore_jax.engine import Stepper
 from hilore_jax.memory import exposure
 from hilore_jax.memory.hooks import StepHooks
-from hilore_jax.rl import train_step
+from hilore_jax.rl import prompt_share, train_step
 from hilore_jax.rl.train_step import StepSpec
 from hilore_jax.rl.update_batch import UpdateBatch
 
@@ -60,7 +60,7 @@ def memory_hooks(stepper: Stepper | None, spec: StepSpec, max_grad_norm: float =
   return StepHooks(
       model_cfg=cfg,
       compile_peak=lambda pols, batch: stepper.get(with_policies(pols), batch, count=False).peak_bytes,
-      batch_shape=lambda b: (-(-b.rows // (spec.microbatches * shards)), b.prompt_len + b.completion_len),
+      batch_shape=lambda b: prompt_share.activation_shape(b, spec.microbatches, shards),
       gradient=lambda p, b, pols: _grad(p, b, with_policies(pols), None),
       probe_gradient=lambda p, b, mix, fmt, group: _grad(p, b, dataclasses.replace(probe_spec, lowp_probe=(fmt, group)),
                                                          mix),

@@ -24,7 +24,7 @@ from hilore_jax.memory import MemoryManager, methods
 from hilore_jax.memory import store as stores
 from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.model import hf
-from hilore_jax.rl import replay, rollout, sft, token_budget, train_step, update_batch
+from hilore_jax.rl import prompt_share, replay, rollout, sft, token_budget, train_step, update_batch
 from hilore_jax.shaped_memory import ShapedMemory
 from hilore_jax.tasks import prompts
 
@@ -104,6 +104,9 @@ class Trainer:
     if micro % n_shards:
       raise ConfigError(f"train.microbatch_size ({micro}) must be divisible by the {n_shards} devices of the mesh")
     self.packer, self._row_lengths, self._prompt_lengths = self._token_budget(n_shards), [], []
+    # a group's prompt computed once where it is exact; the packed microbatches of the token budget gather rows of
+    # their own and carry no prompt table yet, so a budgeted run computes each row's prompt
+    self.share_prompt = c.train.share_prompt and self.packer is None
     self.memory = None
     if methods.REGISTRY[c.memory.policy].fixed is None:
       hooks = step_hooks.memory_hooks(self.stepper, self.spec, c.optimizer.max_grad_norm)
@@ -216,7 +219,8 @@ class Trainer:
     where they divide, else replicated."""
     n = sharding.num_batch_shards(self.engine.mesh)
     split, rep = sharding.batch_sharding(self.engine.mesh), sharding.replicated(self.engine.mesh)
-    shardings = jax.tree.map(lambda v: split if v.shape[0] % n == 0 else rep, batch)
+    shardings = (prompt_share.field_shardings(batch, split, rep) if isinstance(batch, update_batch.UpdateBatch)
+                 else jax.tree.map(lambda v: split if v.shape[0] % n == 0 else rep, batch))  # prompt tables replicated
     if jax.process_count() == 1:
       return jax.device_put(batch, shardings)
     # every process holds the whole host batch and places only its own devices' rows: device_put would first
@@ -249,6 +253,8 @@ class Trainer:
     # the token budget's plans and the padding metric read them on the host
     self._row_lengths = [b.mask.sum(1) for b in minibatches]
     self._prompt_lengths = [b.prompt_mask.sum(1) for b in minibatches]
+    if self.share_prompt:
+      minibatches = prompt_share.share_all(minibatches, self.spec.microbatches, prompt_share.max_distinct(self.config))
     return [self.place(b) for b in minibatches], stats
 
   def add_logprobs(self, minibatches: list[update_batch.UpdateBatch]) -> tuple[list, list]:
@@ -416,8 +422,8 @@ class Trainer:
       raise TrainingDiverged(f"non-finite loss or gradient at step {step + 1} (loss={row['loss']}, "
                              f"grad_norm={row['grad_norm']})")
     row.update(metrics.reduce_allocations(alloc_rows))
-    tokens = sum(b.rows * (b.prompt_len + b.completion_len) for b in minibatches)
-    tokens *= c.grpo.num_iterations
+    computed, tokens = (n * c.grpo.num_iterations for n in prompt_share.step_tokens(minibatches))
+    row.update({"tokens/computed": computed, "tokens/unshared": tokens})
     row.update(self.budget_metrics(minibatches, plans))
     if peaks:
       row["memory/compiled_bytes"] = max(peaks)

@@ -240,6 +240,8 @@ def calibration_rows(batch, rows: int):
   """The first `rows` rows of a minibatch (every field's leading axis; minibatches are shuffled, so a random
   subset), or the whole minibatch for rows 0 or more than it has."""
   n = jax.tree_util.tree_leaves(batch)[0].shape[0]
+  if rows and rows < n and getattr(batch, "prompt_index", None) is not None:  # a shared prompt's table indexes
+    batch = batch.replace(prompt_table=None, prompt_table_mask=None, prompt_index=None)  # all rows: unshare first
   return batch if not rows or rows >= n else jax.tree_util.tree_map(lambda x: x[:rows], batch)
 
 

@@ -185,8 +185,9 @@ OPS = {
 
 
 def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, ctx: LayerCtx, kv_cache=None, cache_index=None,
-                  policy: LayerPolicy | None = None, taps: dict | None = None, probe=None):
-  """One pre-norm decoder layer; with kv_cache=(k, v) writes this step's k/v at cache_index first.
+                  policy: LayerPolicy | None = None, taps: dict | None = None, probe=None, prefix_kv=None):
+  """One pre-norm decoder layer; with kv_cache=(k, v) writes this step's k/v at cache_index first; with
+  prefix_kv=(k [B, S0, K, H], v) attends over those keys first, then its own (a shared prompt: model/shared.py).
 
   Each L unit of the policy is kept by the op that reads it in backward (model/lowp.py); probe=(format, group
   size, mix [len(UNITS)]) instead reads every unit as exact + mix * (decoded - exact) (calibration). taps, if
@@ -216,6 +217,8 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, ctx: LayerCtx, kv_cache=None
     ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, cache_index, 0, 0))
     cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, cache_index, 0, 0))
     new_cache, k, v = (ck, cv), ck.astype(q.dtype), cv.astype(q.dtype)
+  if prefix_kv is not None:
+    k, v = (jnp.concatenate([pre.astype(own.dtype), own], axis=1) for pre, own in zip(prefix_kv, (k, v)))
   kms = [km(U.Q, q), km(U.K, k), km(U.V, v)]
   if U.fused(cfg.attention):  # the fused kernel's backward reads q, k, v as kept
     fn, args = fused_kernel(cfg, ctx, k)

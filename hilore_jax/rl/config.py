@@ -110,6 +110,8 @@ class TrainConfig:
   warmstart_steps: int = 0  # supervised steps on task answers before GRPO (from scratch models)
   warmstart_lr: float = 1e-3
   warmstart_batch_size: int = 64
+  # a group's prompt computed once in the update (rl/prompt_share.py): exact, so on unless switched off
+  share_prompt: bool = True
 
   def __post_init__(self):
     check_positive("train.steps", self.steps)

@@ -56,11 +56,16 @@ def completion_positions(x_BT, batch: UpdateBatch):
 
 def completion_logprobs(cfg: ModelConfig, params, batch: UpdateBatch, policies=None, chunk: int = 128,
                         temperature: float = 1.0, probe=None):
-  """(log pi(completion token), entropy) [B, N] with chunked log-softmax over the vocabulary."""
-  ids, mask = sequence_inputs(batch)
-  h = model.hidden_states(cfg, params, ids, mask, layer_policies=policies, probe=probe)
-  return logprobs.token_logprobs(completion_positions(h, batch), model.lm_head_weight(cfg, params), batch.tokens,
-                                 chunk, temperature)
+  """(log pi(completion token), entropy) [B, N] with chunked log-softmax over the vocabulary; a batch with a
+  prompt table computes each distinct prompt once (model.shared_hidden_states; a calibration probe reads every
+  row's own)."""
+  if batch.prompt_index is not None and probe is None:
+    h = model.shared_hidden_states(cfg, params, batch.prompt_table, batch.prompt_table_mask, batch.prompt_index,
+                                   batch.tokens, batch.mask, policies)
+  else:
+    ids, mask = sequence_inputs(batch)
+    h = completion_positions(model.hidden_states(cfg, params, ids, mask, layer_policies=policies, probe=probe), batch)
+  return logprobs.token_logprobs(h, model.lm_head_weight(cfg, params), batch.tokens, chunk, temperature)
 
 
 def sequence_logprobs(spec: StepSpec, params, batch: UpdateBatch) -> jax.Array:
@@ -172,9 +177,14 @@ STAT_SUMS = ("clipped_tokens", "kl_sum", "tokens", "abs_log_ratio_sum", "entropy
 def kl_functions(spec: StepSpec, batch: UpdateBatch):
   """(hidden_fn, head_fn) for kl_control: final hidden states at the positions predicting the completion tokens,
   and the lm head divided by spec's temperature, so the KL is that of the distribution rollouts sample from (the
-  one GRPO's ratio is taken under). No remat: the KL's forward and JVP have no backward."""
-  ids, mask = sequence_inputs(batch)
-  hidden_fn = lambda p: completion_positions(model.hidden_states(spec.model_cfg, p, ids, mask), batch)
+  one GRPO's ratio is taken under). No remat: the KL's forward and JVP have no backward. A prompt table is read
+  as the gradient program reads it (each prompt once)."""
+  if batch.prompt_index is not None:
+    hidden_fn = lambda p: model.shared_hidden_states(spec.model_cfg, p, batch.prompt_table, batch.prompt_table_mask,
+                                                     batch.prompt_index, batch.tokens, batch.mask)
+  else:
+    ids, mask = sequence_inputs(batch)
+    hidden_fn = lambda p: completion_positions(model.hidden_states(spec.model_cfg, p, ids, mask), batch)
   if spec.temperature == 1.0:
     return hidden_fn, lambda p: model.lm_head_weight(spec.model_cfg, p)
   return hidden_fn, lambda p: model.lm_head_weight(spec.model_cfg, p) / spec.temperature

@@ -38,6 +38,11 @@ class UpdateBatch:
   on_policy: Array | None = None  # [B] int32: rows whose denominator is stop_gradient(logp) (old_logp unread)
   replayed: Array | None = None  # [B] int32: rows from the replay buffer (their old_logp is stored)
   ref_logp: Array | None = None  # [B, N] float32: the reference policy's log-probs (KL), filled on the devices
+  # a shared prompt (rl/prompt_share.py): each microbatch's distinct prompts [microbatches * U, P] (replicated on
+  # the mesh) and each row's index into its own microbatch's U; prompt_ids/prompt_mask stay per row
+  prompt_table: Array | None = None
+  prompt_table_mask: Array | None = None
+  prompt_index: Array | None = None  # [B] int32
 
   @property
   def rows(self) -> int:
@@ -52,8 +57,10 @@ class UpdateBatch:
     return self.tokens.shape[1]
 
   def sequences(self) -> UpdateBatch:
-    """Only the token fields (what a log-prob forward reads: one compilation whatever else the batch carries)."""
-    return UpdateBatch(self.prompt_ids, self.prompt_mask, self.tokens, self.mask)
+    """Only the token fields and a prompt table (what a log-prob forward reads: one compilation whatever else the
+    batch carries)."""
+    return UpdateBatch(self.prompt_ids, self.prompt_mask, self.tokens, self.mask, prompt_table=self.prompt_table,
+                       prompt_table_mask=self.prompt_table_mask, prompt_index=self.prompt_index)
 
   def split(self, n: int) -> UpdateBatch:
     """Every field reshaped [n, B / n, ...]: n row slices (microbatches) for a scan or map."""

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from trainer_util import tiny_config  # noqa: E402
 
 from hilore_jax import runtime  # noqa: E402
-from hilore_jax.rl import train_step  # noqa: E402
+from hilore_jax.rl import prompt_share, train_step  # noqa: E402
 from hilore_jax.rl.update_batch import UpdateBatch  # noqa: E402
 from hilore_jax.trainer import Trainer  # noqa: E402
 
@@ -28,16 +28,34 @@ rng = np.random.default_rng(0)
 B, P, N = 12, 6, 3
 prompt_mask = np.ones((B, P), np.int32)
 prompt_mask[1, :2] = 0
-batch = UpdateBatch(rng.integers(3, 80, (B, P)).astype(np.int32), prompt_mask,
+host = UpdateBatch(rng.integers(3, 80, (B, P)).astype(np.int32), prompt_mask,
                     rng.integers(3, 80, (B, N)).astype(np.int32), (rng.random((B, N)) > 0.2).astype(np.int32),
                     rng.normal(size=B).astype(np.float32), old_logp=-rng.random((B, N)).astype(np.float32) * 3,
                     ref_logp=-rng.random((B, N)).astype(np.float32) * 3)
-batch = t.place(batch)
-grads, stats = jax.jit(train_step.grads_and_stats, static_argnums=2)(t.state["params"], batch, t.spec)
+batch = t.place(host)
+grad_fn = jax.jit(train_step.grads_and_stats, static_argnums=2)
+grads, stats = grad_fn(t.state["params"], batch, t.spec)
+# groups of two rows per prompt, with a prompt table (replicated) and per-row indices (split over the mesh): the
+# shared gradient on any mesh equals the unshared one
+pairs = np.repeat(np.arange(0, B, 2), 2)
+grouped = host.replace(prompt_ids=host.prompt_ids[pairs], prompt_mask=host.prompt_mask[pairs])
+shared = prompt_share.share_all([grouped], t.spec.microbatches)[0]
+assert prompt_share.shared(shared)
+shared_grads, shared_stats = grad_fn(t.state["params"], t.place(shared), t.spec)
+grouped_grads, _ = grad_fn(t.state["params"], t.place(grouped), t.spec)
 state, metrics = t.stepper(t.spec, t.state, batch)
 wgate = state["params"]["layers"][0]["mlp"]["wgate_DF"]
-flat = {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): np.asarray(v)
-        for path, v in jax.tree_util.tree_flatten_with_path(grads)[0]}
-np.savez(out, loss=np.asarray(stats["loss"]), new_wgate=np.asarray(wgate), metric_loss=np.asarray(metrics["loss"]),
-         wgate_spec=str(wgate.sharding.spec), wgate_shard_rows=wgate.addressable_shards[0].data.shape[0],
-         **{"g/" + k: v for k, v in flat.items()})
+wgate_spec, wgate_rows = str(wgate.sharding.spec), wgate.addressable_shards[0].data.shape[0]
+new_wgate = np.asarray(wgate)
+_, shared_metrics = t.stepper(t.spec, state, t.place(shared))  # the compiled step takes the table replicated
+
+
+def flat(tree, prefix):
+  return {prefix + "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): np.asarray(v)
+          for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+np.savez(out, loss=np.asarray(stats["loss"]), new_wgate=new_wgate, metric_loss=np.asarray(metrics["loss"]),
+         wgate_spec=wgate_spec, wgate_shard_rows=wgate_rows,
+         shared_loss=np.asarray(shared_stats["loss"]), shared_metric_loss=np.asarray(shared_metrics["loss"]),
+         **flat(grads, "g/"), **flat(shared_grads, "s/"), **flat(grouped_grads, "u/"))

@@ -30,6 +30,13 @@ def test_four_device_fsdp_matches_one_device(tmp_path):
     scale = np.abs(one[k]).max() + 1e-12
     assert np.abs(four[k] - one[k]).max() / scale <= 1e-5, k
   np.testing.assert_allclose(four["metric_loss"], one["metric_loss"], rtol=1e-5)
+  # a shared prompt's table is replicated, its rows split: the same gradient as the unshared batch on one device
+  np.testing.assert_allclose(four["shared_loss"], one["shared_loss"], rtol=1e-5)
+  np.testing.assert_allclose(four["shared_metric_loss"], one["shared_metric_loss"], rtol=1e-5)
+  for k in grads:
+    for run in (one, four):
+      scale = np.abs(one["u/" + k[2:]]).max() + 1e-12
+      assert np.abs(run["s/" + k[2:]] - one["u/" + k[2:]]).max() / scale <= 1e-5, k
   # Adam's first step moves a weight by lr * g / (|g| + eps): where |g| is near eps (1e-8) a gradient that agrees to
   # 1e-5 of its scale still changes the step by a few percent of lr (measured: g = -1.7e-8, 1.7e-5 apart), so the
   # tight check covers the weights whose gradient resolves the step and the rest are held to one step (lr = 1e-3)

@@ -1,0 +1,71 @@
+"""A GRPO group's prompt computed once (issue 35): the decoder over a table of distinct prompts [U, P] and, per
+row, its completion [B, N], which attends to its prompt's keys and values gathered by index, then to its own.
+
+Exact: each completion query sees the same keys, values, positions and mask as in the unshared [B, P + N] pass
+(the prompt's keys at slots 0..P-1, its own at P..P+N-1, causal), with either attention kernel (xla builds the
+[B, N, P + N] mask, blockwise takes the key mask and the query offset P). Backward of the gather is a scatter-add,
+so the G completions' gradients accumulate into their prompt's path by autodiff. The prompt's left-padding
+queries see fewer keys here than unshared (none of the completion's), which only changes hidden states no valid
+position ever reads.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from hilore_jax.model import units as U
+from hilore_jax.model.config import ModelConfig
+from hilore_jax.model.decoder import (decoder_layer, default_positions, embed, layer_ctx, policy_runs, rms_norm,
+                                      stack_layers)
+from hilore_jax.model.policy import NO_REMAT, LayerPolicy, remat, uniform
+
+
+def completion_ctx(cfg: ModelConfig, prompt_mask_BP: jax.Array, mask_BN: jax.Array):
+  """The completion queries' layer context: positions and causal mask as rows P..P+N-1 of the unshared pass."""
+  P = prompt_mask_BP.shape[1]
+  mask_BN = mask_BN.astype(jnp.int32)
+  lengths_B = jnp.sum(prompt_mask_BP.astype(jnp.int32), axis=-1)
+  positions_BN = jnp.maximum(lengths_B[:, None] + jnp.cumsum(mask_BN, axis=-1) - 1, 0)
+  key_mask_BS = jnp.concatenate([prompt_mask_BP.astype(jnp.int32), mask_BN], axis=1)
+  return layer_ctx(cfg, positions_BN, key_mask_BS, P)
+
+
+def _layer(cfg: ModelConfig, policy: LayerPolicy):
+  """One layer over both streams under the policy's remat: the prompts', then the completions' over their
+  prompt's k, v (the prompt stream's own, tagged with the same checkpoint names)."""
+
+  def fn(p, x_UPD, x_BND, ctx_prompt, ctx_completion, index_B):
+    taps: dict = {}
+    x_UPD = decoder_layer(cfg, p, x_UPD, ctx_prompt, policy=policy, taps=taps)[0]
+    prefix = (jnp.take(taps[U.K], index_B, axis=0), jnp.take(taps[U.V], index_B, axis=0))
+    x_BND = decoder_layer(cfg, p, x_BND, ctx_completion, policy=policy, prefix_kv=prefix)[0]
+    return x_UPD, x_BND
+
+  return remat(fn, policy)
+
+
+def shared_hidden_states(cfg: ModelConfig, params: dict, prompt_table_UP: jax.Array, prompt_table_mask_UP: jax.Array,
+                         prompt_index_B: jax.Array, tokens_BN: jax.Array, mask_BN: jax.Array,
+                         layer_policies: Sequence[LayerPolicy] | None = None) -> jax.Array:
+  """Final-norm hidden states [B, N, D] at the positions that predict the completion tokens (the prompt's last,
+  then the completion's first N - 1): what `hidden_states` gives there on the rows' full sequences."""
+  policies = tuple(layer_policies) if layer_policies is not None else uniform(cfg.num_hidden_layers, NO_REMAT)
+  if len(policies) != cfg.num_hidden_layers:
+    raise ValueError(f"got {len(policies)} layer policies for {cfg.num_hidden_layers} layers")
+  index_B = prompt_index_B.astype(jnp.int32)
+  ctx_p = layer_ctx(cfg, default_positions(prompt_table_mask_UP), prompt_table_mask_UP)
+  ctx_c = completion_ctx(cfg, jnp.take(prompt_table_mask_UP, index_B, axis=0), mask_BN)
+  xs = (embed(cfg, params, prompt_table_UP), embed(cfg, params, tokens_BN))
+  runs = policy_runs(policies)
+  if len(runs) == 1 and len(policies) > 1:  # one policy: one scan, as hidden_states
+    layer = _layer(cfg, policies[0])
+    xs, _ = jax.lax.scan(lambda xs, p: (layer(p, *xs, ctx_p, ctx_c, index_B), None), xs,
+                         stack_layers(params["layers"]))
+  else:
+    for i, policy in enumerate(policies):
+      xs = _layer(cfg, policy)(params["layers"][i], *xs, ctx_p, ctx_c, index_B)
+  last_BD = jnp.take(xs[0][:, -1:], index_B, axis=0)
+  return rms_norm(jnp.concatenate([last_BD, xs[1][:, :-1]], axis=1), params["final_norm_D"], cfg.rms_norm_eps)

@@ -1,0 +1,22 @@
+"""python -m train.bench_share: the update's compiled FLOPs and peak, a group's prompt computed once against once
+per row (bench/share.py), at a tiny shape."""
+
+import json
+
+from trainer_util import TINY
+
+from train import bench_share
+
+
+def test_bench_share_writes_the_figures(tmp_path, capsys):
+  out = tmp_path / "share.json"
+  model = [o for o in TINY if o.startswith("model.")]
+  bench_share.main(["--prompts", "2", "--generations", "4", "--prompt-len", "24", "--completion-len", "4",
+                    "--out", str(out), *model])
+  row = json.loads(out.read_text())
+  assert row["tokens/shared"] == 2 * 24 + 8 * 4 and row["tokens/unshared"] == 8 * 28
+  for policy in ("none", "gc"):
+    ratio = row[f"{policy}/ratio"]
+    assert ratio["matmul_flops"] < 0.75 and ratio["xla_flops"] < 1.0, (policy, ratio)
+  assert row["none/ratio"]["peak_bytes"] < 1.0
+  assert "shared / unshared" in capsys.readouterr().out
