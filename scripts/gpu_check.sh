@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of one device window, from the repository root:   OUT=/some/dir bash scripts/gpu_check.sh
-#   1. tests/test_gpu.py: host offload (O) round trip with residuals on pinned_host; a planned step's measured
+#   1. tests/model/test_gpu.py: host offload (O) round trip with residuals on pinned_host; a planned step's measured
 #      peak_bytes_in_use within its budget (both skip on CPU)
 #   2. python -m train.bench --config configs/bench_gpu.yaml at 1.10x (gc, its separately compiled control, none,
 #      optimal_hr, hilore_static, hilore) with bench.roofline=true, then the H200 roofline projection beside the
@@ -16,7 +16,7 @@ export HILORE_CACHE=${HILORE_CACHE:-$HOME/.cache/hilore_jax}  # keep the compila
 cat "$OUT/machine.txt"
 
 start=$SECONDS
-python -m pytest -q -rs tests/test_gpu.py -s 2>&1 | tee "$OUT/gpu_tests.txt"
+python -m pytest -q -rs tests/model/test_gpu.py -s 2>&1 | tee "$OUT/gpu_tests.txt"
 tests_rc=${PIPESTATUS[0]}
 echo "gpu tests: rc=$tests_rc in $((SECONDS - start)) s" | tee "$OUT/timing.txt"
 

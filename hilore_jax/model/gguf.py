@@ -55,7 +55,7 @@ def _split(regex: str):
 # tokenizer.ggml.pre -> a new pre-tokenizer (run before byte-level BPE). smollm is the one in HF's own SmolLM2
 # tokenizer.json (StarCoder's), as llama.cpp also reads it: each digit split off, then GPT-2's split. transformers' GGUF
 # reader gives smollm the plain GPT-2 split, which differs where a run of whitespace precedes a digit ("\n\n47" is
-# Ċ Ċ 4 7 there, ĊĊ 4 7 here); SmolLM2 gives the digit split a far higher probability (tests/test_real_model.py).
+# Ċ Ċ 4 7 there, ĊĊ 4 7 here); SmolLM2 gives the digit split a far higher probability (tests/model/test_real_model.py).
 PRE_TOKENIZERS = {
     "default": _byte_level, "gpt2": _byte_level, "qwen2": _split(_QWEN2_SPLIT), "llama-bpe": _split(_LLAMA3_SPLIT),
     "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level()]),

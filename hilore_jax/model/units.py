@@ -3,7 +3,7 @@
 This is the one statement of that fact. The decoder tags its tensors with these names, the memory profile times
 the producer ops (the decoder's own functions, `decoder.OPS`), the cost model derives what backward must rerun,
 calibration and the methods read which units may be low-precision and which weights' gradients they reach.
-`tests/test_units.py` checks the table against the names the decoder emits and the tensors each op reads.
+`tests/model/test_units.py` checks the table against the names the decoder emits and the tensors each op reads.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from hilore_jax.bench import run as bench
 
 @pytest.mark.slow
 def test_bench_writes_all_outputs_with_each_kind_of_method_under_budget(tmp_path):
-  # one method of each kind (greedy_bits and uniform_int8's other arm plan in tests/test_methods.py)
+  # one method of each kind (greedy_bits and uniform_int8's other arm plan in tests/memory/test_methods.py)
   cfg, bc = bench_config.load(None, [
       "model.vocab_size=37", "model.hidden_size=24", "model.intermediate_size=40", "model.num_hidden_layers=2",
       "model.num_attention_heads=4", "model.num_key_value_heads=2", "memory.group_size=8", "memory.budget_probes=1",

@@ -1,5 +1,5 @@
 """The split step updates exactly as the one-function step does (that clipping does not undo its remat is checked
-through the clip command, tests/test_bench.py)."""
+through the clip command, tests/experiments/test_bench.py)."""
 
 import jax
 import numpy as np
