@@ -350,8 +350,8 @@ def layer_residuals(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array,
   """What backward keeps in each layer under its policy, with checkpoint names.
 
   Under the layer scan the same tensors are the scan's stacked outputs, whose names XLA's residual listing cannot
-  see; each layer is therefore traced here on its own, on its real input (tests/model/test_model.py checks the scan keeps
-  exactly these, stacked).
+  see; each layer is therefore traced here on its own, on its real input (tests/model/test_model.py checks the scan
+  keeps exactly these, stacked).
   """
   B, T = input_ids_BT.shape
   mask_BT = jnp.ones((B, T), jnp.int32)
