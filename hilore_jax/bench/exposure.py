@@ -30,6 +30,7 @@ from hilore_jax.bench.exposure_timing import time_plans
 from hilore_jax.config import Config
 from hilore_jax.errors import ConfigError
 from hilore_jax.memory import MemoryManager, calibration, predictors, risk
+from hilore_jax.memory.config import GateConfig
 from hilore_jax.rl import train_step
 
 log = logging.getLogger(__name__)
@@ -115,11 +116,12 @@ def arm_managers(cfg: Config, be: ExposureBenchConfig, hooks) -> dict[str, Memor
   mc = dataclasses.replace(cfg.memory, budget_ratio=be.budget_ratio, budget_bytes=None)
   if mc.buckets <= 1:
     raise ConfigError("memory.buckets must be > 1 for the exposure-on arm (1 is the exposure-off arm)")
+  on = GateConfig(mode="on")  # the exposure arms run buckets whatever the gate measured (it is reported)
   return {"optimal_hr": MemoryManager(dataclasses.replace(mc, policy="optimal_hr"), hooks),
           "hilore_static": MemoryManager(dataclasses.replace(mc, policy="hilore_static"), hooks),
           "hilore_exposure_off": MemoryManager(dataclasses.replace(mc, policy="hilore", buckets=1), hooks),
-          "hilore_exposure_on": MemoryManager(dataclasses.replace(mc, policy="hilore"), hooks),
-          "oracle": OracleManager(dataclasses.replace(mc, policy="hilore"), hooks)}
+          "hilore_exposure_on": MemoryManager(dataclasses.replace(mc, policy="hilore", gate=on), hooks),
+          "oracle": OracleManager(dataclasses.replace(mc, policy="hilore", gate=on), hooks)}
 
 
 def calibrate_on(manager: MemoryManager, cal: list[Record]):
@@ -148,16 +150,6 @@ def measure_held_out(hooks, mc, held: list[Record], units, progress=print):
   return kept, refs, {m: err[:, :, k] for k, m in enumerate(refs[0].available())}, layers
 
 
-def save_arrays(path: str, units, mu, err_by: dict, table: dict, grad_norms) -> None:
-  """exposure_arrays.npz: held-out errors [M, U] per metric, scores, each minibatch's ||g|| (grad_norm_M) and each
-  unit's absolute error ||dg_u|| (abs_err_MU = relative error * ||g||: a re-analysis can clip at any c)."""
-  grad_norm_M = np.asarray(grad_norms, np.float64)
-  np.savez_compressed(path, units=np.array([f"{l}:{k}" for l, k in units]), measured=np.array(mu),
-                      grad_norm_M=grad_norm_M, abs_err_MU=np.asarray(err_by["relative"]) * grad_norm_M[:, None],
-                      **{f"err_{m}": e for m, e in err_by.items()}, **{"score_" + "".join(
-                          c if c.isalnum() else "_" for c in k): r * s for k, (r, s) in table.items()})
-
-
 def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> dict:
   """Collect, calibrate, measure the held-out minibatches, compare predictors, allocate under every arm and sweep
   delta; write the report."""
@@ -173,13 +165,16 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
                                         memory=dataclasses.replace(cfg.memory, policy="none")))
   records = collect(trainer, be.rollout_steps, progress, be.update_error)
   cal, held = split(records, be.calib_minibatches)
+  # every calibration record calibrates (memory.calib_batches would keep only its first K)
+  cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, calib_batches=len(cal)))
   held = held[:be.held_out or None]
   spec = dataclasses.replace(trainer.spec, use_old_logp=True)
   hooks = step_hooks.memory_hooks(trainer.stepper, spec, cfg.optimizer.max_grad_norm)
   L = trainer.model_cfg.num_hidden_layers
   units = calibration.lowp_units(L)
   mc, tol, metric = cfg.memory, cfg.memory.grad_err_tolerance, cfg.memory.risk_metric
-  probe = MemoryManager(dataclasses.replace(mc, policy="hilore", budget_ratio=be.budget_ratio), hooks)
+  probe = MemoryManager(dataclasses.replace(mc, policy="hilore", budget_ratio=be.budget_ratio,
+                                            gate=dataclasses.replace(mc.gate, mode="on")), hooks)
   # the bench gives cotangent_forward the forward's errors (token_err below), and refits predictors on one measurement
   probe.forward_errors = probe.keep_measured = True
   calibrate_on(probe, cal)
@@ -210,7 +205,8 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
   kinds = [units[i][1] for i in mu]
   by_kind = {k: float(np.median(x[np.isfinite(x)])) if np.isfinite(x).any() else float("nan")
              for k in sorted(set(kinds)) for x in [rho_U[[j for j, y in enumerate(kinds) if y == k]]]}
-  save_arrays(os.path.join(out_dir, "exposure_arrays.npz"), units, mu, err_by, table, [r.grad_norm for r in refs])
+  exposure_risk.save_arrays(os.path.join(out_dir, "exposure_arrays.npz"), units, mu, err_by, table,
+                            [r.grad_norm for r in refs])
   progress(f"chosen predictor {chosen}: within-unit rho {risk_prediction[chosen]['within_unit_rho_median']:.2f}")
 
   # every arm on one calibration: the chosen predictor's, fitted on the same measurements
@@ -304,7 +300,8 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
             "risk_prediction_by_metric": by_metric, "equal_violation": equal, "sweep": sweep,
             "sweep_allowance_bytes": allowance if be.arms else None,
             "calibration": {"delta": cal_state.delta, "coherence": cal_state.coherence,
-                            "calibration_error": cal_state.calibration_error, "grad_scale": cal_state.grad_scale},
+                            "calibration_error": cal_state.calibration_error, "grad_scale": cal_state.grad_scale,
+                            "gate": cal_state.gate},
             "arms": arms, "pairs": pairs, "oracle_gap_closed": closed, "risk": risk_table, "risk_by_kind": by_kind,
             "kl_clamp": kl_spread, "error_definition_vs_effect": effects,
             "varies": where_it_varies([r.describe for r in held], [r.pass_ for r in held], err_MU[:, mu], kinds),

@@ -12,7 +12,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from hilore_jax.memory import risk
+from hilore_jax.memory import drift, gate, risk
 from hilore_jax.memory.calibration import (UpdateContext, calibration_rows, error_profile, exact_gradient,
                                            measure_unit_errors, norm, probed_layers, reference, set_errors)
 from hilore_jax.memory.riskfit import fit_coherence, fit_susceptibility, random_sets, risk_metrics, set_fit
@@ -132,7 +132,14 @@ def fit(hooks: StepHooks, mc: MemoryConfig, units, m: Measured, raw_KU: np.ndarr
   sus = fit_susceptibility(raw_KU, m.err) if mc.exposure.susceptibility else np.ones(n)
   pred = raw_KU * sus
   kappa = fit_coherence(m.err, m.sets, m.set_err)
-  delta, measured = calibrate_delta(hooks, [c.params for c in m.contexts], m.batches, units, kappa * pred.mean(0),
+  # hilore: each unit's calibrated error at calib_quantile; the gate decides whether exposure buckets run on top
+  static = gate.unit_quantile(m.err, mc.calib_quantile)
+  grad_norms = [r.grad_norm for r in m.refs]
+  record = gate.evaluate(m.err, raw_KU, grad_norms, hooks.max_grad_norm, mc.gate,
+                         mc.buckets if mc.policy == "hilore" else 1)
+  # delta is calibrated on the risks the run's allocations read: the static ones where exposure is off
+  risk_U = static if mc.policy == "hilore" and not record["on"] else pred.mean(0)
+  delta, measured = calibrate_delta(hooks, [c.params for c in m.contexts], m.batches, units, kappa * risk_U,
                                     mc.grad_err_tolerance, mc.group_size, mc.lowp_format, exact=m.refs,
                                     row_scale=m.row_scale)
   total = pred.sum(1)
@@ -142,8 +149,10 @@ def fit(hooks: StepHooks, mc: MemoryConfig, units, m: Measured, raw_KU: np.ndarr
                 "a single sample with no spread measured: widened %.1fx; calibrate on more minibatches "
                 "(memory.calib_batches)", SINGLE_BATCH_MARGIN)
     score_max = score_max * SINGLE_BATCH_MARGIN
+    static = static * SINGLE_BATCH_MARGIN
   return Calibration(sus.tolist(), pred.mean(0).tolist(), m.err.mean(0).tolist(), delta, measured,
                      float(np.mean(total)), float(np.max(total)), risk_metrics(pred.ravel(), m.err.ravel()),
                      len(m.batches), kappa, set_fit(m.err.mean(0), m.sets, m.set_err.mean(0), kappa), m.err.tolist(),
                      m.profile.tolist(), score_max.tolist(), m.prompt_profile.tolist(), float(grad_scale),
-                     mc.risk_metric, mc.exposure.predictor)
+                     mc.risk_metric, mc.exposure.predictor, static.tolist(), mc.calib_quantile, record, grad_norms,
+                     drift.recon_rms(m.token_err, m.batches).tolist())
