@@ -41,7 +41,7 @@ def setup():
   rng = np.random.default_rng(0)
   adv = [1.5, -0.5, -0.5, -0.5, 1.0, -1.0, 1.0, -1.0]
   cal = [_batch(rng, adv) for _ in range(2)]
-  # exposure buckets forced on: these tests are of the buckets, not of the gate (tests/memory/test_gate.py)
+  # exposure buckets forced on: these tests are of the buckets, not of the gate (tests/test_gate.py)
   mc = MemoryConfig(policy="hilore", budget_ratio=1.5, group_size=8, calib_batches=2, calib_sets=2,
                     budget_probes=2, buckets=4, gate=GateConfig(mode="on"))
   on = MemoryManager(mc, hooks)
