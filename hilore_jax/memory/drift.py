@@ -57,32 +57,29 @@ def decide(values: dict[str, float], mc: MemoryConfig) -> list[str]:
 
 
 class Sentinels:
-  """The run's sentinel values since calibration, and the check that reads them."""
+  """The check that reads the sentinels; what it compares across steps lives in the manager's state (so a resumed
+  run checks as the uninterrupted one: ManagerState.drift_grad_norms, .drift_checked_at)."""
 
   def __init__(self, mc: MemoryConfig, hooks, units):
     self.mc, self.hooks, self.units = mc, hooks, units
-    self.grad_norms: list[float] = []  # the last step's, from the step metrics (MemoryManager.observe)
-    self.last_check: int | None = None
     self._recon = jax.jit(lambda p, b: calibration.token_errors(hooks, p, b, units, mc.group_size, mc.lowp_format))
 
-  def values(self, cal, params, batch, step: int, lset: Sequence[int] = (), opt_state=None, logp=None) -> dict:
-    """Every sentinel due at this step against calibration `cal` (grad each step; recon and exact every
-    drift_check_every steps since calibration or the last check)."""
-    mc, c = self.mc, self.hooks.max_grad_norm
+  def values(self, st, params, batch, step: int, lset=tuple, opt_state=None, logp=None) -> dict:
+    """Every sentinel due at this step against st's calibration (grad each step; recon and exact every
+    drift_check_every steps since calibration or the last check); lset() gives the running plan's L units."""
+    mc, c, cal = self.mc, self.hooks.max_grad_norm, st.calibration
     out = {}
-    if self.grad_norms and cal.grad_norms:
-      now, then = over_clip(self.grad_norms, c), over_clip(cal.grad_norms, c)
+    if st.drift_grad_norms and cal.grad_norms:
+      now, then = over_clip(st.drift_grad_norms, c), over_clip(cal.grad_norms, c)
       out.update({"grad_over_clip": now, "grad_ratio": now / then if then > 0 else NAN})
-    every = mc.drift_check_every
-    if not every or self.last_check is None or step - self.last_check < every:
-      if every and self.last_check is None:  # restored mid-run: count from here
-        self.last_check = step
+    if not mc.drift_check_every or step - st.drift_checked_at < mc.drift_check_every:
       return out
-    self.last_check = step
+    st.drift_checked_at = step
     if cal.recon_rms:
       rms, ref = recon_rms([self._recon(params, batch)], [batch]), np.asarray(cal.recon_rms)
       live = ref > 0
       out["recon_ratio"] = float(np.median(rms[live] / ref[live])) if live.any() else NAN
+    lset = lset()
     if lset:
       ctx = calibration.UpdateContext(params, opt_state, logp)
       ref_g = calibration.reference(self.hooks, ctx, batch, mc.risk_metric, mc.lowp_format, mc.group_size)
@@ -90,10 +87,6 @@ class Sentinels:
                                          mc.lowp_format, ref_g)[0]) if ref_g.grad_norm > 0 else 0.0
       out.update({"exact_err": err, "exact_ratio": err / mc.grad_err_tolerance})
     return out
-
-  def reset(self, step: int):
-    """After a (re)calibration: the checks count from here, the gradient norms restart."""
-    self.last_check, self.grad_norms = step, []
 
 
 def metrics(values: dict[str, float], recalibrated: bool) -> dict[str, float]:

@@ -78,7 +78,6 @@ class MemoryManager:
     self.sentinels = drift.Sentinels(mc, hooks, self.lowp_ids)
     self.step_metrics: dict = {}  # memory/drift/*, memory/gate/*: added to every allocation of a step
     self._drift_values: dict = {}
-    self._last_lset: tuple[int, ...] = ()  # the last plan's L units (indices into lowp_ids): the exact check's set
 
   # ------------------------------------------------------------------ set-up
 
@@ -93,7 +92,7 @@ class MemoryManager:
     budget = budgets.budget_bytes(gc_bytes, mc.budget_ratio, mc.budget_bytes)
     rows, seq = self.hooks.batch_shape(batch)
     ops = (self.hooks.op_profile or profile.profile_ops)(cfg, rows, seq, mc.group_size)
-    st = ManagerState(gc_bytes, budget, ops, calibrated_at=step)
+    st = ManagerState(gc_bytes, budget, ops, calibrated_at=step, drift_checked_at=step)
     if self.state is not None:  # a refresh keeps what was measured
       st.timings, st.guard, st.warmup_steps = self.state.timings, self.state.guard, self.state.warmup_steps
     else:
@@ -104,7 +103,6 @@ class MemoryManager:
       contexts = contexts or [calibration.UpdateContext(params, opt_state, lp) for lp in logp]
       st.calibration = calibration_state or self._calibrate(batches[:K], contexts[:K])
     self.load_state(st, f"set up at step {step}")
-    self.sentinels.reset(step)
     self.persist()
     cal = st.calibration
     log.info("memory (%s): GC %d B, budget %d B%s", self.method, gc_bytes, budget, "" if cal is None else
@@ -373,9 +371,6 @@ class MemoryManager:
       policies = model.uniform(self.num_layers, model.FULL_REMAT) if deferred else self.policies(plan)
       out.append(Allocation(bucket, plan, policies, {**metrics, **self.step_metrics},
                             "none" if deferred else self._active.get(bucket, "none")))
-    index = {tuple(u): i for i, u in enumerate(self.lowp_ids)}
-    self._last_lset = tuple(sorted(index[(layer, kind)] for layer, pol in enumerate(out[-1].policies)
-                                   for kind in pol.lowp if (layer, kind) in index)) if out else ()
     return out
 
   def step(self, params, minibatches: list, step: int, logp=None, opt_state=None) -> list[Allocation]:
@@ -419,13 +414,26 @@ class MemoryManager:
 
   def _drift(self, params, minibatches, step: int, logp=None, opt_state=None) -> list[str]:
     """The sentinels past their thresholds at this step (memory/drift.py; values kept for the step's metrics)."""
-    self._drift_values = self.sentinels.values(self.state.calibration, params, minibatches[0], step, self._last_lset,
+    batch = minibatches[0]
+    self._drift_values = self.sentinels.values(self.state, params, batch, step, lambda: self._check_lset(batch),
                                                opt_state, None if logp is None else logp[0])
     fired = drift.decide(self._drift_values, self.mc)
     if fired:
       log.warning("memory (%s): drift at step %d (%s): recalibrating", self.method, step + 1,
                   ", ".join(f"{k} {self._drift_values[k]:.3g}" for k in fired))
     return fired
+
+  def _check_lset(self, batch) -> tuple[int, ...]:
+    """The exact drift check's L set (indices into lowp_ids): bucket 0's plan (hilore's static bucket where exposure
+    is off), from the state alone, so a resumed run checks the same set."""
+    st = self.state
+    if 0 not in st.verified or 0 in st.fallback_gc:
+      return ()
+    self._unit_list(batch)
+    index = {tuple(u): i for i, u in enumerate(self.lowp_ids)}
+    policies = self.policies(self._cache.get(0))
+    return tuple(sorted(index[(layer, k)] for layer, pol in enumerate(policies) for k in pol.lowp
+                        if (layer, k) in index))
 
   def finish_step(self, params, minibatches: list, step: int, logp=None, opt_state=None) -> float:
     """After a step, off its clock: set up (after the warm-up steps: a calibrated method gathers its calibration
@@ -466,8 +474,8 @@ class MemoryManager:
   def observe(self, update_s_per_minibatch: float, clean: bool, grad_norms=None):
     """The trainer's measured update seconds per minibatch of the step just run (clean: no compile and no plan fit
     in it), for the measured guard; grad_norms: its updates' ||g|| (the step metrics), the drift sentinel's."""
-    if grad_norms is not None:
-      self.sentinels.grad_norms = [float(g) for g in grad_norms]
+    if grad_norms is not None and self.state is not None:
+      self.state.drift_grad_norms = [float(g) for g in grad_norms]
     if self.guard.observe(self.state, update_s_per_minibatch, clean):
       self.persist()
 

@@ -62,6 +62,9 @@ class ManagerState:
   # what the measured guard decided: "" not yet, "plan" the plans ran faster than GC, "gc" they did not (GC runs)
   guard: str = ""
   warmup_steps: int = 0  # steps run on GC before the plans (memory/warmup.py)
+  # the drift sentinels between steps (memory/drift.py): the last step's ||g|| per update, the last check's step
+  drift_grad_norms: list[float] = dataclasses.field(default_factory=list)
+  drift_checked_at: int = 0
 
   def to_json(self) -> dict:
     return {"version": STATE_VERSION, **dataclasses.asdict(self)}
