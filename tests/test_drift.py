@@ -25,7 +25,7 @@ NAN = float("nan")
 def test_sentinels_past_their_thresholds_by_hand():
   mc = MemoryConfig(drift_grad_ratio=2.0, drift_recon_ratio=1.5, drift_exact_ratio=2.0)
   assert drift.decide({"grad_ratio": 1.9, "recon_ratio": 0.7, "exact_ratio": 1.9}, mc) == []
-  assert drift.decide({"grad_ratio": 2.0}, mc) == ["grad_ratio"]
+  assert drift.decide({"grad_ratio": 2.0}, mc) == ["grad_ratio"]  # the threshold itself counts
   assert drift.decide({"grad_ratio": 0.5}, mc) == ["grad_ratio"]  # either way: ||g|| fell under the clip
   assert drift.decide({"recon_ratio": 0.6, "exact_ratio": 2.5}, mc) == ["recon_ratio", "exact_ratio"]
   assert drift.decide({"exact_ratio": 0.1}, mc) == []  # the realised error only drifts upwards

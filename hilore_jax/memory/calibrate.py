@@ -134,7 +134,7 @@ def fit(hooks: StepHooks, mc: MemoryConfig, units, m: Measured, raw_KU: np.ndarr
   kappa = fit_coherence(m.err, m.sets, m.set_err)
   # hilore: each unit's calibrated error at calib_quantile; the gate decides whether exposure buckets run on top
   static = gate.unit_quantile(m.err, mc.calib_quantile)
-  grad_norms = [r.grad_norm for r in m.refs]
+  grad_norms = [r.grad_norm for r in m.refs]  # of minibatches with a gradient (measure drops the others)
   record = gate.evaluate(m.err, raw_KU, grad_norms, hooks.max_grad_norm, mc.gate,
                          mc.buckets if mc.policy == "hilore" else 1)
   # delta is calibrated on the risks the run's allocations read: the static ones where exposure is off

@@ -122,7 +122,7 @@ class MemoryConfig:
   # RMS (median ratio either way of drift_recon_ratio) and one exact gradient: the running plan's realised error
   # over the tolerance (>= drift_exact_ratio)
   drift_check_every: int = 10
-  drift_grad_ratio: float = 2.0
+  drift_grad_ratio: float = 3.0  # a step's ||g|| varies ~1.5x around its trend: 2x would recalibrate on noise
   drift_recon_ratio: float = 1.5
   drift_exact_ratio: float = 2.0
 

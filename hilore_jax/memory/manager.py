@@ -475,7 +475,8 @@ class MemoryManager:
     """The trainer's measured update seconds per minibatch of the step just run (clean: no compile and no plan fit
     in it), for the measured guard; grad_norms: its updates' ||g|| (the step metrics), the drift sentinel's."""
     if grad_norms is not None and self.state is not None:
-      self.state.drift_grad_norms = [float(g) for g in grad_norms]
+      # an update without a gradient (every advantage zero, no KL) says nothing about drift
+      self.state.drift_grad_norms = [float(g) for g in grad_norms if g > 0]
     if self.guard.observe(self.state, update_s_per_minibatch, clean):
       self.persist()
 
