@@ -91,8 +91,8 @@ def test_the_guard_runs_gc_where_the_plans_are_measured_slower(tmp_path, monkeyp
 
   observe = MemoryManager.observe
 
-  def scaled(self, seconds, clean):  # fixed times, the plans' plan_speed x GC's: nothing here reads the clock
-    return observe(self, plan_speed if self.guard.last == "plan" else 1.0, clean)
+  def scaled(self, seconds, clean, grad_norms=None):  # fixed times, the plans' plan_speed x GC's: no clock read
+    return observe(self, plan_speed if self.guard.last == "plan" else 1.0, clean, grad_norms)
 
   monkeypatch.setattr(MemoryManager, "observe", scaled)
   with caplog.at_level(logging.INFO):
