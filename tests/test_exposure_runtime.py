@@ -43,7 +43,7 @@ def setup():
   cal = [_batch(rng, adv) for _ in range(2)]
   # exposure buckets forced on: these tests are of the buckets, not of the gate (tests/test_gate.py)
   mc = MemoryConfig(policy="hilore", budget_ratio=1.5, group_size=8, calib_batches=2, calib_sets=2,
-                    budget_probes=2, buckets=4, gate=GateConfig(mode="on"))
+                    budget_probes=2, buckets=4, gate=GateConfig(mode="always"))
   on = MemoryManager(mc, hooks)
   on.setup(params, cal, 0)
   return hooks, params, on, mc, rng, adv

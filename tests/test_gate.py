@@ -71,9 +71,9 @@ def test_smollm2_like_regime_leaves_the_gate_off():
   assert not gate.evaluate(big, raw_big[::-1], [0.5] * K, 1.0, GateConfig())["on"]  # the predictor ranks wrongly
   assert not gate.evaluate(err, err, [0.5] * K, 1.0, GateConfig())["on"]  # a perfect predictor of nothing
   # forced either way, the measured decision still recorded
-  forced = gate.evaluate(err, raw, [14.0] * K, 1.0, GateConfig(mode="on"))
+  forced = gate.evaluate(err, raw, [14.0] * K, 1.0, GateConfig(mode="always"))
   assert forced["on"] and not forced["measured_on"]
-  assert not gate.evaluate(big, raw_big, [0.5] * K, 1.0, GateConfig(mode="off"))["on"]
+  assert not gate.evaluate(big, raw_big, [0.5] * K, 1.0, GateConfig(mode="never"))["on"]
 
 
 def test_gate_and_calibration_settings_are_validated():
@@ -130,7 +130,7 @@ def tiny():
 @pytest.mark.usefixtures("fixed_op_times")
 def test_the_allocator_receives_each_units_p90_over_the_calibration_minibatches(tiny, monkeypatch):
   hooks, params, batches, mc = tiny
-  mc = dataclasses.replace(mc, gate=GateConfig(mode="off"))
+  mc = dataclasses.replace(mc, gate=GateConfig(mode="never"))
   seen = []
   plan = manager.methods.plan
   monkeypatch.setattr(manager.methods, "plan", lambda *a, **kw: seen.append(kw["risk_of"]) or plan(*a, **kw))
@@ -148,7 +148,7 @@ def test_the_allocator_receives_each_units_p90_over_the_calibration_minibatches(
   for r in seen:
     np.testing.assert_allclose([r[k] for k in expected], list(expected.values()), rtol=1e-12)
   # the gate's inputs are measured and logged even where the decision is forced
-  assert allocs[0].metrics["memory/gate/on"] == 0.0 and cal.gate["mode"] == "off"
+  assert allocs[0].metrics["memory/gate/on"] == 0.0 and cal.gate["mode"] == "never"
   assert {"memory/gate/spread", "memory/gate/unclipped_share", "memory/gate/loo_rho"} <= set(allocs[0].metrics)
 
 

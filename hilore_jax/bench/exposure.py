@@ -116,7 +116,7 @@ def arm_managers(cfg: Config, be: ExposureBenchConfig, hooks) -> dict[str, Memor
   mc = dataclasses.replace(cfg.memory, budget_ratio=be.budget_ratio, budget_bytes=None)
   if mc.buckets <= 1:
     raise ConfigError("memory.buckets must be > 1 for the exposure-on arm (1 is the exposure-off arm)")
-  on = GateConfig(mode="on")  # the exposure arms run buckets whatever the gate measured (it is reported)
+  on = GateConfig(mode="always")  # the exposure arms run buckets whatever the gate measured (it is reported)
   return {"optimal_hr": MemoryManager(dataclasses.replace(mc, policy="optimal_hr"), hooks),
           "hilore_static": MemoryManager(dataclasses.replace(mc, policy="hilore_static"), hooks),
           "hilore_exposure_off": MemoryManager(dataclasses.replace(mc, policy="hilore", buckets=1), hooks),
@@ -174,7 +174,7 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
   units = calibration.lowp_units(L)
   mc, tol, metric = cfg.memory, cfg.memory.grad_err_tolerance, cfg.memory.risk_metric
   probe = MemoryManager(dataclasses.replace(mc, policy="hilore", budget_ratio=be.budget_ratio,
-                                            gate=dataclasses.replace(mc.gate, mode="on")), hooks)
+                                            gate=dataclasses.replace(mc.gate, mode="always")), hooks)
   # the bench gives cotangent_forward the forward's errors (token_err below), and refits predictors on one measurement
   probe.forward_errors = probe.keep_measured = True
   calibrate_on(probe, cal)

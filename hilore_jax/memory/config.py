@@ -58,13 +58,15 @@ class ExposureSwitches:
 class GateConfig:
   """When hilore runs exposure buckets (memory.gate.*; memory/gate.py): only where calibration measures all three."""
 
-  mode: str = "auto"  # auto: the measured gate decides | on / off: forced (the benchmark's arms), inputs still logged
+  # auto: the measured gate decides | always / never: forced (the benchmark's arms), its inputs still logged (not
+  # on / off: YAML reads those as booleans)
+  mode: str = "auto"
   spread_min: float = 2.0  # median over units of the within-unit p90 / p10 of the measured error
   unclipped_min: float = 0.3  # share of calibration minibatches with ||g|| under the clip
   rho_min: float = 0.4  # the predictor's leave-one-out within-unit Spearman rho (median over units)
 
   def __post_init__(self):
-    check_choice("memory.gate.mode", self.mode, ("auto", "on", "off"))
+    check_choice("memory.gate.mode", self.mode, ("auto", "always", "never"))
     check_positive("memory.gate.spread_min", self.spread_min, allow_zero=True)
     if not 0.0 <= self.unclipped_min <= 1.0:
       raise ConfigError(f"memory.gate.unclipped_min must be a share in [0, 1], got {self.unclipped_min}")

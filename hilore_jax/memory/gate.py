@@ -71,11 +71,11 @@ def loo_within_unit_rho(raw_KU: np.ndarray, err_KU: np.ndarray) -> float:
 
 def decide(spread: float, unclipped: float, loo_rho: float, gc: GateConfig, buckets: int = 2) -> dict:
   """The gate's record: its inputs, thresholds, each test, what they decide (`measured_on`) and whether exposure
-  buckets run (`on`): mode on / off forces it (the benchmark's arms); buckets <= 1 keeps exposure off."""
+  buckets run (`on`): mode always / never forces it (the benchmark's arms); buckets <= 1 keeps exposure off."""
   passed = {"spread": bool(spread >= gc.spread_min), "unclipped": bool(unclipped >= gc.unclipped_min),
             "loo_rho": bool(loo_rho >= gc.rho_min)}
   measured = all(passed.values()) and buckets > 1
-  on = {"auto": measured, "on": True, "off": False}[gc.mode] and buckets > 1
+  on = {"auto": measured, "always": True, "never": False}[gc.mode] and buckets > 1
   return {"spread": float(spread), "unclipped_share": float(unclipped), "loo_rho": float(loo_rho),
           "spread_min": gc.spread_min, "unclipped_min": gc.unclipped_min, "rho_min": gc.rho_min, "mode": gc.mode,
           "passed": passed, "measured_on": bool(measured), "on": bool(on)}

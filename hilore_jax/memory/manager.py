@@ -142,12 +142,12 @@ class MemoryManager:
 
   @property
   def exposure_on(self) -> bool:
-    """hilore runs exposure buckets: more than one configured and the calibration's gate on, or memory.gate.mode on
+    """hilore runs exposure buckets: more than one configured and the calibration's gate on, or memory.gate.mode always
     (a calibration without a gate record, an older one: on)."""
     if self.method != "hilore" or self.mc.buckets <= 1 or self.state is None:
       return False
     if self.mc.gate.mode != "auto":  # forced, whatever a given calibration's gate measured
-      return self.mc.gate.mode == "on"
+      return self.mc.gate.mode == "always"
     cal = self.state.calibration
     return bool(cal.gate["on"]) if cal is not None and cal.gate else True
 
