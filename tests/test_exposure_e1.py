@@ -1,0 +1,77 @@
+"""Issue 36's E1 summary (bench/exposure_e1.py) on tiny synthetic arrays: values by hand, CIs over row sets."""
+
+import json
+
+import numpy as np
+import pytest
+
+from hilore_jax.bench import exposure_e1
+from hilore_jax.bench.config import E1Criteria
+
+R, S, U = 3, 2, 7  # rollouts, row sets per rollout, units; each row set seen by 2 passes: M = 12 minibatches
+
+
+def _arrays(spread: float, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  rollouts = np.repeat(np.arange(R), 2 * S)
+  clusters = [f"{r}:{j}" for r in range(R) for _ in range(2) for j in range(S)]
+  level = np.exp(rng.normal(0, 1, U))
+  err = level * np.exp(rng.normal(0, spread, (len(rollouts), U)))
+  return err, rollouts, clusters
+
+
+def _sweep(removed: float, err_scale: float, M: int):
+  """An arm's sweep: at delta d, every minibatch removes removed * d points with error d * err_scale (tol 1)."""
+  return [{"delta": d, "per_minibatch": {"err": [d * err_scale] * M, "removed_pct": [removed * d] * M}}
+          for d in (0.0, 0.5, 1.0, 2.0)]
+
+
+def test_cluster_bootstrap_resamples_whole_row_sets():
+  clusters = ["a", "a", "b", "b", "c", "c"]
+  x = np.array([1.0, 1.0, 2.0, 2.0, 3.0, 3.0])
+  est = exposure_e1.cluster_bootstrap(lambda i: x[i].mean(), clusters, 200)
+  assert est["value"] == 2.0 and est["n_eff"] == 3 and 1.0 <= est["ci_low"] <= 2.0 <= est["ci_high"] <= 3.0
+  # a statistic of whole clusters only: any resample keeps each cluster's two members together
+  pairs = exposure_e1.cluster_bootstrap(lambda i: float(len(i) % 2), clusters, 50)
+  assert pairs["ci_low"] == pairs["ci_high"] == 0.0
+
+
+def test_summary_by_hand_and_as_json(tmp_path):
+  err, rollouts, clusters = _arrays(spread=1.0)
+  M = len(err)
+  sweeps = {"oracle": _sweep(30.0, 0.5, M), "hilore_exposure_off": _sweep(20.0, 0.5, M),
+            "hilore_exposure_on": _sweep(26.0, 0.5, M)}
+  arrays = {"err_by": {"clipped": err, "relative": err * 2}, "metric": "clipped", "score_MU": err * 3.0,
+            "scores": {"run-time score": err, "static per unit": np.tile(err.mean(0), (M, 1))},
+            "clusters": clusters, "rollouts": rollouts, "sweeps": sweeps, "tol": 1.0, "violation_target": 0.05}
+  gate = {"on": True, "spread": 3.0}
+  out = exposure_e1.summary("configs/exposure_e1_smollm2.yaml", "python -m train.bench_exposure", arrays,
+                            E1Criteria(), gate, n_boot=100)
+  p1 = out["P1"]
+  assert p1["value"] == pytest.approx(np.median(np.quantile(err, 0.9, 0) / np.quantile(err, 0.1, 0)))
+  assert p1["per_metric"]["relative"]["value"] == pytest.approx(p1["value"])  # scale-free
+  assert p1["n_eff"] == R * S and p1["met"] == (p1["value"] >= 2.5) and p1["target"] == 2.5
+  # every arm's errors stay at or under tol up to delta 2: each is read at its last point (2x its removal)
+  assert out["P2"]["value"] == pytest.approx(2 * 30 - 2 * 20) and out["P2"]["met"]
+  assert out["P2"]["periodic"]["met"] is None  # the periodic-static arm did not run: not counted as missed
+  assert out["P3"]["value"] == pytest.approx(1.0) and out["P3"]["headroom_share"] == pytest.approx(0.6)
+  assert out["P3"]["met"]
+  # a perfect score ranks units perfectly, per minibatch and pooled; the paper's figures beside it
+  assert out["P4"]["table"]["run-time score"]["averaged"]["spearman"] == pytest.approx(1.0)
+  assert out["P4"]["value"] == pytest.approx(1.0) and out["P4"]["paper"]["auroc"] == 0.89 and out["P4"]["met"]
+  assert out["gate_decision"] == gate and out["held_out"] == {"minibatches": M, "clusters": R * S}
+  path = tmp_path / "exposure_e1.json"
+  path.write_text(json.dumps(out, default=float))
+  back = json.loads(path.read_text())
+  for k in ("P1", "P2", "P3", "P4"):
+    assert {"value", "ci_low", "ci_high", "target", "met"} <= set(back[k])
+
+
+def test_low_spread_is_nothing_to_predict():
+  err, rollouts, clusters = _arrays(spread=0.05)
+  arrays = {"err_by": {"clipped": err}, "metric": "clipped", "score_MU": err[::-1], "scores": {"s": err[::-1]},
+            "clusters": clusters, "rollouts": rollouts, "tol": 1.0, "violation_target": 0.05}
+  out = exposure_e1.summary("c.yaml", "cmd", arrays, E1Criteria(), {"on": False}, n_boot=50)
+  assert out["P1"]["verdict"] == "nothing to predict" and not out["P1"]["met"]
+  assert out["P1"]["per_metric"]["clipped"]["between_rollouts"] < 1.5
+  assert not out["P3"]["met"] and out["P2"] == {"met": None}
