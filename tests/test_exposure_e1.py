@@ -75,3 +75,33 @@ def test_low_spread_is_nothing_to_predict():
   assert out["P1"]["verdict"] == "nothing to predict" and not out["P1"]["met"]
   assert out["P1"]["per_metric"]["clipped"]["between_rollouts"] < 1.5
   assert not out["P3"]["met"] and out["P2"] == {"met": None}
+
+
+def test_write_assembles_the_benchmark_run_into_the_summary_file(tmp_path, monkeypatch):
+  import dataclasses
+  import types
+
+  from hilore_jax.bench.config import ExposureBenchConfig
+
+  err, rollouts, clusters = _arrays(spread=1.0)
+  M = len(err)
+  held = [types.SimpleNamespace(step=int(r), index=int(c.split(":")[1])) for r, c in zip(rollouts, clusters)]
+  lengths = np.array([[1] * 2 + [0] * 38, [1] * 40])  # completion lengths 2 and 40 tokens
+  mask = np.repeat(lengths, 4, axis=0)
+  cal = [types.SimpleNamespace(pass_=p, describe={"clipfrac": 0.05 * p}, batch=types.SimpleNamespace(mask=mask))
+         for p in (0, 1)]
+  extra = np.ones((M, 2))  # two units not measured (interpolated): left out by mu
+  table = {"exposure_v1": (np.hstack([err, extra]), np.full(U + 2, 2.0)),
+           "baseline: static per unit": (np.tile(np.hstack([err.mean(0), [1, 1]]), (M, 1)), np.ones(U + 2))}
+  sweeps = {"oracle": _sweep(30.0, 0.5, M), "hilore_exposure_off": _sweep(20.0, 0.5, M),
+            "hilore_exposure_on": _sweep(26.0, 0.5, M)}
+  be = dataclasses.replace(ExposureBenchConfig(bootstrap=50), e1_json=str(tmp_path / "data" / "exposure_e1.json"))
+  monkeypatch.setattr("sys.argv", ["bench_exposure", "--config", "configs/exposure_e1_smollm2.yaml", "--out", "x"])
+  out = exposure_e1.write(be, "clipped", cal, held, {"clipped": np.hstack([err, extra])}, list(range(U)), table,
+                          "exposure_v1", sweeps, {"on": False, "measured_on": False}, 1.0)
+  saved = json.loads((tmp_path / "data" / "exposure_e1.json").read_text())
+  assert saved["config"] == "configs/exposure_e1_smollm2.yaml" and saved["command"].endswith("--out x")
+  assert saved["regime"] == {"clipfrac_second_pass": 0.05, "length_p90_p10": 20.0, "met": True}
+  assert saved["P3"]["value"] == pytest.approx(1.0) and saved["held_out"]["clusters"] == R * S
+  assert set(saved["P4"]["table"]) == {"run-time score", "baseline: static per unit"}
+  assert saved["gate_decision"] == {"on": False, "measured_on": False} and out["P1"]["n_eff"] == R * S

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hilore_jax import model, step_hooks
-from hilore_jax.bench import exposure_risk, exposure_sweep, stats
+from hilore_jax.bench import exposure_e1, exposure_risk, exposure_sweep, stats
 from hilore_jax.bench.config import ExposureBenchConfig
 from hilore_jax.bench.exposure_report import compare_arms, plot, plot_sweep, report, spearman_summary, where_it_varies
 from hilore_jax.bench.exposure_timing import time_plans
@@ -313,4 +313,6 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
     f.write(report(result))
   plot(result, os.path.join(out_dir, "exposure.png"))
   plot_sweep(result, os.path.join(out_dir, "exposure_sweep.png"))
+  if be.e1_json:  # issue 36's E1 summary: P1-P4 with cluster CIs over row sets, and the gate's decision
+    exposure_e1.write(be, metric, cal, held, err_by, mu, table, chosen, sweep, cal_state.gate, tol)
   return result

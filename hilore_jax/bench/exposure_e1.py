@@ -153,3 +153,28 @@ def summary(config_path: str, command: str, arrays: dict, c: E1Criteria, gate_de
   out["P4"] = p4_paper(arrays["scores"], err, cl, c, n_boot, next(iter(arrays["scores"])))
   out["gate_decision"] = gate_decision
   return out
+
+
+
+def write(be, metric: str, cal, held, err_by: dict, mu, table: dict, chosen: str, sweeps: dict, gate_decision: dict,
+          tol: float) -> dict:
+  """Assemble the summary from bench/exposure.py's run (its records, measured units mu, score table of (raw,
+  susceptibility) pairs, deciding metric) and write it to be.e1_json; the command is this process's."""
+  import json
+  import os
+  import sys
+
+  argv = sys.argv[1:]
+  config_path = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else ""
+  scores = {"run-time score": table[chosen], **{k: v for k, v in table.items() if k != chosen}}
+  arrays = {"err_by": {m: np.asarray(e)[:, mu] for m, e in err_by.items()}, "metric": metric,
+            "score_MU": np.asarray(table[chosen][0])[:, mu],
+            "scores": {k: (np.asarray(r) * np.asarray(s))[:, mu] for k, (r, s) in scores.items()},
+            "clusters": [f"{r.step}:{r.index}" for r in held], "rollouts": [r.step for r in held], "sweeps": sweeps,
+            "tol": tol, "violation_target": be.violation_target}
+  out = summary(config_path, " ".join(["python -m train.bench_exposure", *argv]), arrays, be.criteria,
+                gate_decision, be.bootstrap, regime(cal, be.criteria))
+  os.makedirs(os.path.dirname(be.e1_json) or ".", exist_ok=True)
+  with open(be.e1_json, "w") as f:
+    json.dump(out, f, indent=1, default=float)
+  return out
