@@ -35,6 +35,7 @@ from hilore_jax.rl import train_step
 
 log = logging.getLogger(__name__)
 ARMS = ("optimal_hr", "hilore_static", "hilore_exposure_off", "hilore_exposure_on", "oracle")
+ALWAYS = GateConfig(mode="always")  # the exposure arms run buckets whatever the gate measured (it is reported)
 SWEPT = ("hilore_static", "hilore_exposure_off", "hilore_exposure_on", "oracle")  # the risk-budgeted arms
 
 
@@ -116,12 +117,11 @@ def arm_managers(cfg: Config, be: ExposureBenchConfig, hooks) -> dict[str, Memor
   mc = dataclasses.replace(cfg.memory, budget_ratio=be.budget_ratio, budget_bytes=None)
   if mc.buckets <= 1:
     raise ConfigError("memory.buckets must be > 1 for the exposure-on arm (1 is the exposure-off arm)")
-  on = GateConfig(mode="always")  # the exposure arms run buckets whatever the gate measured (it is reported)
   return {"optimal_hr": MemoryManager(dataclasses.replace(mc, policy="optimal_hr"), hooks),
           "hilore_static": MemoryManager(dataclasses.replace(mc, policy="hilore_static"), hooks),
           "hilore_exposure_off": MemoryManager(dataclasses.replace(mc, policy="hilore", buckets=1), hooks),
-          "hilore_exposure_on": MemoryManager(dataclasses.replace(mc, policy="hilore", gate=on), hooks),
-          "oracle": OracleManager(dataclasses.replace(mc, policy="hilore", gate=on), hooks)}
+          "hilore_exposure_on": MemoryManager(dataclasses.replace(mc, policy="hilore", gate=ALWAYS), hooks),
+          "oracle": OracleManager(dataclasses.replace(mc, policy="hilore", gate=ALWAYS), hooks)}
 
 
 def calibrate_on(manager: MemoryManager, cal: list[Record]):
@@ -165,16 +165,14 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
                                         memory=dataclasses.replace(cfg.memory, policy="none")))
   records = collect(trainer, be.rollout_steps, progress, be.update_error)
   cal, held = split(records, be.calib_minibatches)
-  # every calibration record calibrates (memory.calib_batches would keep only its first K)
-  cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, calib_batches=len(cal)))
+  cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, calib_batches=len(cal)))  # all of them
   held = held[:be.held_out or None]
   spec = dataclasses.replace(trainer.spec, use_old_logp=True)
   hooks = step_hooks.memory_hooks(trainer.stepper, spec, cfg.optimizer.max_grad_norm)
   L = trainer.model_cfg.num_hidden_layers
   units = calibration.lowp_units(L)
   mc, tol, metric = cfg.memory, cfg.memory.grad_err_tolerance, cfg.memory.risk_metric
-  probe = MemoryManager(dataclasses.replace(mc, policy="hilore", budget_ratio=be.budget_ratio,
-                                            gate=dataclasses.replace(mc.gate, mode="always")), hooks)
+  probe = MemoryManager(dataclasses.replace(mc, policy="hilore", budget_ratio=be.budget_ratio, gate=ALWAYS), hooks)
   # the bench gives cotangent_forward the forward's errors (token_err below), and refits predictors on one measurement
   probe.forward_errors = probe.keep_measured = True
   calibrate_on(probe, cal)
@@ -281,6 +279,10 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
                                           [e["bucket"] for e in per_arm[a]], be.sweep, cal_state.delta,
                                           lambda i, s: realised(i, s)[metric], plan_flops, gc_flops, gc_s, tol, units)
       equal[a] = exposure_sweep.at_violation(sweep[a], be.violation_target)
+    if be.recalibrate_rollout:  # issue 36's periodic-static arm, recalibrated on that rollout's minibatches
+      sweep["hilore_periodic_static"], equal["hilore_periodic_static"] = exposure_e1.periodic_sweep(
+          mc, be, hooks, records, held, allowance, lambda i, s: realised(i, s)[metric], plan_flops, gc_flops, gc_s,
+          tol, units)
 
   progress("which error definition predicts the update's effect")
   effects = exposure_risk.update_effects(hooks, held, refs, units, mc)

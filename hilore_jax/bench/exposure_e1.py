@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from hilore_jax.bench.config import E1Criteria
-from hilore_jax.bench.exposure_sweep import at_violation
+from hilore_jax.bench.exposure_sweep import at_violation, sweep_arm
 from hilore_jax.memory.gate import within_unit_spread
 from hilore_jax.memory.predictors import within_unit_spearman
 from hilore_jax.memory.riskfit import risk_metrics
@@ -74,10 +74,18 @@ def _removed_at(points: list[dict], idx, tol: float, target: float) -> float:
   return at_violation(pts, target)["recompute_removed_pct"]
 
 
-def p2_headroom(sweeps: dict[str, list], clusters, tol: float, target: float, c: E1Criteria, n_boot: int) -> dict:
-  """P2: oracle minus static (and minus periodic static, where that arm ran) at the violation target."""
+def p2_headroom(sweeps: dict[str, list], clusters, tol: float, target: float, c: E1Criteria, n_boot: int,
+                rollouts=None, periodic_from: int = 0) -> dict:
+  """P2: oracle minus static (and minus periodic static, where that arm ran, over the rollouts after its
+  recalibration rollout `periodic_from`) at the violation target."""
+  after = None if rollouts is None else np.asarray(rollouts) > periodic_from
+
   def gap(other):
-    return lambda i: _removed_at(sweeps["oracle"], i, tol, target) - _removed_at(sweeps[other], i, tol, target)
+    def stat(i):
+      i = i[after[i]] if other == "hilore_periodic_static" and after is not None else i
+      return _removed_at(sweeps["oracle"], i, tol, target) - _removed_at(sweeps[other], i, tol, target) if len(i) \
+          else NAN
+    return stat
 
   est = cluster_bootstrap(gap("hilore_exposure_off"), clusters, n_boot)
   out = _criterion(est, c.p2_static_points, est["value"] >= c.p2_static_points, violation_target=target)
@@ -127,6 +135,25 @@ def p4_paper(scores: dict[str, np.ndarray], err_MU, clusters, c: E1Criteria, n_b
   return _criterion(est, paper["spearman"], est["value"] >= paper["spearman"], score=main, paper=paper, table=table)
 
 
+def periodic_sweep(mc, be, hooks, records, held, allowance: int, realised, plan_flops, gc_flops: float, gc_s: float,
+                   tol: float, units) -> tuple[list, dict]:
+  """(sweep points, read at the violation target) of the periodic-static arm: hilore with exposure off,
+  recalibrated on rollout be.recalibrate_rollout's records (each at its own update's params), swept over delta on
+  every held-out minibatch (P2 reads only those after that rollout)."""
+  import dataclasses
+
+  from hilore_jax.memory import MemoryManager, calibration
+
+  m = MemoryManager(dataclasses.replace(mc, policy="hilore", buckets=1, budget_ratio=be.budget_ratio), hooks)
+  records = [r for r in records if r.step == be.recalibrate_rollout]
+  contexts = [calibration.UpdateContext(r.params, r.opt_state, r.logp) for r in records]
+  m.setup(records[0].params, [r.batch for r in records], 0, contexts=contexts)
+  m.allocate([held[0].batch])  # its one bucket, fitted to the budget
+  points = sweep_arm(lambda b, d: m.plan_at(b, d, allowance), [0] * len(held), be.sweep, m.state.calibration.delta,
+                     realised, plan_flops, gc_flops, gc_s, tol, units)
+  return points, at_violation(points, be.violation_target)
+
+
 def regime(cal_records, c: E1Criteria) -> dict:
   """The regime check on the calibration rollout: its second pass's clip fraction and completion lengths' p90 / p10."""
   second = [r.describe["clipfrac"] for r in cal_records if r.pass_ > 0]
@@ -142,13 +169,14 @@ def summary(config_path: str, command: str, arrays: dict, c: E1Criteria, gate_de
             regime_check: dict | None = None) -> dict:
   """The exposure_e1.json record. arrays: err_by {metric: [M, U]}, metric (the deciding one), score_MU (the chosen
   predictor's), scores {name: [M, U]} for P4, clusters and rollouts [M], sweeps {arm: points with per_minibatch},
-  tol and violation_target."""
+  tol and violation_target; periodic_from: the periodic-static arm's recalibration rollout."""
   err, cl = np.asarray(arrays["err_by"][arrays["metric"]], float), arrays["clusters"]
   sweeps, tol, target = arrays.get("sweeps", {}), arrays["tol"], arrays["violation_target"]
   out = {"config": config_path, "command": command, "regime": regime_check or {},
          "held_out": {"minibatches": len(err), "clusters": len(set(map(str, cl)))},
          "P1": p1_variation(arrays["err_by"], cl, arrays["rollouts"], arrays["metric"], c, n_boot)}
-  out["P2"] = p2_headroom(sweeps, cl, tol, target, c, n_boot) if "oracle" in sweeps else {"met": None}
+  out["P2"] = p2_headroom(sweeps, cl, tol, target, c, n_boot, arrays["rollouts"], arrays.get("periodic_from", 0)) \
+      if "oracle" in sweeps else {"met": None}
   out["P3"] = p3_prediction(arrays["score_MU"], err, sweeps, cl, tol, target, c, n_boot)
   out["P4"] = p4_paper(arrays["scores"], err, cl, c, n_boot, next(iter(arrays["scores"])))
   out["gate_decision"] = gate_decision
@@ -171,7 +199,7 @@ def write(be, metric: str, cal, held, err_by: dict, mu, table: dict, chosen: str
             "score_MU": np.asarray(table[chosen][0])[:, mu],
             "scores": {k: (np.asarray(r) * np.asarray(s))[:, mu] for k, (r, s) in scores.items()},
             "clusters": [f"{r.step}:{r.index}" for r in held], "rollouts": [r.step for r in held], "sweeps": sweeps,
-            "tol": tol, "violation_target": be.violation_target}
+            "tol": tol, "violation_target": be.violation_target, "periodic_from": be.recalibrate_rollout}
   out = summary(config_path, " ".join(["python -m train.bench_exposure", *argv]), arrays, be.criteria,
                 gate_decision, be.bootstrap, regime(cal, be.criteria))
   os.makedirs(os.path.dirname(be.e1_json) or ".", exist_ok=True)
