@@ -200,8 +200,10 @@ def write(be, metric: str, cal, held, err_by: dict, mu, table: dict, chosen: str
             "scores": {k: (np.asarray(r) * np.asarray(s))[:, mu] for k, (r, s) in scores.items()},
             "clusters": [f"{r.step}:{r.index}" for r in held], "rollouts": [r.step for r in held], "sweeps": sweeps,
             "tol": tol, "violation_target": be.violation_target, "periodic_from": be.recalibrate_rollout}
-  out = summary(config_path, " ".join(["python -m train.bench_exposure", *argv]), arrays, be.criteria,
-                gate_decision, be.bootstrap, regime(cal, be.criteria))
+  # the benchmark's arms force exposure on; the recipe's decision is the measured one (on the bench's calibration)
+  decision = {**gate_decision, "mode": "auto", "on": gate_decision.get("measured_on", gate_decision.get("on"))}
+  out = summary(config_path, " ".join(["python -m train.bench_exposure", *argv]), arrays, be.criteria, decision,
+                be.bootstrap, regime(cal, be.criteria))
   os.makedirs(os.path.dirname(be.e1_json) or ".", exist_ok=True)
   with open(be.e1_json, "w") as f:
     json.dump(out, f, indent=1, default=float)
