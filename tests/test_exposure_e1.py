@@ -97,12 +97,18 @@ def test_write_assembles_the_benchmark_run_into_the_summary_file(tmp_path, monke
             "hilore_exposure_on": _sweep(26.0, 0.5, M)}
   be = dataclasses.replace(ExposureBenchConfig(bootstrap=50), e1_json=str(tmp_path / "data" / "exposure_e1.json"))
   monkeypatch.setattr("sys.argv", ["bench_exposure", "--config", "configs/exposure_e1_smollm2.yaml", "--out", "x"])
-  out = exposure_e1.write(be, "clipped", cal, held, {"clipped": np.hstack([err, extra])}, list(range(U)), table,
-                          "exposure_v1", sweeps, {"mode": "always", "on": True, "measured_on": False}, 1.0)
+  units = [(u % 3, "qkv"[u % 2]) for u in range(U + 2)]  # 3 layers, 2 kinds
+  static = np.exp(np.array([l for l, _ in units]) + 2.0 * np.array([k == "q" for _, k in units]))  # kind x layer
+  cal_state = types.SimpleNamespace(gate={"mode": "always", "on": True, "measured_on": False},
+                                    recon_rms=list(np.arange(1.0, U + 3)), static_error=list(static))
+  np.testing.assert_allclose(exposure_e1.prior_scores(cal_state, units)["type/layer prior"], static)
+  out = exposure_e1.write(be, "clipped", cal, held, {"clipped": np.hstack([err, extra])}, units, list(range(U)),
+                          table, "exposure_v1", sweeps, cal_state, 1.0)
   saved = json.loads((tmp_path / "data" / "exposure_e1.json").read_text())
   assert saved["config"] == "configs/exposure_e1_smollm2.yaml" and saved["command"].endswith("--out x")
   assert saved["regime"] == {"clipfrac_second_pass": 0.05, "length_p90_p10": 20.0, "met": True}
   assert saved["P3"]["value"] == pytest.approx(1.0) and saved["held_out"]["clusters"] == R * S
-  assert set(saved["P4"]["table"]) == {"run-time score", "baseline: static per unit"}
+  assert set(saved["P4"]["table"]) == {"run-time score", "baseline: static per unit", "type/layer prior",
+                                       "reconstruction RMS"}
   # the arms' forced gate is not the recipe's: its measured decision is
   assert saved["gate_decision"] == {"mode": "auto", "on": False, "measured_on": False} and out["P1"]["n_eff"] == R * S

@@ -316,5 +316,5 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
   plot(result, os.path.join(out_dir, "exposure.png"))
   plot_sweep(result, os.path.join(out_dir, "exposure_sweep.png"))
   if be.e1_json:  # issue 36's E1 summary: P1-P4 with cluster CIs over row sets, and the gate's decision
-    exposure_e1.write(be, metric, cal, held, err_by, mu, table, chosen, sweep, cal_state.gate, tol)
+    exposure_e1.write(be, metric, cal, held, err_by, units, mu, table, chosen, sweep, cal_state, tol)
   return result

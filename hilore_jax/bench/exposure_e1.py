@@ -184,24 +184,42 @@ def summary(config_path: str, command: str, arrays: dict, c: E1Criteria, gate_de
 
 
 
-def write(be, metric: str, cal, held, err_by: dict, mu, table: dict, chosen: str, sweeps: dict, gate_decision: dict,
+def prior_scores(cal_state, units) -> dict[str, np.ndarray]:
+  """[U] P4's scores that are constant over minibatches: each unit's int8 reconstruction RMS at calibration, and a
+  type/layer prior: the calibration's mean error as a unit-kind factor times a layer factor (a log-additive fit)."""
+  kinds, layers = np.array([k for _, k in units]), np.array([layer for layer, _ in units])
+  log_err = np.log(np.maximum(np.asarray(cal_state.static_error, float), 1e-30))
+  kind_f = {k: log_err[kinds == k].mean() for k in set(kinds)}
+  resid = log_err - np.array([kind_f[k] for k in kinds])
+  layer_f = {layer: resid[layers == layer].mean() for layer in set(layers)}
+  out = {"type/layer prior": np.exp([kind_f[k] + layer_f[layer] for k, layer in zip(kinds, layers)])}
+  if cal_state.recon_rms:
+    out["reconstruction RMS"] = np.asarray(cal_state.recon_rms, float)
+  return out
+
+
+def write(be, metric: str, cal, held, err_by: dict, units, mu, table: dict, chosen: str, sweeps: dict, cal_state,
           tol: float) -> dict:
-  """Assemble the summary from bench/exposure.py's run (its records, measured units mu, score table of (raw,
-  susceptibility) pairs, deciding metric) and write it to be.e1_json; the command is this process's."""
+  """Assemble the summary from bench/exposure.py's run (its records, units and the measured ones mu, score table of
+  (raw, susceptibility) pairs, deciding metric, calibration) and write it to be.e1_json; the command is this
+  process's."""
   import json
   import os
   import sys
 
   argv = sys.argv[1:]
   config_path = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else ""
-  scores = {"run-time score": table[chosen], **{k: v for k, v in table.items() if k != chosen}}
+  M = len(held)
+  scores = {"run-time score": table[chosen], **{k: v for k, v in table.items() if k != chosen},
+            **{k: (np.tile(v, (M, 1)), np.ones(len(v))) for k, v in prior_scores(cal_state, units).items()}}
   arrays = {"err_by": {m: np.asarray(e)[:, mu] for m, e in err_by.items()}, "metric": metric,
             "score_MU": np.asarray(table[chosen][0])[:, mu],
             "scores": {k: (np.asarray(r) * np.asarray(s))[:, mu] for k, (r, s) in scores.items()},
             "clusters": [f"{r.step}:{r.index}" for r in held], "rollouts": [r.step for r in held], "sweeps": sweeps,
             "tol": tol, "violation_target": be.violation_target, "periodic_from": be.recalibrate_rollout}
   # the benchmark's arms force exposure on; the recipe's decision is the measured one (on the bench's calibration)
-  decision = {**gate_decision, "mode": "auto", "on": gate_decision.get("measured_on", gate_decision.get("on"))}
+  gate = cal_state.gate
+  decision = {**gate, "mode": "auto", "on": gate.get("measured_on", gate.get("on"))}
   out = summary(config_path, " ".join(["python -m train.bench_exposure", *argv]), arrays, be.criteria, decision,
                 be.bootstrap, regime(cal, be.criteria))
   os.makedirs(os.path.dirname(be.e1_json) or ".", exist_ok=True)
