@@ -21,8 +21,9 @@ from hilore_jax.memory.hooks import StepHooks
 from hilore_jax.memory.state import Calibration
 
 log = logging.getLogger(__name__)
-# with one calibration minibatch the exposure-off bucket's risk (Calibration.score_max, each unit's largest score
-# over calibration minibatches) is that one sample, with no spread measured: it is widened by this factor. Taking
+# with one calibration minibatch the exposure-off bucket's risk (Calibration.static_risk, each unit's p90 over
+# calibration minibatches; score_max, its largest score) is that one sample, with no spread measured: both are widened
+# by this factor. Taking
 # the sample as a unit's median, 2x reaches its p90 for a lognormal within-unit spread of p90 / p10 = 4x
 # (p90 / p50 = sqrt(p90 / p10)), wider than the 2.5x issue 36 calls paper-like
 SINGLE_BATCH_MARGIN = 2.0
@@ -145,8 +146,8 @@ def fit(hooks: StepHooks, mc: MemoryConfig, units, m: Measured, raw_KU: np.ndarr
   total = pred.sum(1)
   score_max = pred.max(0)
   if len(m.batches) == 1:
-    log.warning("memory: one calibration minibatch, so each unit's largest score (the exposure-off bucket's risk) is "
-                "a single sample with no spread measured: widened %.1fx; calibrate on more minibatches "
+    log.warning("memory: one calibration minibatch, so each unit's calibrated error (the exposure-off bucket's risk) "
+                "is a single sample with no spread measured: widened %.1fx; calibrate on more minibatches "
                 "(memory.calib_batches)", SINGLE_BATCH_MARGIN)
     score_max = score_max * SINGLE_BATCH_MARGIN
     static = static * SINGLE_BATCH_MARGIN
