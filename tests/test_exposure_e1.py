@@ -112,3 +112,19 @@ def test_write_assembles_the_benchmark_run_into_the_summary_file(tmp_path, monke
                                        "reconstruction RMS"}
   # the arms' forced gate is not the recipe's: its measured decision is
   assert saved["gate_decision"] == {"mode": "auto", "on": False, "measured_on": False} and out["P1"]["n_eff"] == R * S
+
+
+def test_the_committed_e1_config_holds_the_pre_registered_settings():
+  import os
+
+  from hilore_jax.bench import config as bench_config
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cfg, be = bench_config.load(os.path.join(root, "configs", "exposure_e1_smollm2.yaml"), [], "bench_exposure")
+  r, g, o = cfg.rollout, cfg.grpo, cfg.optimizer
+  assert (r.max_new_tokens, r.temperature, r.num_prompts, r.num_generations) == (256, 1.0, 4, 8)
+  assert (cfg.train.minibatch_size, g.num_iterations, o.lr, g.beta, o.max_grad_norm) == (8, 2, 2e-5, 0.02, 1.0)
+  # rollout 0 calibrates (both passes of its 4 row sets), rollout 4 recalibrates, rollouts 1-8 held out
+  assert (be.rollout_steps, be.calib_minibatches, be.recalibrate_rollout) == (9, 8, 4)
+  assert be.criteria == E1Criteria() and be.e1_json == "docs/data/exposure_e1.json"
+  assert cfg.task.arithmetic.format == "word" and cfg.memory.gate.spread_min == 2.0

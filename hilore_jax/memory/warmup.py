@@ -93,8 +93,9 @@ class Collector:
     # the next step donates the trainer's state: these are copies
     params = jax.tree_util.tree_map(jnp.copy, params)
     opt_state = jax.tree_util.tree_map(jnp.copy, opt_state) if self.keep_opt_state and opt_state is not None else None
-    logp = [None] * len(minibatches) if logp is None else logp
-    self.by_rollout.append((list(minibatches), [UpdateContext(params, opt_state, lp) for lp in logp]))
+    # no rollout contributes more than `count` (and each keeps its own params: the copies are what this costs)
+    minibatches, logp = list(minibatches)[:self.count], ([None] * len(minibatches) if logp is None else logp)
+    self.by_rollout.append((minibatches, [UpdateContext(params, opt_state, lp) for lp in logp[:self.count]]))
 
   def ready(self) -> bool:
     return len(self.by_rollout) >= self.rollouts and sum(len(b) for b, _ in self.by_rollout) >= self.count
