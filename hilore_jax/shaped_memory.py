@@ -67,9 +67,9 @@ class ShapedMemory:
                                None if logp is None else [logp[i] for i in idx], opt_state)
     return total
 
-  def observe(self, update_s_per_microbatch: float, clean: bool):
+  def observe(self, update_s_per_microbatch: float, clean: bool, grad_norms=None):
     for m in self.managers.values():
-      m.observe(update_s_per_microbatch, clean)
+      m.observe(update_s_per_microbatch, clean, grad_norms)
 
   def state_json(self) -> dict:
     return {"shapes": {k: m.state_json() for k, m in self.managers.items()}}

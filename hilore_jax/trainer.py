@@ -412,7 +412,8 @@ class Trainer:
     if self.memory is not None and minibatches:  # the measured guard: GC's time against the plans'
       clean = self.compiles.compiled == compiles_before and not any(r["time/plan_fit_s"] or r["alloc/deferred"]
                                                                     for r in alloc_rows)
-      self.memory.observe(t_update / (len(mem_batches) * c.grpo.num_iterations), clean)
+      self.memory.observe(t_update / (len(mem_batches) * c.grpo.num_iterations), clean,
+                          [m["grad_norm"] for m in step_metrics])  # ||g||: the drift sentinel's
     row = {"step": step + 1, "reward/mean": float(roll.rewards.mean()), "reward/std": float(roll.rewards.std()),
            **stats, "completion_len/mean": float(roll.mask.sum(1).mean()), **metrics.completion_lengths(roll),
            "prompts/truncated": roll.truncated_prompts, "data/position": self.data_position,

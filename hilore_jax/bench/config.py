@@ -60,6 +60,22 @@ class BenchConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class E1Criteria:
+  """Issue 36's pre-registered criteria (bench_exposure.criteria.*; bench/exposure_e1.py reads them)."""
+
+  regime_clipfrac_min: float = 0.02  # rollout 0's second pass clips at least this share of tokens
+  regime_length_ratio_min: float = 4.0  # rollout 0's completion lengths, p90 / p10
+  p1_paper_like: float = 2.5  # P1: median over units of the within-unit p90 / p10 of the error
+  p1_nothing: float = 1.5  # at or under it: nothing to predict
+  p2_static_points: float = 3.0  # P2: oracle minus static, recompute removed (FLOPs points) at the violation target
+  p2_periodic_points: float = 2.0  # and oracle minus periodic static
+  p3_rho: float = 0.5  # P3: the chosen predictor's within-unit rho (median over units)
+  p3_rho_ci_low: float = 0.3  # its cluster-bootstrap CI's low end
+  p3_headroom_share: float = 0.5  # and this share of the oracle's headroom over static
+  p4_paper: tuple[float, ...] = (0.78, 0.81, 0.89)  # P4: the paper's cross-unit rho, top-10% recall, AUROC
+
+
+@dataclasses.dataclass(frozen=True)
 class ExposureBenchConfig:
   """`python -m train.bench_exposure`: run-time exposure on real rollout minibatches (bench/exposure.py)."""
 
@@ -75,6 +91,11 @@ class ExposureBenchConfig:
   violation_target: float = 0.05  # each arm read at this violation rate
   update_error: bool = True  # record every minibatch's optimizer state: the update error's column (and metric)
   kl_clamps: tuple[float, ...] = (10.0, 3.0)  # grpo.kl_clamp values whose removal of ||g||'s spread is reported
+  # issue 36's experiment E1: a periodic-static arm recalibrated on this rollout (0: none), the criteria, and where
+  # the P1-P4 summary is written (""; e.g. docs/data/exposure_e1.json: bench/exposure_e1.py)
+  recalibrate_rollout: int = 0
+  criteria: E1Criteria = E1Criteria()
+  e1_json: str = ""
 
   def __post_init__(self):
     for k in ("rollout_steps", "calib_minibatches", "reps", "bootstrap"):

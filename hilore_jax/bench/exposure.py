@@ -24,17 +24,19 @@ import numpy as np
 
 from hilore_jax import model, step_hooks
 from hilore_jax import stats
-from hilore_jax.bench import exposure_risk, exposure_sweep
+from hilore_jax.bench import exposure_e1, exposure_risk, exposure_sweep
 from hilore_jax.bench.config import ExposureBenchConfig
 from hilore_jax.bench.exposure_report import compare_arms, plot, plot_sweep, report, spearman_summary, where_it_varies
 from hilore_jax.bench.exposure_timing import time_plans
 from hilore_jax.config import Config
 from hilore_jax.errors import ConfigError
 from hilore_jax.memory import MemoryManager, calibration, predictors, risk
+from hilore_jax.memory.config import GateConfig
 from hilore_jax.rl import train_step
 
 log = logging.getLogger(__name__)
 ARMS = ("optimal_hr", "hilore_static", "hilore_exposure_off", "hilore_exposure_on", "oracle")
+ALWAYS = GateConfig(mode="always")  # the exposure arms run buckets whatever the gate measured (it is reported)
 SWEPT = ("hilore_static", "hilore_exposure_off", "hilore_exposure_on", "oracle")  # the risk-budgeted arms
 
 
@@ -119,8 +121,8 @@ def arm_managers(cfg: Config, be: ExposureBenchConfig, hooks) -> dict[str, Memor
   return {"optimal_hr": MemoryManager(dataclasses.replace(mc, policy="optimal_hr"), hooks),
           "hilore_static": MemoryManager(dataclasses.replace(mc, policy="hilore_static"), hooks),
           "hilore_exposure_off": MemoryManager(dataclasses.replace(mc, policy="hilore", buckets=1), hooks),
-          "hilore_exposure_on": MemoryManager(dataclasses.replace(mc, policy="hilore"), hooks),
-          "oracle": OracleManager(dataclasses.replace(mc, policy="hilore"), hooks)}
+          "hilore_exposure_on": MemoryManager(dataclasses.replace(mc, policy="hilore", gate=ALWAYS), hooks),
+          "oracle": OracleManager(dataclasses.replace(mc, policy="hilore", gate=ALWAYS), hooks)}
 
 
 def calibrate_on(manager: MemoryManager, cal: list[Record]):
@@ -149,16 +151,6 @@ def measure_held_out(hooks, mc, held: list[Record], units, progress=print):
   return kept, refs, {m: err[:, :, k] for k, m in enumerate(refs[0].available())}, layers
 
 
-def save_arrays(path: str, units, mu, err_by: dict, table: dict, grad_norms) -> None:
-  """exposure_arrays.npz: held-out errors [M, U] per metric, scores, each minibatch's ||g|| (grad_norm_M) and each
-  unit's absolute error ||dg_u|| (abs_err_MU = relative error * ||g||: a re-analysis can clip at any c)."""
-  grad_norm_M = np.asarray(grad_norms, np.float64)
-  np.savez_compressed(path, units=np.array([f"{l}:{k}" for l, k in units]), measured=np.array(mu),
-                      grad_norm_M=grad_norm_M, abs_err_MU=np.asarray(err_by["relative"]) * grad_norm_M[:, None],
-                      **{f"err_{m}": e for m, e in err_by.items()}, **{"score_" + "".join(
-                          c if c.isalnum() else "_" for c in k): r * s for k, (r, s) in table.items()})
-
-
 def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> dict:
   """Collect, calibrate, measure the held-out minibatches, compare predictors, allocate under every arm and sweep
   delta; write the report."""
@@ -174,13 +166,14 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
                                         memory=dataclasses.replace(cfg.memory, policy="none")))
   records = collect(trainer, be.rollout_steps, progress, be.update_error)
   cal, held = split(records, be.calib_minibatches)
+  cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, calib_batches=len(cal)))  # all of them
   held = held[:be.held_out or None]
   spec = dataclasses.replace(trainer.spec, use_old_logp=True)
   hooks = step_hooks.memory_hooks(trainer.stepper, spec, cfg.optimizer.max_grad_norm)
   L = trainer.model_cfg.num_hidden_layers
   units = calibration.lowp_units(L)
   mc, tol, metric = cfg.memory, cfg.memory.grad_err_tolerance, cfg.memory.risk_metric
-  probe = MemoryManager(mc.at_budget(None, "hilore"), hooks)
+  probe = MemoryManager(dataclasses.replace(mc.at_budget(None, "hilore"), gate=ALWAYS), hooks)
   # the bench gives cotangent_forward the forward's errors (token_err below), and refits predictors on one measurement
   probe.forward_errors = probe.keep_measured = True
   calibrate_on(probe, cal)
@@ -211,7 +204,8 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
   kinds = [units[i][1] for i in mu]
   by_kind = {k: float(np.median(x[np.isfinite(x)])) if np.isfinite(x).any() else float("nan")
              for k in sorted(set(kinds)) for x in [rho_U[[j for j, y in enumerate(kinds) if y == k]]]}
-  save_arrays(os.path.join(out_dir, "exposure_arrays.npz"), units, mu, err_by, table, [r.grad_norm for r in refs])
+  exposure_risk.save_arrays(os.path.join(out_dir, "exposure_arrays.npz"), units, mu, err_by, table,
+                            [r.grad_norm for r in refs])
   progress(f"chosen predictor {chosen}: within-unit rho {risk_prediction[chosen]['within_unit_rho_median']:.2f}")
 
   # every arm on one calibration: the chosen predictor's, fitted on the same measurements
@@ -286,6 +280,10 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
                                           [e["bucket"] for e in per_arm[a]], be.sweep, cal_state.delta,
                                           lambda i, s: realised(i, s)[metric], plan_flops, gc_flops, gc_s, tol, units)
       equal[a] = exposure_sweep.at_violation(sweep[a], be.violation_target)
+    if be.recalibrate_rollout:  # issue 36's periodic-static arm, recalibrated on that rollout's minibatches
+      sweep["hilore_periodic_static"], equal["hilore_periodic_static"] = exposure_e1.periodic_sweep(
+          mc, be, hooks, records, held, allowance, lambda i, s: realised(i, s)[metric], plan_flops, gc_flops, gc_s,
+          tol, units)
 
   progress("which error definition predicts the update's effect")
   effects = exposure_risk.update_effects(hooks, held, refs, units, mc)
@@ -305,7 +303,8 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
             "risk_prediction_by_metric": by_metric, "equal_violation": equal, "sweep": sweep,
             "sweep_allowance_bytes": allowance if be.arms else None,
             "calibration": {"delta": cal_state.delta, "coherence": cal_state.coherence,
-                            "calibration_error": cal_state.calibration_error, "grad_scale": cal_state.grad_scale},
+                            "calibration_error": cal_state.calibration_error, "grad_scale": cal_state.grad_scale,
+                            "gate": cal_state.gate},
             "arms": arms, "pairs": pairs, "oracle_gap_closed": closed, "risk": risk_table, "risk_by_kind": by_kind,
             "kl_clamp": kl_spread, "error_definition_vs_effect": effects,
             "varies": where_it_varies([r.describe for r in held], [r.pass_ for r in held], err_MU[:, mu], kinds),
@@ -317,4 +316,6 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
     f.write(report(result))
   plot(result, os.path.join(out_dir, "exposure.png"))
   plot_sweep(result, os.path.join(out_dir, "exposure_sweep.png"))
+  if be.e1_json:  # issue 36's E1 summary: P1-P4 with cluster CIs over row sets, and the gate's decision
+    exposure_e1.write(be, metric, cal, held, err_by, units, mu, table, chosen, sweep, cal_state, tol)
   return result

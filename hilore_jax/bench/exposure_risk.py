@@ -1,6 +1,7 @@
 """The exposure benchmark's risk prediction: every predictor's scores of the held-out minibatches, each with its own
 susceptibility fitted on the calibration measurements at the normalisation it is applied with, its ablations and
-simple baselines; and how much of ||g||'s spread a clamped KL removes (bench/exposure.py runs them).
+simple baselines; how much of ||g||'s spread a clamped KL removes; the held-out arrays' file (bench/exposure.py
+runs them).
 
 Scores come as (raw, susceptibility): a within-unit ranking reads the raw score (one positive factor per unit cannot
 change it, and a unit whose factor could not be fitted, 0, would lose its ranking), pooled figures the product."""
@@ -89,3 +90,13 @@ def update_effects(hooks, held, refs, units, mc) -> dict:
   return {"spearman_vs_effect": rho, "best": max(ranked, key=rho.get) if ranked else None,
           "effect": "mean |d log pi| on the next held-out minibatch's completion tokens after one optimizer step, "
                     "every unit L against none", "minibatches": len(effect)}
+
+
+def save_arrays(path: str, units, mu, err_by: dict, table: dict, grad_norms) -> None:
+  """exposure_arrays.npz: held-out errors [M, U] per metric, scores, each minibatch's ||g|| (grad_norm_M) and each
+  unit's absolute error ||dg_u|| (abs_err_MU = relative error * ||g||: a re-analysis can clip at any c)."""
+  grad_norm_M = np.asarray(grad_norms, np.float64)
+  np.savez_compressed(path, units=np.array([f"{l}:{k}" for l, k in units]), measured=np.array(mu),
+                      grad_norm_M=grad_norm_M, abs_err_MU=np.asarray(err_by["relative"]) * grad_norm_M[:, None],
+                      **{f"err_{m}": e for m, e in err_by.items()}, **{"score_" + "".join(
+                          c if c.isalnum() else "_" for c in k): r * s for k, (r, s) in table.items()})

@@ -12,7 +12,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from hilore_jax.memory import risk
+from hilore_jax.memory import drift, gate, risk
 from hilore_jax.memory.calibration import (UpdateContext, calibration_rows, error_profile, exact_gradient,
                                            measure_unit_errors, norm, probed_layers, reference, set_errors)
 from hilore_jax.memory.riskfit import fit_coherence, fit_susceptibility, random_sets, risk_metrics, set_fit
@@ -21,8 +21,9 @@ from hilore_jax.memory.hooks import StepHooks
 from hilore_jax.memory.state import Calibration
 
 log = logging.getLogger(__name__)
-# with one calibration minibatch the exposure-off bucket's risk (Calibration.score_max, each unit's largest score
-# over calibration minibatches) is that one sample, with no spread measured: it is widened by this factor. Taking
+# with one calibration minibatch the exposure-off bucket's risk (Calibration.static_risk, each unit's p90 over
+# calibration minibatches; score_max, its largest score) is that one sample, with no spread measured: both are widened
+# by this factor. Taking
 # the sample as a unit's median, 2x reaches its p90 for a lognormal within-unit spread of p90 / p10 = 4x
 # (p90 / p50 = sqrt(p90 / p10)), wider than the 2.5x issue 36 calls paper-like
 SINGLE_BATCH_MARGIN = 2.0
@@ -132,18 +133,27 @@ def fit(hooks: StepHooks, mc: MemoryConfig, units, m: Measured, raw_KU: np.ndarr
   sus = fit_susceptibility(raw_KU, m.err) if mc.exposure.susceptibility else np.ones(n)
   pred = raw_KU * sus
   kappa = fit_coherence(m.err, m.sets, m.set_err)
-  delta, measured = calibrate_delta(hooks, [c.params for c in m.contexts], m.batches, units, kappa * pred.mean(0),
+  # hilore: each unit's calibrated error at calib_quantile; the gate decides whether exposure buckets run on top
+  static = gate.unit_quantile(m.err, mc.calib_quantile)
+  grad_norms = [r.grad_norm for r in m.refs]  # of minibatches with a gradient (measure drops the others)
+  record = gate.evaluate(m.err, raw_KU, grad_norms, hooks.max_grad_norm, mc.gate,
+                         mc.buckets if mc.policy == "hilore" else 1)
+  # delta is calibrated on the risks the run's allocations read: the static ones where exposure is off
+  risk_U = static if mc.policy == "hilore" and not record["on"] else pred.mean(0)
+  delta, measured = calibrate_delta(hooks, [c.params for c in m.contexts], m.batches, units, kappa * risk_U,
                                     mc.grad_err_tolerance, mc.group_size, mc.lowp_format, exact=m.refs,
                                     row_scale=m.row_scale)
   total = pred.sum(1)
   score_max = pred.max(0)
   if len(m.batches) == 1:
-    log.warning("memory: one calibration minibatch, so each unit's largest score (the exposure-off bucket's risk) is "
-                "a single sample with no spread measured: widened %.1fx; calibrate on more minibatches "
+    log.warning("memory: one calibration minibatch, so each unit's calibrated error (the exposure-off bucket's risk) "
+                "is a single sample with no spread measured: widened %.1fx; calibrate on more minibatches "
                 "(memory.calib_batches)", SINGLE_BATCH_MARGIN)
     score_max = score_max * SINGLE_BATCH_MARGIN
+    static = static * SINGLE_BATCH_MARGIN
   return Calibration(sus.tolist(), pred.mean(0).tolist(), m.err.mean(0).tolist(), delta, measured,
                      float(np.mean(total)), float(np.max(total)), risk_metrics(pred.ravel(), m.err.ravel()),
                      len(m.batches), kappa, set_fit(m.err.mean(0), m.sets, m.set_err.mean(0), kappa), m.err.tolist(),
                      m.profile.tolist(), score_max.tolist(), m.prompt_profile.tolist(), float(grad_scale),
-                     mc.risk_metric, mc.exposure.predictor)
+                     mc.risk_metric, mc.exposure.predictor, static.tolist(), mc.calib_quantile, record, grad_norms,
+                     drift.recon_rms(m.token_err, m.batches).tolist())

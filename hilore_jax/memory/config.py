@@ -61,6 +61,26 @@ class ExposureSwitches:
 
 
 @dataclasses.dataclass(frozen=True)
+class GateConfig:
+  """When hilore runs exposure buckets (memory.gate.*; memory/gate.py): only where calibration measures all three."""
+
+  # auto: the measured gate decides | always / never: forced (the benchmark's arms), its inputs still logged (not
+  # on / off: YAML reads those as booleans)
+  mode: str = "auto"
+  spread_min: float = 2.0  # median over units of the within-unit p90 / p10 of the measured error
+  unclipped_min: float = 0.3  # share of calibration minibatches with ||g|| under the clip
+  rho_min: float = 0.4  # the predictor's leave-one-out within-unit Spearman rho (median over units)
+
+  def __post_init__(self):
+    check_choice("memory.gate.mode", self.mode, ("auto", "always", "never"))
+    check_positive("memory.gate.spread_min", self.spread_min, allow_zero=True)
+    if not 0.0 <= self.unclipped_min <= 1.0:
+      raise ConfigError(f"memory.gate.unclipped_min must be a share in [0, 1], got {self.unclipped_min}")
+    if not -1.0 <= self.rho_min <= 1.0:
+      raise ConfigError(f"memory.gate.rho_min must be a correlation in [-1, 1], got {self.rho_min}")
+
+
+@dataclasses.dataclass(frozen=True)
 class MemoryConfig:
   policy: str = "none"  # one of MEMORY_POLICIES
   budget_ratio: float = 1.05  # memory budget as a multiple of the GC step's peak bytes
@@ -71,7 +91,12 @@ class MemoryConfig:
   refresh_every: int = 0  # recalibrate every N steps (0: only at the start)
   group_size: int = 64  # L codes: one scale per group along the last axis
   lowp_format: str = "int8"  # L codes: int8 | fp8_e4m3 | int4 | bf16
-  calib_batches: int = 2  # K: minibatches the risk calibration measures
+  # K: minibatches the risk calibration measures, gathered (memory.warmup=gc) over the first calib_rollouts
+  # rollouts while full checkpointing runs; each unit's calibrated error is its calib_quantile over them (hilore's
+  # static risk: memory/gate.py); fewer minibatches than rollouts gather from only as many rollouts
+  calib_batches: int = 4
+  calib_rollouts: int = 2
+  calib_quantile: float = 0.9
   calib_sets: int = 6  # random L sets per calibration batch to fit how coherently units' errors add
   # what one calibration probe costs: the first calib_rows rows of each calibration minibatch (0: all of them), and
   # each unit kind measured at calib_layers layers spread over depth, first and last included, the others
@@ -99,6 +124,15 @@ class MemoryConfig:
   # run says so and runs GC (0: never compare)
   verify_steps: int = 2
   exposure: ExposureSwitches = ExposureSwitches()
+  gate: GateConfig = GateConfig()
+  # recalibration on drift (memory/drift.py), from sentinels: every step's ||g|| / c against calibration's (a ratio
+  # either way of drift_grad_ratio), and every drift_check_every steps (0: never) the per-unit int8 reconstruction
+  # RMS (median ratio either way of drift_recon_ratio) and one exact gradient: the running plan's realised error
+  # over the tolerance (>= drift_exact_ratio)
+  drift_check_every: int = 10
+  drift_grad_ratio: float = 3.0  # a step's ||g|| varies ~1.5x around its trend: 2x would recalibrate on noise
+  drift_recon_ratio: float = 1.5
+  drift_exact_ratio: float = 2.0
 
   def at_budget(self, ratio: float | None, policy: str | None = None) -> MemoryConfig:
     """This config with its budget at `ratio` x full checkpointing's peak (no absolute budget; None keeps the
@@ -111,6 +145,14 @@ class MemoryConfig:
     check_choice("memory.lowp_format", self.lowp_format, FORMATS)
     check_choice("memory.risk_metric", self.risk_metric, RISK_METRICS)
     check_positive("memory.calib_batches", self.calib_batches)
+    check_positive("memory.calib_rollouts", self.calib_rollouts)
+    if not 0.0 < self.calib_quantile <= 1.0:
+      raise ConfigError(f"memory.calib_quantile must be in (0, 1], got {self.calib_quantile}")
+    check_positive("memory.drift_check_every", self.drift_check_every, allow_zero=True)
+    for name in ("drift_grad_ratio", "drift_recon_ratio", "drift_exact_ratio"):
+      if not getattr(self, name) > 1.0:
+        raise ConfigError(f"memory.{name} must be > 1 (a ratio that triggers recalibration), got "
+                          f"{getattr(self, name)}")
     check_positive("memory.calib_sets", self.calib_sets, allow_zero=True)
     check_positive("memory.calib_rows", self.calib_rows, allow_zero=True)
     if self.calib_layers == 1 or self.calib_layers < 0:

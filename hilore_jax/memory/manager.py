@@ -19,7 +19,7 @@ import numpy as np
 from hilore_jax import model
 from hilore_jax.memory import buckets as bucketing
 from hilore_jax.memory import budget as budgets
-from hilore_jax.memory import calibrate, calibration, methods, predictors, profile
+from hilore_jax.memory import calibrate, calibration, drift, gate, methods, predictors, profile
 from hilore_jax.memory import store as stores
 from hilore_jax.memory import warmup
 from hilore_jax.memory.buckets import AllocationCache
@@ -73,6 +73,11 @@ class MemoryManager:
     # forward_errors: allocate is given a forward's per-token errors (cotangent_forward; the trainer does not yet pass
     # them), so calibration fits the predictor to the score it will run, forward errors or the profile
     self.keep_measured, self.measured, self.forward_errors = False, None, False
+    # memory.warmup=gc: calibration minibatches gathered over the first rollouts; drift sentinels after set-up
+    self.collector = warmup.Collector(mc.calib_batches, mc.calib_rollouts, mc.risk_metric == "update")
+    self.sentinels = drift.Sentinels(mc, hooks, self.lowp_ids)
+    self.step_metrics: dict = {}  # memory/drift/*, memory/gate/*: added to every allocation of a step
+    self._drift_values: dict = {}
 
   # ------------------------------------------------------------------ set-up
 
@@ -87,7 +92,7 @@ class MemoryManager:
     budget = budgets.budget_bytes(gc_bytes, mc.budget_ratio, mc.budget_bytes)
     rows, seq = self.hooks.batch_shape(batch)
     ops = (self.hooks.op_profile or profile.profile_ops)(cfg, rows, seq, mc.group_size)
-    st = ManagerState(gc_bytes, budget, ops, calibrated_at=step)
+    st = ManagerState(gc_bytes, budget, ops, calibrated_at=step, drift_checked_at=step)
     if self.state is not None:  # a refresh keeps what was measured
       st.timings, st.guard, st.warmup_steps = self.state.timings, self.state.guard, self.state.warmup_steps
     else:
@@ -103,6 +108,12 @@ class MemoryManager:
     log.info("memory (%s): GC %d B, budget %d B%s", self.method, gc_bytes, budget, "" if cal is None else
              f", calibration on {cal.calib_batches} minibatches: delta {cal.delta:.3g} (measured "
              f"{cal.calibration_error:.3g}), coherence {cal.coherence:.2f}, fit {cal.fit}")
+    if cal is not None and cal.gate and self.method == "hilore":
+      g = cal.gate
+      log.info("memory (hilore): exposure buckets %s (gate %s: within-unit p90/p10 %.2fx vs %.2fx, ||g|| < c on "
+               "%.0f%% vs %.0f%%, leave-one-out rho %.2f vs %.2f)", "on" if g["on"] else "off", g["mode"],
+               g["spread"], g["spread_min"], 100 * g["unclipped_share"], 100 * g["unclipped_min"], g["loo_rho"],
+               g["rho_min"])
 
   def _calibrate(self, batches: list, contexts: list) -> Calibration:
     if not self.hooks.calibrates:
@@ -129,6 +140,17 @@ class MemoryManager:
     self._floor_fit = None
     self._cache.invalidate(reason)
 
+  @property
+  def exposure_on(self) -> bool:
+    """hilore runs exposure buckets: more than one configured and the calibration's gate on, or memory.gate.mode always
+    (a calibration without a gate record, an older one: on)."""
+    if self.method != "hilore" or self.mc.buckets <= 1 or self.state is None:
+      return False
+    if self.mc.gate.mode != "auto":  # forced, whatever a given calibration's gate measured
+      return self.mc.gate.mode == "always"
+    cal = self.state.calibration
+    return bool(cal.gate["on"]) if cal is not None and cal.gate else True
+
   # ------------------------------------------------------------------ per step
 
   def unit_scores(self, minibatches: list, logp=None, token_err=None,
@@ -154,7 +176,7 @@ class MemoryManager:
 
   def bucket_levels(self, scores_MU: np.ndarray) -> list[tuple[int, ...]]:
     """Each minibatch's bucket key: its units' exposure levels (memory.buckets <= 1: exposure off, one bucket)."""
-    if self.mc.buckets <= 1:
+    if not self.exposure_on:
       return [()] * len(scores_MU)
     ref = self.state.calibration.predicted_error
     return [bucketing.unit_levels(s, ref, self.mc.buckets) for s in scores_MU]
@@ -178,11 +200,12 @@ class MemoryManager:
 
   def bucket_risk(self, bucket: int) -> np.ndarray:
     """[U] predicted error per unit (coherence included) the bucket's allocation must tolerate; the exposure-off
-    bucket takes each unit's largest calibration score."""
+    bucket takes each unit's calibrated error (its calib_quantile over calibration minibatches; an older
+    calibration: its largest calibration score)."""
     cal = self.state.calibration
     levels = self.state.buckets[bucket]
     risk = bucketing.level_risk(levels, cal.predicted_error) if levels else np.asarray(
-        cal.score_max or cal.predicted_error)  # a given calibration may carry no per-batch maxima
+        cal.static_risk or cal.score_max or cal.predicted_error)  # a given calibration may carry neither
     return cal.coherence * risk
 
   def _risks(self, bucket: int) -> tuple[dict, dict]:
@@ -312,7 +335,7 @@ class MemoryManager:
     t0 = time.perf_counter()
     self._unit_list(minibatches[0])
     keys, wait_s = [()] * len(minibatches), 0.0
-    if self.method == "hilore" and self.mc.buckets > 1:  # exposure off (one bucket): nothing to score
+    if self.exposure_on:  # exposure off (one bucket, or the gate off): nothing to score
       # the scores read log-probs the device may still be computing (the old-log-prob forwards, the previous
       # pass): that wait is the device at work, not scheduling, so it is timed apart
       jax.block_until_ready((minibatches, logp))
@@ -346,7 +369,8 @@ class MemoryManager:
                  "alloc/guard_gc": 0.0, "alloc/deferred": float(deferred),
                  "time/schedule_s": schedule_s, "time/alloc_wait_s": wait_s / n, "time/plan_fit_s": fit_s / n}
       policies = model.uniform(self.num_layers, model.FULL_REMAT) if deferred else self.policies(plan)
-      out.append(Allocation(bucket, plan, policies, metrics, "none" if deferred else self._active.get(bucket, "none")))
+      out.append(Allocation(bucket, plan, policies, {**metrics, **self.step_metrics},
+                            "none" if deferred else self._active.get(bucket, "none")))
     return out
 
   def step(self, params, minibatches: list, step: int, logp=None, opt_state=None) -> list[Allocation]:
@@ -369,25 +393,65 @@ class MemoryManager:
       log.warning("memory: the checkpoint's calibration is of %s / %s, this run's of %s / %s: recalibrating",
                   cal.risk_metric, cal.predictor, mc.risk_metric, mc.exposure.predictor)
     due = mc.refresh_every and self.state is not None and step - self.state.calibrated_at >= mc.refresh_every
+    self._drift_values, drifted = {}, []
+    if cal is not None and self.method in methods.CALIBRATED and not (stale or other or due):
+      drifted = self._drift(params, minibatches, step, logp, opt_state)
     if self.state is None and mc.warmup == "gc":
       if not self.pending_setup:
         log.info("memory (%s): step %d runs full checkpointing while the set-up waits for its end", self.method,
                  step + 1)
       self.pending_setup = True
       return self.allocate(minibatches, logp)
-    if self.state is None or stale or other or due:
+    if self.state is None or stale or other or due or drifted:
       self.setup(params, minibatches, step, logp=logp, opt_state=opt_state)
+    if self.state.calibration is not None:
+      self.step_metrics = {**drift.metrics(self._drift_values, bool(due or drifted)),
+                           **gate.gate_metrics(self.state.calibration.gate)}
     allocations = self.allocate(minibatches, logp)
     if self.ready_at is None and self.guard.last == "plan":
       self.ready_at = step
     return allocations
 
+  def _drift(self, params, minibatches, step: int, logp=None, opt_state=None) -> list[str]:
+    """The sentinels past their thresholds at this step (memory/drift.py; values kept for the step's metrics)."""
+    batch = minibatches[0]
+    self._drift_values = self.sentinels.values(self.state, params, batch, step, lambda: self._check_lset(batch),
+                                               opt_state, None if logp is None else logp[0])
+    fired = drift.decide(self._drift_values, self.mc)
+    if fired:
+      log.warning("memory (%s): drift at step %d (%s): recalibrating", self.method, step + 1,
+                  ", ".join(f"{k} {self._drift_values[k]:.3g}" for k in fired))
+    return fired
+
+  def _check_lset(self, batch) -> tuple[int, ...]:
+    """The exact drift check's L set (indices into lowp_ids): bucket 0's plan (hilore's static bucket where exposure
+    is off), from the state alone, so a resumed run checks the same set."""
+    st = self.state
+    if 0 not in st.verified or 0 in st.fallback_gc:
+      return ()
+    self._unit_list(batch)
+    index = {tuple(u): i for i, u in enumerate(self.lowp_ids)}
+    policies = self.policies(self._cache.get(0))
+    return tuple(sorted(index[(layer, k)] for layer, pol in enumerate(policies) for k in pol.lowp
+                        if (layer, k) in index))
+
   def finish_step(self, params, minibatches: list, step: int, logp=None, opt_state=None) -> float:
-    """After a step, off its clock: set up (after a warm-up step) on that step's own minibatches, at the params and
-    optimizer state it left, and fit their buckets; fit the buckets the step deferred. Returns the seconds taken."""
-    t0, setup = time.perf_counter(), self.pending_setup
+    """After a step, off its clock: set up (after the warm-up steps: a calibrated method gathers its calibration
+    minibatches over the first memory.calib_rollouts rollouts, each at the params and optimizer state its step left)
+    and fit the set-up step's buckets; fit the buckets the step deferred. Returns the seconds taken."""
+    t0, setup, now = time.perf_counter(), self.pending_setup, minibatches
+    contexts = None
+    if setup and self.method in methods.CALIBRATED:
+      self.collector.add(params, minibatches, logp, opt_state)
+      if not self.collector.ready():
+        log.info("memory (%s): calibration minibatches from %d of %d rollouts; step %d runs full checkpointing too",
+                 self.method, len(self.collector.by_rollout), self.collector.rollouts, step + 2)
+        setup = False
+      else:
+        minibatches, contexts = self.collector.take()
     if setup:
-      self.setup(params, minibatches, step + 1, logp=logp, opt_state=opt_state)
+      self.setup(params, minibatches, step + 1, logp=logp, opt_state=opt_state, contexts=contexts)
+      minibatches = now
       self.pending_setup = False
       self._plan_allocations(minibatches, logp, defer=False)
       log.info("memory (%s): set up in %.1fs after step %d; its plans take over from step %d", self.method,
@@ -407,9 +471,12 @@ class MemoryManager:
     policies = model.uniform(self.num_layers, model.FULL_REMAT)
     return [Allocation(-1, methods.Plan((), (), 0, 0.0, 0.0), policies, warmup.gc_metrics(guard)) for _ in range(n)]
 
-  def observe(self, update_s_per_minibatch: float, clean: bool):
+  def observe(self, update_s_per_minibatch: float, clean: bool, grad_norms=None):
     """The trainer's measured update seconds per minibatch of the step just run (clean: no compile and no plan fit
-    in it), for the measured guard."""
+    in it), for the measured guard; grad_norms: its updates' ||g|| (the step metrics), the drift sentinel's."""
+    if grad_norms is not None and self.state is not None:
+      # an update without a gradient (every advantage zero, no KL) says nothing about drift
+      self.state.drift_grad_norms = [float(g) for g in grad_norms if g > 0]
     if self.guard.observe(self.state, update_s_per_minibatch, clean):
       self.persist()
 

@@ -32,6 +32,14 @@ class Calibration:
   grad_scale: float = 1.0  # ||g|| per unit of the predictor's summed token weights (the clipped score's scale)
   risk_metric: str = "relative"  # what the errors above are errors of (memory.risk_metric)
   predictor: str = "exposure_v1"  # the run-time score susceptibility was fitted to (memory.exposure.predictor)
+  # [U] each unit's calibrated error: its memory.calib_quantile over the calibration minibatches (hilore's static
+  # risk, coherence not included); empty in older states (the largest score stands in)
+  static_risk: list = dataclasses.field(default_factory=list)
+  quantile: float = 0.9
+  gate: dict = dataclasses.field(default_factory=dict)  # the exposure gate's inputs and decision (memory/gate.py)
+  # the drift sentinels' calibration values (memory/drift.py): each minibatch's ||g||, each unit's reconstruction RMS
+  grad_norms: list = dataclasses.field(default_factory=list)
+  recon_rms: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -54,6 +62,9 @@ class ManagerState:
   # what the measured guard decided: "" not yet, "plan" the plans ran faster than GC, "gc" they did not (GC runs)
   guard: str = ""
   warmup_steps: int = 0  # steps run on GC before the plans (memory/warmup.py)
+  # the drift sentinels between steps (memory/drift.py): the last step's ||g|| per update, the last check's step
+  drift_grad_norms: list[float] = dataclasses.field(default_factory=list)
+  drift_checked_at: int = 0
 
   def to_json(self) -> dict:
     return {"version": STATE_VERSION, **dataclasses.asdict(self)}

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import logging
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from hilore_jax.memory.calibration import UpdateContext
 
 log = logging.getLogger(__name__)
 
@@ -73,3 +77,38 @@ class Guard:
   def handover(self) -> tuple[dict, int]:
     """(timings, warm-up steps) measured before set-up, for the state set-up creates."""
     return {"gc": list(self.gc_times), "plan": []}, self.warmup_steps
+
+
+class Collector:
+  """Calibration minibatches gathered over the first rollouts while full checkpointing runs: every minibatch of each
+  rollout, with the params (and optimizer state) that rollout's update left, until `rollouts` rollouts and `count`
+  minibatches are in; then `count` of them, taken in turn from each rollout (memory.calib_batches from
+  memory.calib_rollouts rollouts)."""
+
+  def __init__(self, count: int, rollouts: int, keep_opt_state: bool = False):
+    self.count, self.rollouts, self.keep_opt_state = count, min(rollouts, count), keep_opt_state
+    self.by_rollout: list[tuple[list, list]] = []  # per rollout: (minibatches, their UpdateContexts)
+
+  def add(self, params, minibatches: list, logp=None, opt_state=None):
+    # the next step donates the trainer's state: these are copies
+    params = jax.tree_util.tree_map(jnp.copy, params)
+    opt_state = jax.tree_util.tree_map(jnp.copy, opt_state) if self.keep_opt_state and opt_state is not None else None
+    # no rollout contributes more than `count` (and each keeps its own params: the copies are what this costs)
+    minibatches, logp = list(minibatches)[:self.count], ([None] * len(minibatches) if logp is None else logp)
+    self.by_rollout.append((minibatches, [UpdateContext(params, opt_state, lp) for lp in logp[:self.count]]))
+
+  def ready(self) -> bool:
+    return len(self.by_rollout) >= self.rollouts and sum(len(b) for b, _ in self.by_rollout) >= self.count
+
+  def take(self) -> tuple[list, list]:
+    """(minibatches, contexts): up to `count`, in turn from each rollout (the first of each, then the second, ...);
+    the collector is emptied."""
+    batches, contexts = [], []
+    depth = max((len(b) for b, _ in self.by_rollout), default=0)
+    for i in range(depth):
+      for b, c in self.by_rollout:
+        if i < len(b) and len(batches) < self.count:
+          batches.append(b[i])
+          contexts.append(c[i])
+    self.by_rollout = []
+    return batches, contexts

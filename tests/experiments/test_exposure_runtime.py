@@ -9,9 +9,9 @@ import pytest
 
 from hilore_jax import engine, model, sharding, step_hooks
 from hilore_jax.bench import exposure as bench_exposure
-from hilore_jax.bench import exposure_sweep
+from hilore_jax.bench import exposure_risk, exposure_sweep
 from hilore_jax.memory import MemoryManager, buckets, calibration
-from hilore_jax.memory.config import MemoryConfig
+from hilore_jax.memory.config import GateConfig, MemoryConfig
 from hilore_jax.model import ModelConfig
 from hilore_jax.model import units as U
 from hilore_jax.rl import train_step
@@ -41,8 +41,9 @@ def setup():
   rng = np.random.default_rng(0)
   adv = [1.5, -0.5, -0.5, -0.5, 1.0, -1.0, 1.0, -1.0]
   cal = [_batch(rng, adv) for _ in range(2)]
+  # exposure buckets forced on: these tests are of the buckets, not of the gate (tests/test_gate.py)
   mc = MemoryConfig(policy="hilore", budget_ratio=1.5, group_size=8, calib_batches=2, calib_sets=2,
-                    budget_probes=2, buckets=4)
+                    budget_probes=2, buckets=4, gate=GateConfig(mode="always"))
   on = MemoryManager(mc, hooks)
   on.setup(params, cal, 0)
   return hooks, params, on, mc, rng, adv
@@ -82,12 +83,13 @@ def test_each_minibatch_is_allocated_from_its_own_unit_scores(setup):
   top = max(b[0] for b in on.state.buckets) + 1  # above every bucket in one unit
   assert on.bucket_for((top, *key[1:])) == n and len(on.state.buckets) == n + 1
 
-  # exposure off: one bucket for all, at each unit's largest calibration score
+  # exposure off: one bucket for all, at each unit's calibrated error (its p90 over the calibration minibatches)
   off = MemoryManager(dataclasses.replace(mc, buckets=1), hooks)
   off.setup(params, [normal], 0, calibration_state=on.state.calibration)
   allocs_off = off.allocate([normal, zero, normal], [None, None, clipped_logp])
   assert {a.bucket for a in allocs_off} == {0}
-  np.testing.assert_allclose(off.bucket_risk(0), kappa * np.asarray(on.state.calibration.score_max))
+  p90 = np.quantile(np.asarray(on.state.calibration.unit_errors), 0.9, axis=0)
+  np.testing.assert_allclose(off.bucket_risk(0), kappa * p90)
 
 
 @pytest.mark.slow
@@ -288,7 +290,7 @@ def test_exposure_arrays_store_grad_norm_and_absolute_unit_errors(setup, tmp_pat
                                                   metrics=("relative", "clipped")) for b, r in zip(batches, refs)])
   err_by = {"relative": err[:, :, 0], "clipped": err[:, :, 1]}
   path = str(tmp_path / "exposure_arrays.npz")
-  bench_exposure.save_arrays(path, units, list(range(len(units))), err_by, {"s": (err[:, :, 0], 1.0)},
+  exposure_risk.save_arrays(path, units, list(range(len(units))), err_by, {"s": (err[:, :, 0], 1.0)},
                              [r.grad_norm for r in refs])
   a = np.load(path)
   assert a["grad_norm_M"].shape == (2,) and a["abs_err_MU"].shape == (2, len(units))

@@ -54,3 +54,21 @@ def test_later_passes_are_reallocated_from_the_previous_pass(tmp_path, monkeypat
   # step's output, no extra forward), so its ratios and clipping are visible to the exposure
   assert len(seen) == 2 and all(lp is None for lp in seen[0])
   assert all(lp is not None and lp.shape == t.last_rollout.mask[:lp.shape[0]].shape for lp in seen[1])
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fixed_op_times")
+def test_rows_log_the_gate_and_the_drift_sentinels_from_the_step_metrics(tmp_path):
+  # two passes (every row's allocations reduced together, so each carries the same keys); the updates' ||g|| reach
+  # the manager (MemoryManager.observe), so step 2's row compares them with calibration's
+  t = Trainer(tiny_config(tmp_path, *HILORE, "train.steps=2", "grpo.num_iterations=2", "grpo.beta=0.05",
+                          "memory.drift_check_every=1", "memory.budget_ratio=1.3"))
+  t.train()
+  first, second = metrics.read_metrics(tmp_path / "metrics.jsonl")
+  cal = t.memory.state.calibration
+  as_row = lambda x: "nan" if x != x else x  # the row writes a non-finite float as its name
+  assert first["memory/gate/on"] == float(cal.gate["on"]) and first["memory/gate/spread"] == as_row(cal.gate["spread"])
+  assert first["memory/recalibrated"] == 0.0 and first["memory/drift/grad_ratio"] == "nan"  # nothing observed yet
+  assert second["memory/drift/grad_ratio"] > 0 and second["memory/drift/recon_ratio"] > 0
+  assert second["memory/recalibrated"] == float(t.memory.state.calibrated_at == 1)
+  assert cal.grad_norms and cal.gate["unclipped_share"] == sum(g < 1.0 for g in cal.grad_norms) / len(cal.grad_norms)

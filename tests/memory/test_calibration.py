@@ -263,11 +263,13 @@ def test_one_calibration_minibatch_warns_and_widens_score_max(tiny_cfg, caplog):
   assert any("single sample" in r.getMessage() for r in caplog.records)
   assert calibrate.SINGLE_BATCH_MARGIN == 2.0
   np.testing.assert_allclose(cal.score_max, 2.0 * m.err[0], rtol=1e-9)
+  np.testing.assert_allclose(cal.static_risk, 2.0 * m.err[0], rtol=1e-9)  # hilore's static risk alike
   caplog.clear()
   with caplog.at_level("WARNING"):
     cal2 = calibrate.fit(hooks, mc, units, m, m.err, 1.0)
   assert not any("single sample" in r.getMessage() for r in caplog.records)
   np.testing.assert_allclose(cal2.score_max, m.err.max(0), rtol=1e-9)
+  np.testing.assert_allclose(cal2.static_risk, np.quantile(m.err, 0.9, axis=0), rtol=1e-9)
 
 
 def test_one_probe_decomposes_every_weight_read_unit_as_its_own_probe_would(tiny_cfg):

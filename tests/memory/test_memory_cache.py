@@ -17,7 +17,10 @@ pytestmark = pytest.mark.usefixtures("fixed_op_times")
 # exposure off (one bucket): every step's plan is the same, so two runs' plans compare row by row
 RUN = ["memory.policy=hilore", "memory.group_size=8", "memory.buckets=1", "memory.budget_probes=2",
        "memory.budget_ratio=1.3", "train.steps=3", "eval.at_start=false", "eval.at_end=false",
-       "grpo.filter_zero_std=false", "memory.cache=true", "memory.verify_steps=0"]
+       "grpo.filter_zero_std=false", "memory.cache=true", "memory.verify_steps=0",
+       # calibration on the first rollout's one minibatch: these tests are of the warm-up and the cache, not of the
+       # calibration gathered over rollouts (tests/test_drift.py)
+       "memory.calib_batches=1", "memory.calib_rollouts=1"]
 
 
 def _rows(out):
@@ -88,8 +91,8 @@ def test_the_guard_runs_gc_where_the_plans_are_measured_slower(tmp_path, monkeyp
 
   observe = MemoryManager.observe
 
-  def scaled(self, seconds, clean):  # fixed times, the plans' plan_speed x GC's: nothing here reads the clock
-    return observe(self, plan_speed if self.guard.last == "plan" else 1.0, clean)
+  def scaled(self, seconds, clean, grad_norms=None):  # fixed times, the plans' plan_speed x GC's: no clock read
+    return observe(self, plan_speed if self.guard.last == "plan" else 1.0, clean, grad_norms)
 
   monkeypatch.setattr(MemoryManager, "observe", scaled)
   with caplog.at_level(logging.INFO):
@@ -150,7 +153,7 @@ def test_a_bucket_met_mid_step_is_fitted_after_the_step_not_on_its_clock(tmp_pat
   # exposure on: buckets are vectors of unit levels; from step 4 on the scores are raised 4x a step (each unit 4
   # levels up), so every later step meets a bucket no fitted one covers, whatever the rollouts were
   t = Trainer(tiny_config(tmp_path, *RUN, "memory.cache=false", "memory.buckets=3", "train.steps=5",
-                          "memory.budget_ratio=1.5"))
+                          "memory.budget_ratio=1.5", "memory.gate.mode=always"))
   seen, finish, scores, step_now = [], t.memory.finish_step, t.memory.unit_scores, [0]
   run_step = t.run_step
 
