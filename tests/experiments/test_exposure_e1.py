@@ -117,10 +117,11 @@ def test_write_assembles_the_benchmark_run_into_the_summary_file(tmp_path, monke
 def test_the_committed_e1_config_holds_the_pre_registered_settings():
   import os
 
+  import repo
+
   from hilore_jax.bench import config as bench_config
 
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  cfg, be = bench_config.load(os.path.join(root, "configs", "exposure_e1_smollm2.yaml"), [], "bench_exposure")
+  cfg, be = bench_config.load(os.path.join(repo.ROOT, "configs", "exposure_e1_smollm2.yaml"), [], "bench_exposure")
   r, g, o = cfg.rollout, cfg.grpo, cfg.optimizer
   assert (r.max_new_tokens, r.temperature, r.num_prompts, r.num_generations) == (256, 1.0, 4, 8)
   assert (cfg.train.minibatch_size, g.num_iterations, o.lr, g.beta, o.max_grad_norm) == (8, 2, 2e-5, 0.02, 1.0)
