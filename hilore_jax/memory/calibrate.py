@@ -12,7 +12,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from hilore_jax.memory import drift, gate, risk
+from hilore_jax.memory import drift, gate, methods, risk
 from hilore_jax.memory.calibration import (UpdateContext, calibration_rows, error_profile, exact_gradient,
                                            measure_unit_errors, norm, probed_layers, reference, set_errors)
 from hilore_jax.memory.riskfit import fit_coherence, fit_susceptibility, random_sets, risk_metrics, set_fit
@@ -137,9 +137,9 @@ def fit(hooks: StepHooks, mc: MemoryConfig, units, m: Measured, raw_KU: np.ndarr
   static = gate.unit_quantile(m.err, mc.calib_quantile)
   grad_norms = [r.grad_norm for r in m.refs]  # of minibatches with a gradient (measure drops the others)
   record = gate.evaluate(m.err, raw_KU, grad_norms, hooks.max_grad_norm, mc.gate,
-                         mc.buckets if mc.policy == "hilore" else 1)
+                         mc.buckets if methods.REGISTRY[mc.policy].exposure else 1)
   # delta is calibrated on the risks the run's allocations read: the static ones where exposure is off
-  risk_U = static if mc.policy == "hilore" and not record["on"] else pred.mean(0)
+  risk_U = static if methods.REGISTRY[mc.policy].exposure and not record["on"] else pred.mean(0)
   delta, measured = calibrate_delta(hooks, [c.params for c in m.contexts], m.batches, units, kappa * risk_U,
                                     mc.grad_err_tolerance, mc.group_size, mc.lowp_format, exact=m.refs,
                                     row_scale=m.row_scale)

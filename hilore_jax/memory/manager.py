@@ -46,6 +46,7 @@ class MemoryManager:
 
   def __init__(self, mc: MemoryConfig, hooks: StepHooks, store: stores.JsonStore | None = None):
     self.mc, self.hooks, self.method = mc, hooks, mc.policy
+    self.record = methods.REGISTRY[mc.policy]  # what the method needs: the manager never names one
     # the state on disk between runs (memory.cache): loaded before the first step, written after every change
     self.store = store
     # memory.warmup=gc: set-up waits for the end of the first step, which runs full checkpointing meanwhile
@@ -97,7 +98,7 @@ class MemoryManager:
       st.timings, st.guard, st.warmup_steps = self.state.timings, self.state.guard, self.state.warmup_steps
     else:
       st.timings, st.warmup_steps = self.guard.handover()
-    if self.method in methods.CALIBRATED:
+    if self.record.calibrated:
       K = mc.calib_batches
       logp = [None] * len(batches) if logp is None else logp
       contexts = contexts or [calibration.UpdateContext(params, opt_state, lp) for lp in logp]
@@ -108,7 +109,7 @@ class MemoryManager:
     log.info("memory (%s): GC %d B, budget %d B%s", self.method, gc_bytes, budget, "" if cal is None else
              f", calibration on {cal.calib_batches} minibatches: delta {cal.delta:.3g} (measured "
              f"{cal.calibration_error:.3g}), coherence {cal.coherence:.2f}, fit {cal.fit}")
-    if cal is not None and cal.gate and self.method == "hilore":
+    if cal is not None and cal.gate and self.record.exposure:
       g = cal.gate
       log.info("memory (hilore): exposure buckets %s (gate %s: within-unit p90/p10 %.2fx vs %.2fx, ||g|| < c on "
                "%.0f%% vs %.0f%%, leave-one-out rho %.2f vs %.2f)", "on" if g["on"] else "off", g["mode"],
@@ -144,7 +145,7 @@ class MemoryManager:
   def exposure_on(self) -> bool:
     """hilore runs exposure buckets: more than one configured and the calibration's gate on, or memory.gate.mode always
     (a calibration without a gate record, an older one: on)."""
-    if self.method != "hilore" or self.mc.buckets <= 1 or self.state is None:
+    if not self.record.exposure or self.mc.buckets <= 1 or self.state is None:
       return False
     if self.mc.gate.mode != "auto":  # forced, whatever a given calibration's gate measured
       return self.mc.gate.mode == "always"
@@ -212,9 +213,9 @@ class MemoryManager:
     """(risk_of, sensitivity) per (layer, kind): hilore's at this bucket's exposure, static for the baselines."""
     st = self.state
     keys = [tuple(u) for u in self.lowp_ids]
-    if self.method == "hilore":
+    if self.record.exposure:
       return dict(zip(keys, self.bucket_risk(bucket).tolist())), {}
-    if self.method in methods.CALIBRATED:
+    if self.record.calibrated:
       static, kappa = st.calibration.static_error, st.calibration.coherence
       return {k: kappa * e for k, e in zip(keys, static)}, dict(zip(keys, static))
     return {}, {}
@@ -247,13 +248,13 @@ class MemoryManager:
       return self.gc_plan()
     allowance = max(st.allowance.get(str(bucket), st.budget_bytes - st.gc_bytes), 0)
     if bucket in st.risk_free:  # the method's own fit compiled slower than its risk-free subset's (budget.py)
-      subset = methods.RISK_FREE_SUBSET[self.method]
+      subset = self.record.risk_free_subset
       plan = self._plan(bucket, allowance, method=subset)
       self._active[bucket] = methods.active_constraint(subset, self._units[self._shape], allowance, plan,
                                                        lambda a, d=None: self._plan(bucket, a, method=subset))
       return plan
     plan = self._plan(bucket, allowance)
-    if self.method in methods.SOLVED:  # the greedy fast path against the exact MILP, once per bucket: logged
+    if self.record.solved:  # the greedy fast path against the exact MILP, once per bucket: logged
       other = self._plan(bucket, allowance, solver="greedy" if self.mc.solver == "exact" else "exact")
       exact, greedy = (plan, other) if self.mc.solver == "exact" else (other, plan)
       self._gaps[bucket] = (greedy.time_s - exact.time_s) / max(exact.time_s, 1e-12)
@@ -289,7 +290,7 @@ class MemoryManager:
     risk-free subset keeps the subset's own fit where that is faster (budget.fit_plan)."""
     st = self.state
     fitted = [a for b, a in st.allowance.items() if int(b) not in st.fallback_gc]
-    floor = (lambda: self._floor(batch)) if self.method in methods.RISK_FREE_SUBSET else None
+    floor = (lambda: self._floor(batch)) if self.record.risk_free_subset else None
     fit = self._fit_to_budget(lambda a: self._plan(bucket, a), batch, max(fitted) if fitted else None, floor)
     log.info("%s bucket %d: %d probe compiles, allowance %d B%s", self.method, bucket, len(fit.probes),
              fit.allowance, " (the risk-free subset's plan: faster than the method's own fit)" if fit.floor else "")
@@ -309,7 +310,7 @@ class MemoryManager:
 
   def _floor(self, batch) -> budgets.Fit:
     """The risk-free subset's own fit (the search its own manager runs, so its plan), once: it ignores risks."""
-    subset = methods.RISK_FREE_SUBSET[self.method]
+    subset = self.record.risk_free_subset
     self._floor_fit = self._floor_fit or self._fit_to_budget(lambda a: self._plan(0, a, method=subset), batch)
     return self._floor_fit
 
@@ -344,9 +345,9 @@ class MemoryManager:
     fit_s, chosen = 0.0, []
     for batch, key in zip(minibatches, keys):
       bucket = 0
-      if self.method == "hilore":
+      if self.record.exposure:
         bucket = self.bucket_for(key)
-      if bucket not in self.state.verified and self.method != "none":
+      if bucket not in self.state.verified and self.record.fixed is not model.NO_REMAT:
         if defer:
           self.pending_fits.setdefault(bucket, batch)
           chosen.append((bucket, None))
@@ -385,7 +386,7 @@ class MemoryManager:
         log.info("memory (%s): set-up reused from %s (no profile, calibration or probe compiles)", self.method,
                  self.store.path)
     cal = self.state.calibration if self.state else None
-    stale = cal is not None and self.method == "hilore" and mc.buckets > 1 and not cal.profile
+    stale = cal is not None and self.record.exposure and mc.buckets > 1 and not cal.profile
     if stale:
       log.warning("memory: the checkpoint's hilore calibration predates per-unit exposure: recalibrating")
     other = cal is not None and (cal.risk_metric, cal.predictor) != (mc.risk_metric, mc.exposure.predictor)
@@ -394,7 +395,7 @@ class MemoryManager:
                   cal.risk_metric, cal.predictor, mc.risk_metric, mc.exposure.predictor)
     due = mc.refresh_every and self.state is not None and step - self.state.calibrated_at >= mc.refresh_every
     self._drift_values, drifted = {}, []
-    if cal is not None and self.method in methods.CALIBRATED and not (stale or other or due):
+    if cal is not None and self.record.calibrated and not (stale or other or due):
       drifted = self._drift(params, minibatches, step, logp, opt_state)
     if self.state is None and mc.warmup == "gc":
       if not self.pending_setup:
@@ -441,7 +442,7 @@ class MemoryManager:
     and fit the set-up step's buckets; fit the buckets the step deferred. Returns the seconds taken."""
     t0, setup, now = time.perf_counter(), self.pending_setup, minibatches
     contexts = None
-    if setup and self.method in methods.CALIBRATED:
+    if setup and self.record.calibrated:
       self.collector.add(params, minibatches, logp, opt_state)
       if not self.collector.ready():
         log.info("memory (%s): calibration minibatches from %d of %d rollouts; step %d runs full checkpointing too",
