@@ -26,6 +26,7 @@ import numpy as np
 from hilore_jax import engine, model, optim, sharding, step_hooks
 from hilore_jax.bench import projection
 from hilore_jax.config import Config
+from hilore_jax.errors import ConfigError
 from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.memory.state import Calibration
 from hilore_jax.model import units as U
@@ -68,7 +69,7 @@ def load_shape(name: str, settings: Settings = Settings()) -> model.ModelConfig:
   """A model shape from configs/shapes/<name>.json (the fields of its HF config.json) or a config.json path."""
   path = name if name.endswith(".json") else os.path.join(SHAPES_DIR, f"{name}.json")
   if not os.path.exists(path):
-    raise ValueError(f"unknown shape {name!r}: known shapes are {', '.join(shape_names())} (or a config.json path)")
+    raise ConfigError(f"unknown shape {name!r}: known shapes are {', '.join(shape_names())} (or a config.json path)")
   with open(path) as f:
     d = json.load(f)
   return from_hf_dict(d, settings.dtype, settings.param_dtype)
@@ -107,7 +108,7 @@ def device_bytes(tree) -> int:
 def make_mesh(devices: int):
   """An fsdp mesh over the first `devices` devices (the rest of a forced-device process stays idle)."""
   if devices > jax.device_count():
-    raise ValueError(f"{devices} devices asked for, {jax.device_count()} present: set XLA_FLAGS="
+    raise ConfigError(f"{devices} devices asked for, {jax.device_count()} present: set XLA_FLAGS="
                      f"--xla_force_host_platform_device_count={devices} before JAX starts (train.capacity does)")
   return jax.make_mesh((1, devices), (sharding.DATA, sharding.FSDP), axis_types=(jax.sharding.AxisType.Auto,) * 2,
                        devices=jax.devices()[:devices])
