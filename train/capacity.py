@@ -34,14 +34,11 @@ def _numbers(flag: str, text: str, kind=float) -> list:
 
 
 def body(args):
-  devices = _numbers("--devices", args.devices, int)
-  budgets = _numbers("--budgets-gib", args.budgets_gib)
-  if max(devices) > 1 and not runtime.configure_xla_flags(
-      (f"--xla_force_host_platform_device_count={max(devices)}",)):
-    raise ConfigError("JAX started before train.capacity could force its CPU devices")
   from hilore_jax.bench import capacity, capacity_run
   from hilore_jax.model.config import ATTENTION_KERNELS
 
+  devices = _numbers("--devices", args.devices, int)
+  budgets = _numbers("--budgets-gib", args.budgets_gib)
   shapes = _list("--shapes", args.shapes)
   unknown = [s for s in shapes if not (s.endswith(".json") and os.path.exists(s)) and s not in capacity.shape_names()]
   if unknown:
@@ -50,11 +47,15 @@ def body(args):
   methods = _list("--methods", args.methods, list(capacity.METHODS))
   growth = _list("--growth-methods", args.growth_methods, list(capacity.METHODS)) if args.growth_methods else []
   attention = _list("--attention", args.attention, ATTENTION_KERNELS)
-  runtime.enable_compilation_cache()
   if args.grid <= 0:
     raise ConfigError(f"--grid must be positive, got {args.grid}")
-  settings = capacity.Settings(grid=args.grid)
-  capacity_run.run(args.out, shapes, methods, budgets, devices, attention, growth, settings, cli.progress)
+  # the forced CPU devices of the fsdp mesh: XLA reads the flag when its backend starts, so before any computation
+  if max(devices) > 1 and not runtime.configure_xla_flags(
+      (f"--xla_force_host_platform_device_count={max(devices)}",)):
+    raise ConfigError("JAX started before train.capacity could force its CPU devices")
+  runtime.enable_compilation_cache()
+  capacity_run.run(args.out, shapes, methods, budgets, devices, attention, growth, capacity.Settings(grid=args.grid),
+                   cli.progress)
   cli.print_files(args.out, "capacity.md")
 
 

@@ -63,7 +63,8 @@ class Grid:
     s = self.settings
     found = search.longest(
         lambda t: self.point(shape, method, ratio, attention, devices, t)["device_bytes"], int(budget_gib * GiB),
-        s.grid, self.cap(shape), max(s.grid, 1024 - s.prompt_len), self.cache.series(prefix, "device_bytes"))
+        s.grid, self.cap(shape), max(s.grid, (1024 - s.prompt_len) // s.grid * s.grid),
+        self.cache.series(prefix, "device_bytes"))
     return {"shape": shape, "method": method, "budget_ratio": ratio, "attention": attention, "devices": devices,
             "budget_gib": budget_gib, "longest_completion": found.longest, "capped": found.capped,
             "points_compiled": found.compiled}
