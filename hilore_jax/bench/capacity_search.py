@@ -75,7 +75,7 @@ def longest(peak_of: Callable[[int], int], budget: int, grid: int, cap: int, sta
       continue
     pred = predict(points, budget)
     if hi is None:
-      t = snap(pred) if pred is not None and pred > lo + grid else 2 * lo
+      t = snap(pred) if pred is not None and pred > lo else 2 * lo  # just past lo: its next grid step
       probe(min(max(t, lo + grid), cap))
       continue
     width = hi - lo
