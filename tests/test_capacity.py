@@ -1,6 +1,7 @@
 """The capacity tool: the search on known peak curves, then a tiny odd shape compiled for real (compile-only): the
 boundary it finds, the cache a rerun reads, capacity.json's schema; bad command lines fail with one clear line."""
 
+import dataclasses
 import json
 import os
 
@@ -66,7 +67,7 @@ def test_the_compiled_search_stops_at_the_boundary(tiny):
   (row,) = result["rows"]
   T = row["longest_completion"]
   assert T >= 24 and not row["capped"]
-  cache = search.PointCache(os.path.join(out, "capacity_cache.json"), dict(vars(SETTINGS)))
+  cache = search.PointCache(os.path.join(out, "capacity_cache.json"), SETTINGS.programs())
   pts = cache.series(capacity_run.point_key(shape, "gc", None, "xla", 1), "device_bytes")
   budget = int(budget_gib * capacity_run.GiB)
   assert pts[T] <= budget < pts[T + SETTINGS.grid]
@@ -79,8 +80,10 @@ def test_a_rerun_compiles_nothing(tiny):
   assert again == {**result["rows"][0], "points_compiled": 0}
   assert grid.growth(shape, "gc", None, "xla", (16, 32, 48)) == result["growth"][0]
   assert grid.compiled == 0
-  other = capacity_run.Grid(out, C.Settings(prompt_len=8, rows=2, grid=16), progress=lambda s: None)
+  other = capacity_run.Grid(out, dataclasses.replace(SETTINGS, rows=4), progress=lambda s: None)
   assert other.cache.points == {}  # other settings: other programs
+  wider = capacity_run.Grid(out, dataclasses.replace(SETTINGS, grid=16, max_completion=64), measurer=object())
+  assert wider.cache.points == grid.cache.points and wider.cap(shape) == 64  # the search's own settings share points
 
 
 def test_capacity_json_schema(tiny):
@@ -107,6 +110,7 @@ def test_capacity_json_schema(tiny):
     (["--devices", "1,two"], "--devices must be comma-separated integers"),
     (["--attention", "flash"], "--attention: unknown ['flash']"),
     (["--grid", "0"], "--grid must be positive"),
+    (["--max-completion", "0"], "--max-completion must be positive"),
 ])
 def test_bad_command_lines_say_what_is_wrong(tmp_path, argv, message):
   with pytest.raises(SystemExit) as e:

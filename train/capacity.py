@@ -47,15 +47,16 @@ def body(args):
   methods = _list("--methods", args.methods, list(capacity.METHODS))
   growth = _list("--growth-methods", args.growth_methods, list(capacity.METHODS)) if args.growth_methods else []
   attention = _list("--attention", args.attention, ATTENTION_KERNELS)
-  if args.grid <= 0:
-    raise ConfigError(f"--grid must be positive, got {args.grid}")
+  for flag, value in (("--grid", args.grid), ("--max-completion", args.max_completion)):
+    if value is not None and value <= 0:
+      raise ConfigError(f"{flag} must be positive, got {value}")
   # the forced CPU devices of the fsdp mesh: XLA reads the flag when its backend starts, so before any computation
   if max(devices) > 1 and not runtime.configure_xla_flags(
       (f"--xla_force_host_platform_device_count={max(devices)}",)):
     raise ConfigError("JAX started before train.capacity could force its CPU devices")
   runtime.enable_compilation_cache()
-  capacity_run.run(args.out, shapes, methods, budgets, devices, attention, growth, capacity.Settings(grid=args.grid),
-                   cli.progress)
+  settings = capacity.Settings(grid=args.grid, max_completion=args.max_completion)
+  capacity_run.run(args.out, shapes, methods, budgets, devices, attention, growth, settings, cli.progress)
   cli.print_files(args.out, "capacity.md")
 
 
@@ -71,7 +72,9 @@ def main(argv=None):
                cli.arg("--attention", default="xla,blockwise", help="model.attention kernels"),
                cli.arg("--growth-methods", default="gc", help="methods whose bytes are tabled at 1024/2048/4096 "
                        "tokens per row ('' for none)"),
-               cli.arg("--grid", default=64, type=int, help="the search's step in completion tokens")])
+               cli.arg("--grid", default=64, type=int, help="the search's step in completion tokens"),
+               cli.arg("--max-completion", type=int, help="the search's cap in completion tokens (default: the "
+                       "shape's max_position_embeddings - 256)")])
 
 
 if __name__ == "__main__":

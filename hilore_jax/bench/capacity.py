@@ -58,7 +58,11 @@ class Settings:
   group_size: int = 64  # int8 codes' group
   budget_probes: int = 2  # compiles per plan's budget fit
   grid: int = 64  # the search's step in completion tokens
-  max_completion: int = 32768  # and its cap (also max_position_embeddings - prompt_len)
+  max_completion: int | None = None  # and its cap; None: the shape's max_position_embeddings - prompt_len
+
+  def programs(self) -> dict:
+    """The fields the compiled programs depend on (the point cache's settings): not the search's grid or cap."""
+    return {k: v for k, v in vars(self).items() if k not in ("grid", "max_completion")}
 
 
 def shape_names() -> list[str]:

@@ -38,7 +38,7 @@ class Grid:
     os.makedirs(out_dir, exist_ok=True)
     self.out_dir, self.settings, self.progress = out_dir, settings, progress
     self.measurer = measurer or C.Measurer(settings)
-    self.cache = search.PointCache(os.path.join(out_dir, "capacity_cache.json"), dict(vars(settings)))
+    self.cache = search.PointCache(os.path.join(out_dir, "capacity_cache.json"), settings.programs())
     self.compiled = 0
 
   def point(self, shape: str, method: str, ratio, attention: str, devices: int, completion: int) -> dict:
@@ -55,8 +55,10 @@ class Grid:
     return rec
 
   def cap(self, shape: str) -> int:
-    mcfg = C.load_shape(shape, self.settings)
-    return min(self.settings.max_completion, mcfg.max_position_embeddings - self.settings.prompt_len)
+    """The search's cap: --max-completion, else the shape's context less the prompt."""
+    if self.settings.max_completion:
+      return self.settings.max_completion
+    return C.load_shape(shape, self.settings).max_position_embeddings - self.settings.prompt_len
 
   def longest(self, shape, method, ratio, attention, devices, budget_gib: float) -> dict:
     prefix = point_key(shape, method, ratio, attention, devices)
