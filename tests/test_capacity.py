@@ -116,3 +116,14 @@ def test_bad_command_lines_say_what_is_wrong(tmp_path, argv, message):
   with pytest.raises(SystemExit) as e:
     entry.main(["--out", str(tmp_path), *argv])
   assert message in str(e.value) and str(e.value).startswith("config error:")
+
+
+@pytest.mark.slow
+def test_a_budgeted_plan_stays_within_its_ratio_of_gc(tiny):
+  """hilore (uncalibrated risk) at 1.00x: its compiled peak within GC's at the same T, the whole step's bytes too."""
+  shape, out, _, _ = tiny
+  grid = capacity_run.Grid(out, SETTINGS, progress=lambda s: None)
+  gc = grid.point(shape, "gc", None, "xla", 1, 24)
+  planned = grid.point(shape, "hilore", 1.0, "xla", 1, 24)
+  assert planned["peak_bytes"] <= gc["peak_bytes"]
+  assert planned["device_bytes"] <= gc["device_bytes"] + (gc["device_bytes"] - gc["peak_bytes"]) * 0.01
