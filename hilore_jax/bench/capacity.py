@@ -131,15 +131,18 @@ class Measurer:
                                                                      budget_probes=s.budget_probes, cache=False))
 
   def engine(self, mcfg: model.ModelConfig, devices: int):
+    """The engine of one (shape and kernel, devices), the last one only: every XLA:CPU executable holds mapped code,
+    and a grid's hundreds of probes would exhaust the process's maps (engine.Stepper's probe cache says more)."""
     key = (mcfg, devices)
     if key not in self._engines:
+      self._engines.clear()
       cfg = self.config()
       mesh = make_mesh(devices)
       lr = optim.schedule(cfg.optimizer, 1000)
       opt = optim.make_optimizer(cfg.optimizer, 1000, lr)
       params = jax.eval_shape(lambda k: model.init_params(mcfg, k, cfg.model.init_std), jax.random.PRNGKey(0))
       state, state_sh = engine.init_state(mesh, opt, params, None)
-      stepper = engine.Stepper(mesh, opt, state, state_sh)
+      stepper = engine.Stepper(mesh, opt, state, state_sh, probe_cache=4)
       self._engines[key] = (cfg, stepper)
     return self._engines[key]
 
