@@ -128,8 +128,15 @@ def planned(cfg: Config, mcfg: model.ModelConfig, rows: int, prompt_len: int, co
   prof = projected_profile(mcfg, *hooks.batch_shape(batch), cfg.memory.group_size, device)
   for method in (m for m in methods_ if m not in ("none", "gc")):
     for ratio in ratios:
-      mm = MemoryManager(cfg.memory.at_budget(ratio, method), hooks)
-      mm.load_state(ManagerState(gc_bytes, budgets.budget_bytes(gc_bytes, ratio), prof, 0), "projected profile")
-      (alloc,) = mm.allocate([batch])
-      plans[method, ratio] = alloc.policies
+      plans[method, ratio] = fit_plan(cfg.memory, hooks, batch, method, ratio, gc_bytes, prof)
   return plans
+
+
+def fit_plan(mc, hooks, batch, method: str, ratio: float, gc_bytes: int, prof: dict, calibration=None) -> tuple:
+  """One method's per-layer policies at `ratio` x GC's compiled peak, fitted on the compiled step (no gradient
+  runs): the op times of `prof` (projected_profile), the unit risks of `calibration` (None: an uncalibrated method)."""
+  mm = MemoryManager(mc.at_budget(ratio, method), hooks)
+  mm.load_state(ManagerState(gc_bytes, budgets.budget_bytes(gc_bytes, ratio), prof, 0, calibration),
+                "projected profile")
+  (alloc,) = mm.allocate([batch])
+  return alloc.policies
