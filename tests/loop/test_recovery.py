@@ -22,7 +22,7 @@ from train import grpo as grpo_main
 import repo
 
 ROOT = repo.ROOT
-WORKER = os.path.join(ROOT, "tests", "crash_worker.py")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_worker.py")  # beside this test
 TMP = ".orbax-checkpoint-tmp"
 RUN = ["eval.at_start=false", "eval.at_end=false", "checkpoint.every=1", "checkpoint.keep=2"]
 
