@@ -76,11 +76,10 @@ def test_packed_loss_and_gradient_equal_the_unpacked_minibatch(loss_agg):
   want_g, want_m = jax.jit(lambda p, b: train_step.gradient_step(p, b, spec))(params, batch)
   micros = token_budget.plan(LENGTHS, P, token_budget.bucket_caps(N, 3), budget=3 * (P + N), max_rows=B)
   assert {m.cap for m in micros} > {N}  # shorter buckets are used
-  run = jax.jit(lambda p, b, r, lv, n, a, cap: train_step.packed_gradient(p, b, r, lv, n, a, spec, cap),
-                static_argnums=6)
+  run = jax.jit(lambda p, b, i, n, a, cap: train_step.packed_gradient(p, b, i, n, a, spec, cap), static_argnums=5)
   acc, norm = jax.jit(train_step.packed_start)(params, batch)
   for m in micros:
-    acc = run(params, batch, m.rows, m.live, norm, acc, m.cap)
+    acc = run(params, batch, m.arrays(), norm, acc, m.cap)
   grads, stats, logp = acc
   got_m = train_step.step_metrics({**stats, train_step.TOKEN_LOGP: logp})
   assert _rel(got_m["loss"], want_m["loss"]) <= 1e-5
