@@ -3,8 +3,6 @@ microbatch gathers a table of its own rows' distinct prompts, and loss, gradient
 unshared minibatch's (float32, relative 1e-5) for every loss aggregation, with left padding and partial groups; the
 packed program computes each prompt once; a run with both on updates as one with both off."""
 
-import os
-
 import jax
 import numpy as np
 import optax
@@ -138,8 +136,8 @@ def test_a_run_with_budget_and_sharing_updates_as_one_with_both_off(tmp_path):
   from test_token_budget import _run
 
   off, rows_off = _run(tmp_path / "off", "train.share_prompt=false")
-  # 6 rows at the cap (6 + 7 tokens), 8 at 4, 10 at 2: tables of 4 for 3 prompts; the log-prob passes 4 rows at
-  # the cap (unshared: a table of 4 is no smaller), 5 at 4, 6 at 2
+  # 6 rows at the cap (6 + 7 tokens), 8 at 4, 10 at 2: tables of 4 for the 3 prompts (the run's bound); the
+  # log-prob passes 4 rows at the cap (unshared: a table of 4 is no smaller), 5 at 4, 6 at 2
   on, rows_on = _run(tmp_path / "on", "train.max_tokens_per_microbatch=80", "train.max_tokens_per_logprob_pass=52")
   assert off.packer is None and not off.share_prompt and on.share_prompt
   differ = ("budget/", "completion_len/", "tokens/computed")
@@ -151,8 +149,6 @@ def test_a_run_with_budget_and_sharing_updates_as_one_with_both_off(tmp_path):
     assert a["tokens/computed"] == a["tokens/unshared"] == b["tokens/unshared"] > b["tokens/computed"]
   for x, y in zip(jax.tree.leaves(on.state["params"]), jax.tree.leaves(off.state["params"])):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
-  # packed gradient programs with a table compiled, short buckets in both passes
+  # packed gradient programs with a table compiled; the log-prob passes ran short buckets (shared: 5 and 6 rows)
   assert any(", 4 prompts" in e["reason"] for e in on.stepper.compile_log), on.stepper.compile_log
-  for kind in ("grad", "logp"):
-    assert min(cap for k, _, cap in on.packer.shapes if k == kind) < 7, on.packer.shapes
-  assert os.path.exists(tmp_path / "on" / "metrics.jsonl")
+  assert min(cap for k, _, cap in on.packer.shapes if k == "logp") < 7, on.packer.shapes
