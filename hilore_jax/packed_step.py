@@ -1,7 +1,7 @@
 """The token budget's compiled programs (rl/token_budget.py): per microbatch shape a packed gradient program (gather
-the rows, gradient, add to a donated accumulator) and a packed log-prob forward; the update program (clipping, the
-optimizer) runs once per minibatch, on its accumulated gradient. Gradient programs are counted and logged on the
-engine's Stepper like the unpacked ones."""
+the rows, and with a shared prompt the microbatch's prompt table; gradient; add to a donated accumulator) and a
+packed log-prob forward; the update program (clipping, the optimizer) runs once per minibatch, on its accumulated
+gradient. Gradient programs are counted and logged on the engine's Stepper like the unpacked ones."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class PackedStepper:
 
   def _abstract(self, batch: UpdateBatch, micro: token_budget.Micro):
     batch_sh, rep, _ = self._shardings(batch)
-    idx = jax.ShapeDtypeStruct(micro.rows.shape, jnp.int32, sharding=rep)
+    idx = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.int32, sharding=rep), micro.arrays())
     return abstract(batch, batch_sh), idx
 
   def _start(self, batch: UpdateBatch):
@@ -52,24 +52,26 @@ class PackedStepper:
 
   def _gradient(self, spec: StepSpec, batch: UpdateBatch, micro: token_budget.Micro):
     """(the packed gradient program of micro's shape, its peak bytes: temp plus the accumulator it writes)."""
-    key = ("grad", spec, batch.signature(), micro.shape)
+    key = ("grad", spec, batch.signature(), micro.key)
     if key not in self._programs:
       t0, st = time.perf_counter(), self.stepper
       batch_sh, rep, acc_sh = self._shardings(batch)
       cap = micro.cap
-      fn = jax.jit(lambda p, b, r, lv, n, a: train_step.packed_gradient(p, b, r, lv, n, a, spec, cap),
-                   in_shardings=(st.state_shardings["params"], batch_sh, rep, rep, rep, acc_sh),
-                   out_shardings=acc_sh, donate_argnums=5)
+      fn = jax.jit(lambda p, b, i, n, a: train_step.packed_gradient(p, b, i, n, a, spec, cap),
+                   in_shardings=(st.state_shardings["params"], batch_sh, rep, rep, acc_sh),
+                   out_shardings=acc_sh, donate_argnums=4)
       b_abs, idx = self._abstract(batch, micro)
       acc_abs = jax.eval_shape(train_step.packed_start, st.state_abstract["params"], b_abs)
       acc = abstract(acc_abs[0], acc_sh)
       norm = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=rep)
-      compiled = fn.lower(st.state_abstract["params"], b_abs, idx, idx, norm, acc).compile()
+      compiled = fn.lower(st.state_abstract["params"], b_abs, idx, norm, acc).compile()
       temp, out = _memory(compiled)
       self._programs[key] = (compiled, temp + out)
       self.shapes.add(("grad", *micro.shape))
       st.compile_count += 1
-      entry = {"count": st.compile_count, "reason": f"token budget: {micro.shape[0]} rows x {cap} completion tokens",
+      shared = "" if micro.table is None else f", {len(micro.table)} prompts"
+      entry = {"count": st.compile_count,
+               "reason": f"token budget: {micro.shape[0]} rows x {cap} completion tokens{shared}",
                "seconds": time.perf_counter() - t0, "peak_bytes": temp + out, "batch": f"packed {list(micro.shape)}"}
       st.compile_log.append(entry)
       log.info("compiled packed gradient program #%d (%s) in %.1fs, peak %d bytes", entry["count"], entry["reason"],
@@ -86,7 +88,7 @@ class PackedStepper:
     peak = 0
     for spec_m, m in zip(specs, micros):
       program, bytes_ = self._gradient(spec_m, batch, m)
-      acc = program(state["params"], batch, m.rows, m.live, norm, acc)
+      acc = program(state["params"], batch, m.arrays(), norm, acc)
       peak = max(peak, bytes_)
     grads, stats, logp = acc
     update = self.stepper.update_program(spec, batch)
@@ -104,17 +106,17 @@ class PackedStepper:
     batch_sh, rep, acc_sh = self._shardings(seqs)
     acc = None
     for m in micros:
-      key = ("logp", spec, seqs.signature(), m.shape)
+      key = ("logp", spec, seqs.signature(), m.key)
       if key not in self._programs:
         cap = m.cap
-        fn = jax.jit(lambda p, b, r, lv, a: train_step.packed_logprobs(spec, p, b, r, lv, a, cap),
-                     in_shardings=(self.stepper.state_shardings["params"], batch_sh, rep, rep, acc_sh[2]),
-                     out_shardings=acc_sh[2], donate_argnums=4)
+        fn = jax.jit(lambda p, b, i, a: train_step.packed_logprobs(spec, p, b, i, a, cap),
+                     in_shardings=(self.stepper.state_shardings["params"], batch_sh, rep, acc_sh[2]),
+                     out_shardings=acc_sh[2], donate_argnums=3)
         b_abs, idx = self._abstract(seqs, m)
         logp_abs = jax.ShapeDtypeStruct(seqs.tokens.shape, jnp.float32, sharding=acc_sh[2])
-        self._programs[key] = (fn.lower(self.stepper.state_abstract["params"], b_abs, idx, idx, logp_abs).compile(), 0)
+        self._programs[key] = (fn.lower(self.stepper.state_abstract["params"], b_abs, idx, logp_abs).compile(), 0)
         self.shapes.add(("logp", *m.shape))
       if acc is None:
         acc = jax.device_put(jnp.zeros(seqs.tokens.shape, jnp.float32), acc_sh[2])
-      acc = self._programs[key][0](params, seqs, m.rows, m.live, acc)
+      acc = self._programs[key][0](params, seqs, m.arrays(), acc)
     return acc if acc is not None else jax.device_put(jnp.zeros(seqs.tokens.shape, jnp.float32), acc_sh[2])

@@ -29,7 +29,7 @@ from hilore_jax.shaped_memory import ShapedMemory
 from hilore_jax.tasks import prompts
 
 log = logging.getLogger(__name__)
-_gather = jax.jit(token_budget.gather, static_argnums=3)  # a microbatch of a placed minibatch (the memory manager's)
+_gather = jax.jit(token_budget.gather, static_argnums=2)  # a microbatch of a placed minibatch (the memory manager's)
 _columns = jax.jit(lambda x, rows, cap: x[rows, :cap], static_argnums=2)
 
 
@@ -104,9 +104,8 @@ class Trainer:
     if micro % n_shards:
       raise ConfigError(f"train.microbatch_size ({micro}) must be divisible by the {n_shards} devices of the mesh")
     self.packer, self._row_lengths, self._prompt_lengths = self._token_budget(n_shards), [], []
-    # a group's prompt computed once where it is exact; the packed microbatches of the token budget gather rows of
-    # their own and carry no prompt table yet, so a budgeted run computes each row's prompt
-    self.share_prompt = c.train.share_prompt and self.packer is None
+    # a group's prompt computed once (the token budget's packed microbatches each gather a table of their own)
+    self.share_prompt, self._prompt_keys = c.train.share_prompt, []
     self.memory = None
     if methods.REGISTRY[c.memory.policy].fixed is None:
       hooks = step_hooks.memory_hooks(self.stepper, self.spec, c.optimizer.max_grad_norm)
@@ -146,15 +145,18 @@ class Trainer:
     if not budget:
       return None
     caps = token_budget.bucket_caps(c.rollout.max_new_tokens, c.train.length_buckets)
-    return token_budget.plan(self._row_lengths[i], c.rollout.max_prompt_len, caps, budget, c.minibatch_size,
-                             sharding.num_batch_shards(self.engine.mesh))
+    micros = token_budget.plan(self._row_lengths[i], c.rollout.max_prompt_len, caps, budget, c.minibatch_size,
+                               sharding.num_batch_shards(self.engine.mesh))
+    if self.share_prompt:
+      micros = token_budget.share(micros, self._prompt_keys[i], prompt_share.max_distinct(c))
+    return micros
 
   def memory_batches(self, batches: list, plans: list, logp=None) -> tuple[list, list | None]:
     """(batches, logp), or with the token budget their microbatches, gathered on the devices, and logp's slices of
     them: what the memory manager plans for (shaped_memory.py: one manager per microbatch shape)."""
     if not plans or plans[0] is None:
       return batches, logp
-    micro = [_gather(b, m.rows, m.live, m.cap) for b, p in zip(batches, plans) for m in p]
+    micro = [_gather(b, m.arrays(), m.cap) for b, p in zip(batches, plans) for m in p]
     if logp is not None:
       logp = [None if x is None else _columns(x, m.rows, m.cap) for x, p in zip(logp, plans) for m in p]
     return micro, logp
@@ -254,6 +256,7 @@ class Trainer:
     self._row_lengths = [b.mask.sum(1) for b in minibatches]
     self._prompt_lengths = [b.prompt_mask.sum(1) for b in minibatches]
     if self.share_prompt:
+      self._prompt_keys = [prompt_share.prompt_keys(b) for b in minibatches]
       minibatches = prompt_share.share_all(minibatches, self.spec.microbatches, prompt_share.max_distinct(self.config))
     return [self.place(b) for b in minibatches], stats
 
@@ -423,7 +426,7 @@ class Trainer:
       raise TrainingDiverged(f"non-finite loss or gradient at step {step + 1} (loss={row['loss']}, "
                              f"grad_norm={row['grad_norm']})")
     row.update(metrics.reduce_allocations(alloc_rows))
-    computed, tokens = (n * c.grpo.num_iterations for n in prompt_share.step_tokens(minibatches))
+    computed, tokens = (n * c.grpo.num_iterations for n in token_budget.step_tokens(minibatches, plans))
     row.update({"tokens/computed": computed, "tokens/unshared": tokens})
     row.update(self.budget_metrics(minibatches, plans))
     if peaks:

@@ -39,6 +39,11 @@ def _slices(batch: UpdateBatch, microbatches: int) -> tuple[list[np.ndarray], li
   return firsts, inverses
 
 
+def prompt_keys(batch: UpdateBatch) -> np.ndarray:
+  """[B] int: each row's prompt as an id, equal for rows of equal prompts (the token budget's tables read them)."""
+  return _slices(batch, 1)[1][0]
+
+
 def distinct_prompts(batch: UpdateBatch, microbatches: int = 1) -> int:
   """The most distinct prompts any microbatch slice of batch holds."""
   return max(len(f) for f in _slices(batch, microbatches)[0])
@@ -91,12 +96,6 @@ def token_counts(batch: UpdateBatch) -> tuple[int, int]:
   if not shared(batch):
     return unshared_tokens, unshared_tokens
   return batch.prompt_table.shape[0] * batch.prompt_len + batch.rows * batch.completion_len, unshared_tokens
-
-
-def step_tokens(batches: list[UpdateBatch]) -> tuple[int, int]:
-  """token_counts summed over a step's minibatches (one pass)."""
-  counts = [token_counts(b) for b in batches]
-  return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
 
 def field_shardings(batch, split, rep):

@@ -5,7 +5,9 @@ The minibatch is unchanged: the plan (host numpy, from its rows' completion leng
 microbatch holds, and the programs gather them on the device (`gather`) and scatter per-row results back into the
 minibatch's [B, N] layout (`scatter`), so the loss normalisers and the row order are those of the unpacked update.
 Each bucket's microbatches have one row count (the last padded with zero-weight dummy slots), so a run compiles at
-most one program per bucket and pass.
+most one program per bucket and pass. With a shared prompt (rl/prompt_share.py) each microbatch also says which of
+its rows hold its distinct prompts (`share`): the programs gather that table from the minibatch's rows too, one
+table length per row count, so the shapes stay fixed.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from hilore_jax.rl import prompt_share
 from hilore_jax.rl.update_batch import UpdateBatch
 
 COLUMN_FIELDS = ("tokens", "mask", "old_logp", "ref_logp")  # the [B, N] fields a bucket's cap cuts
@@ -27,10 +30,26 @@ class Micro:
   rows: np.ndarray  # [R] int32 row indices into the minibatch; a dummy slot repeats a real row
   live: np.ndarray  # [R] int32: 0 on dummy slots (no token counts, zero weight)
   cap: int  # completion columns kept (every real row's completion fits)
+  # a shared prompt: [U] int32 minibatch rows holding its distinct prompts (padded with a copy no slot indexes) and
+  # [R] int32 each slot's entry among them; None: every row computes its own prompt
+  table: np.ndarray | None = None
+  index: np.ndarray | None = None
 
   @property
   def shape(self) -> tuple[int, int]:
     return len(self.rows), self.cap
+
+  @property
+  def key(self) -> tuple[int, int, int]:
+    """What a compiled program of this microbatch depends on: (rows, cap, table length or 0)."""
+    return len(self.rows), self.cap, 0 if self.table is None else len(self.table)
+
+  def arrays(self) -> dict[str, np.ndarray]:
+    """The index arrays a packed program takes (replicated on the mesh)."""
+    out = {"rows": self.rows, "live": self.live}
+    if self.table is not None:
+      out.update(table=self.table, index=self.index)
+    return out
 
 
 def bucket_caps(max_new_tokens: int, n: int) -> tuple[int, ...]:
@@ -82,29 +101,66 @@ def plan(lengths_B, prompt_len: int, caps: tuple[int, ...], budget: int, max_row
   return out
 
 
+def share(micros: list[Micro], prompt_keys_B, distinct: int) -> list[Micro]:
+  """micros with the table of their distinct prompts (prompt_keys_B: each minibatch row's prompt, equal ids for
+  equal prompts), prompt_share.table_size(distinct) entries at most the rows (distinct: the run's bound, so a row
+  count has one table length); a microbatch whose table would not be below its rows stays unshared."""
+  keys = np.asarray(prompt_keys_B)
+  out = []
+  for m in micros:
+    _, first, inverse = np.unique(keys[m.rows], return_index=True, return_inverse=True)
+    size = prompt_share.table_size(max(distinct, len(first)), len(m.rows))
+    if size >= len(m.rows):
+      out.append(m)
+      continue
+    table = m.rows[np.pad(first, (0, size - len(first)), mode="edge")]
+    out.append(dataclasses.replace(m, table=table.astype(np.int32), index=inverse.reshape(-1).astype(np.int32)))
+  return out
+
+
 def positions(micros: list[Micro], prompt_len: int) -> int:
-  """Sequence positions the microbatches compute (real and padded)."""
+  """Sequence positions the microbatches hold (real and padded), every row with its own prompt."""
   return sum(m.shape[0] * (prompt_len + m.cap) for m in micros)
 
 
-def gather(batch: UpdateBatch, rows_R, live_R, cap: int) -> UpdateBatch:
-  """The microbatch [R, P + cap]: rows_R of batch, completion columns cut to cap, dummy slots (live 0) masked
-  and zero-weighted. Cutting columns past every row's completion changes no earlier position (causal)."""
+def computed_positions(micros: list[Micro], prompt_len: int) -> int:
+  """Token positions the microbatches compute: a shared one's table entries x P + rows x cap."""
+  return sum(len(m.rows) * (prompt_len + m.cap) if m.table is None else len(m.table) * prompt_len + len(m.rows) * m.cap
+             for m in micros)
+
+
+def step_tokens(batches: list[UpdateBatch], plans: list) -> tuple[int, int]:
+  """(token positions one gradient pass over a step's minibatches computes, with packing (plans: each minibatch's
+  microbatches, or None) and sharing; the positions without either, rows x (P + N)): tokens/computed and
+  tokens/unshared per pass."""
+  computed = sum(prompt_share.token_counts(b)[0] if m is None else computed_positions(m, b.prompt_len)
+                 for b, m in zip(batches, plans))
+  return computed, sum(prompt_share.token_counts(b)[1] for b in batches)
+
+
+def gather(batch: UpdateBatch, idx: dict, cap: int) -> UpdateBatch:
+  """The microbatch [R, P + cap] of Micro.arrays() idx: rows of batch, completion columns cut to cap, dummy slots
+  (live 0) masked and zero-weighted, and with idx's table its own prompt table (the minibatch's table, if any, is
+  the minibatch's: not carried). Cutting columns past every row's completion changes no earlier position (causal)."""
+  rows_R, live_R = idx["rows"], idx["live"]
   fields = {}
   for f in dataclasses.fields(batch):
     x = getattr(batch, f.name)
-    if x is not None:
+    if x is not None and f.name not in prompt_share.SHARE_FIELDS:
       x = jnp.take(x, rows_R, axis=0)
       x = x[:, :cap] if f.name in COLUMN_FIELDS else x
-    fields[f.name] = x
+      fields[f.name] = x
   fields["mask"] = fields["mask"] * live_R[:, None].astype(fields["mask"].dtype)
-  if fields["adv"] is not None:
+  if "adv" in fields:
     fields["adv"] = fields["adv"] * live_R.astype(fields["adv"].dtype)
+  if "table" in idx:
+    fields.update(prompt_table=jnp.take(batch.prompt_ids, idx["table"], axis=0),
+                  prompt_table_mask=jnp.take(batch.prompt_mask, idx["table"], axis=0), prompt_index=idx["index"])
   return UpdateBatch(**fields)
 
 
-def scatter(acc_BN, rows_R, live_R, values_RC):
+def scatter(acc_BN, idx: dict, values_RC):
   """acc [B, N] with a microbatch's per-token values [R, cap] written to its real rows' first cap columns."""
   B = acc_BN.shape[0]
-  idx = jnp.where(live_R > 0, rows_R, B)  # dummy slots point past the end: dropped
-  return acc_BN.at[idx, :values_RC.shape[1]].set(values_RC.astype(acc_BN.dtype), mode="drop")
+  rows = jnp.where(idx["live"] > 0, idx["rows"], B)  # dummy slots point past the end: dropped
+  return acc_BN.at[rows, :values_RC.shape[1]].set(values_RC.astype(acc_BN.dtype), mode="drop")

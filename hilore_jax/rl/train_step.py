@@ -143,17 +143,18 @@ def gradient_step(params, batch: UpdateBatch, spec: StepSpec):
   return grads, step_metrics(stats)
 
 
-def packed_gradient(params, batch: UpdateBatch, rows_R, live_R, norm, acc, spec: StepSpec, cap: int):
-  """The packed gradient program (the token budget): one microbatch of batch (token_budget.gather) added to acc
-  = (grads, loss sums, token log-probs [B, N] scattered to the minibatch's rows); norm = the whole minibatch's
-  (num_seqs, num_tokens), so the sum over its microbatches is the unpacked minibatch's gradient and loss."""
-  mb = token_budget.gather(batch, rows_R, live_R, cap)
+def packed_gradient(params, batch: UpdateBatch, idx: dict, norm, acc, spec: StepSpec, cap: int):
+  """The packed gradient program (the token budget): one microbatch of batch (token_budget.gather of a Micro's
+  arrays idx, with its prompt table where it has one) added to acc = (grads, loss sums, token log-probs [B, N]
+  scattered to the minibatch's rows); norm = the whole minibatch's (num_seqs, num_tokens), so the sum over its
+  microbatches is the unpacked minibatch's gradient and loss."""
+  mb = token_budget.gather(batch, idx, cap)
   grads, stats = grads_and_stats(params, mb, spec, norm=(norm[0], norm[1]))
   logp = stats.pop(TOKEN_LOGP)
   acc_grads, acc_stats, acc_logp = acc
   grads = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_grads, grads)
   stats = jax.tree.map(jnp.add, acc_stats, stats)
-  return grads, stats, token_budget.scatter(acc_logp, rows_R, live_R, logp)
+  return grads, stats, token_budget.scatter(acc_logp, idx, logp)
 
 
 def packed_start(params, batch: UpdateBatch):
@@ -163,11 +164,11 @@ def packed_start(params, batch: UpdateBatch):
   return acc, jnp.stack(grpo.normalisers(batch.mask))
 
 
-def packed_logprobs(spec: StepSpec, params, batch: UpdateBatch, rows_R, live_R, acc_BN, cap: int):
+def packed_logprobs(spec: StepSpec, params, batch: UpdateBatch, idx: dict, acc_BN, cap: int):
   """The packed log-prob forward: one microbatch's log-probs written into acc [B, N] at its rows."""
-  mb = token_budget.gather(batch.sequences(), rows_R, live_R, cap)
+  mb = token_budget.gather(batch.sequences(), idx, cap)
   logp = completion_logprobs(spec.model_cfg, params, mb, None, spec.logprob_chunk, spec.temperature)[0]
-  return token_budget.scatter(acc_BN, rows_R, live_R, logp)
+  return token_budget.scatter(acc_BN, idx, logp)
 
 
 # the loss sums a packed minibatch accumulates over its microbatches (grads_and_stats' stats but token_logp)

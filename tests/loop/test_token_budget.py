@@ -76,11 +76,10 @@ def test_packed_loss_and_gradient_equal_the_unpacked_minibatch(loss_agg):
   want_g, want_m = jax.jit(lambda p, b: train_step.gradient_step(p, b, spec))(params, batch)
   micros = token_budget.plan(LENGTHS, P, token_budget.bucket_caps(N, 3), budget=3 * (P + N), max_rows=B)
   assert {m.cap for m in micros} > {N}  # shorter buckets are used
-  run = jax.jit(lambda p, b, r, lv, n, a, cap: train_step.packed_gradient(p, b, r, lv, n, a, spec, cap),
-                static_argnums=6)
+  run = jax.jit(lambda p, b, i, n, a, cap: train_step.packed_gradient(p, b, i, n, a, spec, cap), static_argnums=5)
   acc, norm = jax.jit(train_step.packed_start)(params, batch)
   for m in micros:
-    acc = run(params, batch, m.rows, m.live, norm, acc, m.cap)
+    acc = run(params, batch, m.arrays(), norm, acc, m.cap)
   grads, stats, logp = acc
   got_m = train_step.step_metrics({**stats, train_step.TOKEN_LOGP: logp})
   assert _rel(got_m["loss"], want_m["loss"]) <= 1e-5
@@ -145,7 +144,7 @@ def test_a_run_with_the_budget_updates_as_one_without_on_fewer_positions(tmp_pat
   # 3 rows at the cap (6 + 7 tokens) per microbatch; the log-prob passes 2
   on, rows_on = _run(tmp_path / "on", "train.max_tokens_per_microbatch=40", "train.max_tokens_per_logprob_pass=26")
   assert off.packer is None and "budget/microbatches" not in rows_off[0]
-  budget_keys = ("budget/", "completion_len/")
+  budget_keys = ("budget/", "completion_len/", "tokens/computed")  # both share the prompt: packed, fewer positions
   for a, b in zip(stable(rows_off), stable(rows_on)):
     assert set(a) - {k for k in a if k.startswith(budget_keys)} == set(b) - {k for k in b if k.startswith(budget_keys)}
     for k, v in a.items():
