@@ -22,8 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import model, step_hooks
-from hilore_jax import stats
+from hilore_jax import model, stats, step_hooks
 from hilore_jax.bench import exposure_e1, exposure_risk, exposure_sweep
 from hilore_jax.bench.config import ExposureBenchConfig
 from hilore_jax.bench.exposure_report import compare_arms, plot, plot_sweep, report, spearman_summary, where_it_varies
