@@ -2,9 +2,9 @@
 
 Wings: `model/` (decoder, dataflow table, remat policies, L codes, HF and GGUF interop), `memory/` (the HiLoRe
 decisions), `rl/` (GRPO numerics, the train step's pure functions, the update batch, rollouts, sampler, replay),
-`tasks/` (tasks, verifiers, prompts, tokenizers; no JAX), `optim/` (AdamW, LoGRA), `bench/` (benchmarks). At the
-root: the config that composes the wings' sections, the engine (state and compiled steps), the trainer and the
-run's plumbing (checkpoints, metrics, sharding, entry-point helpers).
+`tasks/` (tasks, verifiers, prompts, tokenizers; no JAX), `optim/` (AdamW, LoGRA), `capacity/` (train.capacity's
+compile-only search). At the root: the config that composes the wings' sections, the engine (state and compiled
+steps), the trainer and the run's plumbing (checkpoints, metrics, sharding, entry-point helpers).
 """
 
 from hilore_jax import runtime

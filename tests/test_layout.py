@@ -7,7 +7,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = "hilore_jax"
-WINGS = ("model", "memory", "rl", "tasks", "optim", "bench")
+LAB = "experiments"  # the lab: benchmarks and studies, beside the package and not installed with it
+PACKAGES = (PKG, "train", LAB)  # the walked modules: the library, the user's entry points, the lab
+WINGS = ("model", "memory", "rl", "tasks", "optim")
 # the root config composes the wings' sections; a wing's config imports only leaf constants and checks
 CONFIG_MAY_IMPORT = {"hilore_jax.errors", "hilore_jax.model.config"} | {f"hilore_jax.{w}.config" for w in WINGS}
 WING_CONFIG_MAY_IMPORT = {"hilore_jax.errors", "hilore_jax.config", "hilore_jax.rl.grpo", "hilore_jax.model.codec",
@@ -37,12 +39,12 @@ def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
       continue
     if isinstance(node, ast.Import):
       for a in node.names:
-        if a.name.split(".")[0] == PKG:
+        if a.name.split(".")[0] in PACKAGES:
           out.add(a.name)
         elif not nested:
           out.add(a.name.split(".")[0])
     elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-      if node.module.split(".")[0] != PKG:
+      if node.module.split(".")[0] not in PACKAGES:
         if not nested:
           out.add(node.module.split(".")[0])
         continue
@@ -54,15 +56,25 @@ def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
 
 
 def import_graph(external: bool = False) -> dict[str, set[str]]:
-  """Package module -> the package modules it imports (with external=True, also third-party top-level names)."""
-  files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ROOT, PKG)) for f in fs if f.endswith(".py")]
+  """Module of the library, train/ or the lab -> the modules of those it imports (with external=True, also
+  third-party top-level names)."""
+  files = _files(*PACKAGES)
   modules = {_module_name(f) for f in files}
   graph = {}
   for f in files:
     with open(f) as fh:
       deps = _imports(ast.parse(fh.read()), modules) - {_module_name(f)}
-    graph[_module_name(f)] = deps if external else {d for d in deps if d.startswith(PKG)}
+    graph[_module_name(f)] = deps if external else {d for d in deps if _ours(d)}
   return graph
+
+
+def _files(*packages: str) -> list[str]:
+  return [os.path.join(d, f) for p in packages for d, _, fs in os.walk(os.path.join(ROOT, p)) for f in fs
+          if f.endswith(".py")]
+
+
+def _ours(mod: str) -> bool:
+  return mod.split(".")[0] in PACKAGES
 
 
 def closure(graph: dict[str, set[str]], mod: str) -> set[str]:
@@ -112,12 +124,16 @@ def _in(mod: str, *wings: str) -> bool:
   return any(mod == f"{PKG}.{w}" or mod.startswith(f"{PKG}.{w}.") for w in wings)
 
 
+def _lab(mod: str) -> bool:
+  return mod == LAB or mod.startswith(f"{LAB}.")
+
+
 def violations(graph: dict[str, set[str]]) -> list[str]:
   """Broken rules, one line each (graph may include third-party top-level names: import_graph(external=True))."""
   out = []
   for mod, deps in sorted(graph.items()):
     for dep in sorted(deps):
-      internal = dep.startswith(PKG)
+      internal = _ours(dep)
       if _in(mod, "model") and internal and not _in(dep, "model"):
         out.append(f"{mod} -> {dep}: model/ imports nothing from the package outside itself")
       if mod == "hilore_jax.rl.grpo" and internal:
@@ -129,28 +145,33 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
         out.append(f"{mod} -> {dep}: a wing's config imports only leaf constants and checks")
       # memory/ reads the GRPO numerics (w_t) but reaches the trainer only through StepHooks
       numerics = dep == "hilore_jax.rl.grpo"
-      if _in(mod, "memory") and (dep in TRAINER or _in(dep, "bench") or (_in(dep, "rl") and not numerics)):
-        out.append(f"{mod} -> {dep}: memory/ reaches the trainer only through StepHooks, and never the bench")
-      if _in(mod, "rl") and (dep in TRAINER or _in(dep, "memory", "bench")):
-        out.append(f"{mod} -> {dep}: rl/ is the step's pure functions and data: no trainer, engine, memory or bench")
+      if _in(mod, "memory") and (dep in TRAINER or _in(dep, "capacity") or _lab(dep)
+                                 or (_in(dep, "rl") and not numerics)):
+        out.append(f"{mod} -> {dep}: memory/ reaches the trainer only through StepHooks, and never the capacity "
+                   "tool or the lab")
+      if _in(mod, "rl") and (dep in TRAINER or _in(dep, "memory", "capacity") or _lab(dep)):
+        out.append(f"{mod} -> {dep}: rl/ is the step's pure functions and data: no trainer, engine, memory, "
+                   "capacity tool or lab")
       if _in(mod, "tasks") and internal and not (_in(dep, "tasks") or dep in ("hilore_jax.errors",
                                                                               "hilore_jax.runtime")):
         out.append(f"{mod} -> {dep}: tasks/ imports only itself, errors and runtime")
       if _in(mod, "tasks") and dep in ARRAY_LIBRARIES:
         out.append(f"{mod} -> {dep}: tasks/ imports no JAX (data code runs anywhere)")
-      if _in(dep, "bench") and not _in(mod, "bench"):
-        out.append(f"{mod} -> {dep}: the library never imports the lab (bench/)")
-      if dep == "hilore_jax.trainer" and not mod.startswith(("hilore_jax.bench", "train")):
-        out.append(f"{mod} -> {dep}: only bench/ and train/ import the trainer")
-  internal_graph = {m: {d for d in ds if d.startswith(PKG)} for m, ds in graph.items()}
+      if _lab(dep) and not _lab(mod):
+        out.append(f"{mod} -> {dep}: neither the library nor train/ imports the lab (experiments/ is not installed)")
+      if dep == "hilore_jax.trainer" and not (_lab(mod) or mod.split(".")[0] == "train"):
+        out.append(f"{mod} -> {dep}: only experiments/ and train/ import the trainer")
+  internal_graph = {m: {d for d in ds if _ours(d)} for m, ds in graph.items()}
   out += [f"import cycle: {' -> '.join(c)}" for c in _cycles(internal_graph)]
   return out
 
 
 def test_the_package_keeps_its_import_rules():
   graph = import_graph(external=True)
-  assert {"hilore_jax.model.decoder", "hilore_jax.memory.manager", "hilore_jax.bench.run", "hilore_jax.rl.train_step",
-          "hilore_jax.tasks.task", "hilore_jax.optim.optimizer"} <= set(graph)
+  assert {"hilore_jax.model.decoder", "hilore_jax.memory.manager", "hilore_jax.rl.train_step", "hilore_jax.tasks.task",
+          "hilore_jax.optim.optimizer", "hilore_jax.capacity.measure", "experiments.run", "experiments.bench",
+          "train.grpo", "train.capacity"} <= set(graph)
+  assert "experiments.run" in graph["experiments.bench"]  # a lazy import inside a function counts
   assert violations(graph) == []
   # tasks/ imports no JAX through the package either
   for mod in (m for m in graph if _in(m, "tasks")):
@@ -163,12 +184,17 @@ def test_the_package_keeps_its_import_rules():
     (("hilore_jax.config", "hilore_jax.tasks.task"), "config.py only composes"),
     (("hilore_jax.memory.config", "hilore_jax.memory.manager"), "a wing's config imports only leaf"),
     (("hilore_jax.memory.calibration", "hilore_jax.rl.train_step"), "memory/ reaches the trainer only"),
-    (("hilore_jax.memory.manager", "hilore_jax.bench.report"), "memory/ reaches the trainer only"),
+    (("hilore_jax.memory.manager", "experiments.report"), "memory/ reaches the trainer only"),
+    (("hilore_jax.memory.manager", "hilore_jax.capacity.projection"), "memory/ reaches the trainer only"),
+    (("hilore_jax.rl.rollout", "experiments.synthetic"), "rl/ is the step's pure functions"),
     (("hilore_jax.rl.train_step", "hilore_jax.memory.exposure"), "rl/ is the step's pure functions"),
     (("hilore_jax.tasks.prompts", "hilore_jax.rl.grpo"), "tasks/ imports only itself"),
     (("hilore_jax.tasks.verifiers", "jax"), "tasks/ imports no JAX"),
-    (("hilore_jax.evaluation", "hilore_jax.trainer"), "only bench/ and train/ import the trainer"),
-    (("hilore_jax.evaluation", "hilore_jax.bench.report"), "the library never imports the lab"),
+    (("hilore_jax.evaluation", "hilore_jax.trainer"), "only experiments/ and train/ import the trainer"),
+    (("hilore_jax.evaluation", "experiments.report"), "neither the library nor train/ imports the lab"),
+    (("hilore_jax.capacity.measure", "experiments.run"), "neither the library nor train/ imports the lab"),
+    (("train.capacity", "experiments.run"), "neither the library nor train/ imports the lab"),
+    (("experiments.config", "hilore_jax.memory.manager"), "a wing's config imports only leaf"),
 ])
 def test_each_rule_catches_a_synthetic_break(edge, rule):
   graph = import_graph(external=True)
@@ -182,7 +208,7 @@ def test_a_cycle_is_caught():
   assert violations(graph) == ["import cycle: hilore_jax.a -> hilore_jax.b -> hilore_jax.c"]
 
 
-TEST_FOLDERS = ("model", "memory", "rl", "tasks", "optim", "loop", "experiments")
+TEST_FOLDERS = ("model", "memory", "rl", "tasks", "optim", "capacity", "loop", "experiments")
 PROJECT_WIDE_TESTS = ("test_layout.py", "test_docs.py")  # the repository as a whole
 
 
@@ -195,11 +221,9 @@ def test_tests_mirror_the_wings():
 
 
 def test_modules_stay_short_or_say_why():
-  for d, _, fs in os.walk(os.path.join(ROOT, PKG)):
-    for f in fs:
-      if f.endswith(".py"):
-        with open(os.path.join(d, f)) as fh:
-          text = fh.read()
-        doc = ast.get_docstring(ast.parse(text)) or ""
-        if text.count("\n") > 320:
-          assert "on purpose" in doc, f"{f}: {text.count(chr(10))} lines and no reason in its docstring"
+  for path in _files(*PACKAGES):
+    with open(path) as fh:
+      text = fh.read()
+    doc = ast.get_docstring(ast.parse(text)) or ""
+    if text.count("\n") > 320:
+      assert "on purpose" in doc, f"{path}: {text.count(chr(10))} lines and no reason in its docstring"

@@ -2,7 +2,7 @@
     [--devices 1,8] [--attention xla,blockwise] [--growth-methods gc]
 
 The longest completion whose whole GRPO step (gradient and update programs, old and reference log-prob passes)
-compiles within each per-device budget, compile-only (hilore_jax/bench/capacity.py; docs/capacity.md). Every
+compiles within each per-device budget, compile-only (hilore_jax/capacity/measure.py; docs/capacity.md). Every
 compiled point is cached in DIR/capacity_cache.json: a rerun resumes where the last one stopped.
 """
 
@@ -34,7 +34,7 @@ def _numbers(flag: str, text: str, kind=float) -> list:
 
 
 def body(args):
-  from hilore_jax.bench import capacity, capacity_run
+  from hilore_jax.capacity import measure as capacity, run as capacity_run
   from hilore_jax.model.config import ATTENTION_KERNELS
 
   devices = _numbers("--devices", args.devices, int)

@@ -11,7 +11,7 @@ old / reference / current log-probs) and calibrated profiles, with no extra forw
                      trainer does not pass them yet: its old-log-prob forward is a compiled program returning
                      log-probs alone, which would have to quantise every unit's tensor of every layer as well, and
                      a rollout's first minibatch has no such forward (it is on-policy). The benchmark computes them
-                     at the params that forward runs at (bench/exposure.py)
+                     at the params that forward runs at (experiments/exposure.py)
 
 All include the prompt's positions (exposure.prompt_weights) unless memory.exposure.prompt is off, and share one
 normalisation (exposure.normaliser), so a susceptibility is fitted and applied on the same score. Predictors are

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from hilore_jax import engine, model, sharding
-from hilore_jax.bench import config as bench_config
+from experiments import config as bench_config
 from hilore_jax import stats
-from hilore_jax.bench import projection, roofline, synthetic, timing
+from experiments import timing
+from hilore_jax.capacity import projection, roofline, synthetic
 from hilore_jax.errors import ConfigError
 
 TINY = ["model.vocab_size=37", "model.hidden_size=24", "model.intermediate_size=40", "model.num_hidden_layers=3",
@@ -145,7 +146,7 @@ def _program(compiled) -> str:
 
 @pytest.mark.slow
 def test_the_control_is_a_separate_compilation_of_the_same_program():
-  from hilore_jax.bench import run
+  from experiments import run
 
   cfg, bc, mcfg, spec, completion = _tiny()
   eng, state = engine.build(cfg, mcfg, 10)
@@ -185,7 +186,7 @@ def test_unrolled_counts_every_layer_and_changes_no_computation():
 def test_projection_is_compile_only_for_any_shape(tmp_path, capsys):
   import json
 
-  from train import roofline as roofline_cli
+  from experiments import roofline as roofline_cli
 
   roofline_cli.main(["--out", str(tmp_path), *TINY, "memory.budget_probes=2", "bench.budget_ratios=[1.3]",
                      "bench.methods=[none,gc,optimal_hr,uniform_int8_gc,hilore]"])

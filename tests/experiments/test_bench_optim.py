@@ -1,4 +1,4 @@
-"""train.bench_optim (optimizer, gradient and step bytes, AdamW vs LoGRA) and train.kl_report (predicted vs
+"""experiments.bench_optim (optimizer, gradient and step bytes, AdamW vs LoGRA) and experiments.kl_report (predicted vs
 realised KL of a run)."""
 
 import json
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from hilore_jax import model
-from hilore_jax.bench import config as bench_config
-from hilore_jax.bench import kl_report, optim_memory
+from experiments import config as bench_config
+from experiments import kl, optim_memory
 from hilore_jax.errors import DataError
 
 HIDDEN = 24
@@ -55,16 +55,16 @@ def test_kl_report_compares_the_applied_updates_prediction(tmp_path):
   pred, scale = [2.0**-10, 2.0**-8, 2.0**-9, 2.0**-6], [1.0, 0.5, 1.0, 0.25]  # powers of two: exact ties
   applied = np.array([2.0**-10, 2.0**-10, 2.0**-9, 2.0**-10])  # s^2 * predicted
   real = list(applied * [1.0, 1.1, 0.9, 1.2])  # ranks 1, 2, 4, 3
-  got_pred, got_real = kl_report.pairs(_rows(pred, scale, real))
+  got_pred, got_real = kl.pairs(_rows(pred, scale, real))
   np.testing.assert_allclose(got_pred, applied)
   np.testing.assert_allclose(got_real, real)
   with open(tmp_path / "metrics.jsonl", "w") as f:
     f.writelines(json.dumps(r) + "\n" for r in _rows(pred, scale, real))
-  result = kl_report.run(str(tmp_path))
+  result = kl.run(str(tmp_path))
   assert result["updates"] == 4 and os.path.exists(tmp_path / "kl_scatter.png")
   # ranks: applied prediction 2, 2, 4, 2 (ties averaged) vs realised 1, 2, 4, 3: cov 3 / sqrt(3 * 5)
   assert result["spearman"] == pytest.approx(3 / np.sqrt(15), abs=1e-9)
   with pytest.raises(DataError, match="0 updates with kl_control metrics"):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
-    kl_report.run(str(tmp_path / "x"))
+    kl.run(str(tmp_path / "x"))

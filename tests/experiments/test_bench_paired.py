@@ -5,7 +5,7 @@ import json
 import pytest
 from trainer_util import TINY
 
-from hilore_jax.bench import paired
+from experiments import paired
 
 BASE = [o for o in TINY if not o.startswith(("eval.", "train.warmstart"))] + ["memory.policy=gc",
                                                                               "grpo.filter_zero_std=false"]

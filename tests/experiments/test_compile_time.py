@@ -7,8 +7,8 @@ import pytest
 from trainer_util import TINY
 
 from hilore_jax import model
-from hilore_jax.bench import compile_time
-from hilore_jax.bench import config as bench_config
+from experiments import compile_time
+from experiments import config as bench_config
 
 
 def _eqns(jaxpr) -> int:
@@ -55,7 +55,7 @@ def test_bench_compile_rows(tmp_path):
 
 
 def test_bench_compile_bad_arguments_are_one_line_errors():
-  from train import bench_compile
+  from experiments import bench_compile
 
   for args, msg in ((["--layers", "4,x"], "--layers must be comma-separated integers"),
                     (["--plans", "gc,nope"], "unknown --plans ['nope']")):

@@ -8,8 +8,8 @@ import optax
 import pytest
 
 from hilore_jax import engine, model, sharding, step_hooks
-from hilore_jax.bench import exposure as bench_exposure
-from hilore_jax.bench import exposure_risk, exposure_sweep
+from experiments import exposure as bench_exposure
+from experiments import exposure_risk, exposure_sweep
 from hilore_jax.memory import MemoryManager, buckets, calibration
 from hilore_jax.memory.config import GateConfig, MemoryConfig
 from hilore_jax.model import ModelConfig
@@ -150,7 +150,7 @@ def test_calibration_skips_minibatches_without_a_gradient(setup):
 
 
 def test_arm_comparison_and_where_it_varies_by_hand():
-  from hilore_jax.bench import exposure_report as rep
+  from experiments import exposure_report as rep
 
   arm = lambda t, flops_pct, gain: {"round_times_s": [t, t], "recompute_removed_pct": flops_pct,
                                     "gain_vs_gc_pct": gain}
@@ -177,7 +177,7 @@ def test_arm_comparison_and_where_it_varies_by_hand():
 def test_unit_error_level_weighs_every_kind_alike():
   """Defect 5: the minibatch's mean unit error followed the kind with the largest errors (attn_probs); each unit is
   now taken relative to its own mean, a kind's units by their median, and kinds averaged."""
-  from hilore_jax.bench import exposure_report as rep
+  from experiments import exposure_report as rep
 
   # kind "big" (errors ~1000x) falls over the three minibatches while both "small" units rise
   err = np.array([[1.0, 2.0, 3000.0], [2.0, 4.0, 2000.0], [3.0, 6.0, 1000.0]])
@@ -243,7 +243,7 @@ def test_at_violation_by_hand():
 @pytest.mark.slow
 def test_plan_flops_add_up_per_layer(setup):
   """The sweep counts a plan's FLOPs as No-GC's plus each layer's extra: the same as tracing the plan itself."""
-  from hilore_jax.bench import flops
+  from hilore_jax.capacity import flops
 
   hooks, params, _, _, rng, adv = setup
   b = _batch(rng, adv)

@@ -3,7 +3,7 @@ import pytest
 
 from hilore_jax import cli
 from hilore_jax import stats
-from hilore_jax.bench import quality
+from experiments import quality
 from hilore_jax.errors import ConfigError
 
 

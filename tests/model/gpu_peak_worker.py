@@ -12,7 +12,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from hilore_jax import cli, engine, model, sharding, step_hooks  # noqa: E402
-from hilore_jax.bench import synthetic  # noqa: E402
+from hilore_jax.capacity import synthetic  # noqa: E402
 from hilore_jax.memory import MemoryManager  # noqa: E402
 from hilore_jax.rl import train_step
 

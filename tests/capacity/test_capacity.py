@@ -1,0 +1,129 @@
+"""The capacity tool: the search on known peak curves, then a tiny odd shape compiled for real (compile-only): the
+boundary it finds, the cache a rerun reads, capacity.json's schema; bad command lines fail with one clear line."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from hilore_jax.capacity import measure as C
+from hilore_jax.capacity import report as capacity_report, run as capacity_run
+from hilore_jax.capacity import search
+from train import capacity as entry
+
+TINY = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 97, "hidden_size": 40, "intermediate_size": 72,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+# completions up to 64 - 8 = 56 tokens on an 8-token grid: a handful of tiny compiles
+SETTINGS = C.Settings(prompt_len=8, rows=2, grid=8, budget_probes=1)
+
+
+@pytest.mark.parametrize("a,b,c", [(5e6, 3e3, 0.0), (1e8, 1e4, 40.0), (2e9, 1.0, 0.5)])
+@pytest.mark.parametrize("budget", [3e6, 4e8, 5e9, 1e11])
+def test_search_finds_the_boundary_of_a_known_curve(a, b, c, budget):
+  calls = []
+  curve = lambda t: int(a + b * t + c * t * t)
+  found = search.longest(lambda t: calls.append(t) or curve(t), int(budget), 64, 32768, 768)
+  brute = max([t for t in range(64, 32769, 64) if curve(t) <= budget] or [0])
+  assert found.longest == brute
+  assert found.capped == (brute == 32768)
+  assert found.compiled == len(set(calls)) <= 8  # the predicted crossing, not a 9-step bisection of 512 grid steps
+  if 0 < brute < 32768:
+    assert brute + 64 in found.points  # the step after the longest was compiled and does not fit
+  again = search.longest(lambda t: pytest.fail("a known point was recompiled"), int(budget), 64, 32768, 768,
+                         found.points)
+  assert again.longest == brute and again.compiled == 0
+
+
+def test_search_rejects_a_bad_grid():
+  with pytest.raises(ValueError, match="multiple"):
+    search.longest(lambda t: t, 10, 64, 1024, 100)
+
+
+def test_growth_check_by_hand():
+  affine = {"1024": 10 + 1024, "2048": 10 + 2048, "4096": 10 + 4096}
+  assert capacity_report.growth_check(affine) == {"increment_ratio": 2.0, "slope_ratio": 1.0}
+  quad = {str(t): t * t for t in (1024, 2048, 4096)}
+  assert capacity_report.growth_check(quad) == {"increment_ratio": 4.0, "slope_ratio": 2.0}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  d = tmp_path_factory.mktemp("capacity")
+  shape = str(d / "tiny.json")
+  with open(shape, "w") as f:
+    json.dump(TINY, f)
+  out = str(d / "out")
+  first = capacity_run.Grid(out, SETTINGS, progress=lambda s: None)
+  # a budget between two compiled points: the device bytes of a 24-token completion
+  budget_gib = first.point(shape, "gc", None, "xla", 1, 24)["device_bytes"] / capacity_run.GiB
+  result = capacity_run.run(out, [shape], ["gc"], [budget_gib], [1], ["xla"], ["gc"], SETTINGS,
+                            progress=lambda s: None, growth_tokens=(16, 32, 48))
+  return shape, out, budget_gib, result
+
+
+def test_the_compiled_search_stops_at_the_boundary(tiny):
+  shape, out, budget_gib, result = tiny
+  (row,) = result["rows"]
+  T = row["longest_completion"]
+  assert T >= 24 and not row["capped"]
+  cache = search.PointCache(os.path.join(out, "capacity_cache.json"), SETTINGS.programs())
+  pts = cache.series(capacity_run.point_key(shape, "gc", None, "xla", 1), "device_bytes")
+  budget = int(budget_gib * capacity_run.GiB)
+  assert pts[T] <= budget < pts[T + SETTINGS.grid]
+
+
+def test_a_rerun_compiles_nothing(tiny):
+  shape, out, budget_gib, result = tiny
+  grid = capacity_run.Grid(out, SETTINGS, progress=lambda s: None, measurer=object())  # measure() would fail
+  again = grid.longest(shape, "gc", None, "xla", 1, budget_gib)
+  assert again == {**result["rows"][0], "points_compiled": 0}
+  assert grid.growth(shape, "gc", None, "xla", (16, 32, 48)) == result["growth"][0]
+  assert grid.compiled == 0
+  other = capacity_run.Grid(out, dataclasses.replace(SETTINGS, rows=4), progress=lambda s: None)
+  assert other.cache.points == {}  # other settings: other programs
+  wider = capacity_run.Grid(out, dataclasses.replace(SETTINGS, grid=16, max_completion=64), measurer=object())
+  assert wider.cache.points == grid.cache.points and wider.cap(shape) == 64  # the search's own settings share points
+
+
+def test_capacity_json_schema(tiny):
+  shape, out, _, result = tiny
+  with open(os.path.join(out, "capacity.json")) as f:
+    data = json.load(f)
+  assert data == json.loads(json.dumps(result))
+  for row in data["rows"]:
+    assert {"shape", "method", "budget_ratio", "attention", "devices", "budget_gib", "longest_completion"} <= set(row)
+  (g,) = data["growth"]
+  assert {"shape", "method", "attention", "rows", "peak_bytes"} <= set(g) and g["rows"] == SETTINGS.rows
+  assert sorted(map(int, g["peak_bytes"])) == [16, 32, 48]
+  assert all(v > 0 for v in g["peak_bytes"].values())
+  assert os.path.exists(os.path.join(out, "capacity.png"))
+  with open(os.path.join(out, "capacity.md")) as f:
+    assert f"| {shape} | 1 | xla | gc | {result['rows'][0]['longest_completion']} |" in f.read()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--methods", "gc,fast"], "--methods: unknown ['fast']"),
+    (["--shapes", "llama-70b"], "--shapes: unknown ['llama-70b']"),
+    (["--budgets-gib", "24,-1"], "--budgets-gib must be positive"),
+    (["--budgets-gib", "lots"], "--budgets-gib must be comma-separated numbers"),
+    (["--devices", "1,two"], "--devices must be comma-separated integers"),
+    (["--attention", "flash"], "--attention: unknown ['flash']"),
+    (["--grid", "0"], "--grid must be positive"),
+    (["--max-completion", "0"], "--max-completion must be positive"),
+])
+def test_bad_command_lines_say_what_is_wrong(tmp_path, argv, message):
+  with pytest.raises(SystemExit) as e:
+    entry.main(["--out", str(tmp_path), *argv])
+  assert message in str(e.value) and str(e.value).startswith("config error:")
+
+
+@pytest.mark.slow
+def test_a_budgeted_plan_stays_within_its_ratio_of_gc(tiny):
+  """hilore (uncalibrated risk) at 1.00x: its compiled peak within GC's at the same T, the whole step's bytes too."""
+  shape, out, _, _ = tiny
+  grid = capacity_run.Grid(out, SETTINGS, progress=lambda s: None)
+  gc = grid.point(shape, "gc", None, "xla", 1, 24)
+  planned = grid.point(shape, "hilore", 1.0, "xla", 1, 24)
+  assert planned["peak_bytes"] <= gc["peak_bytes"]
+  assert planned["device_bytes"] <= gc["device_bytes"] + (gc["device_bytes"] - gc["peak_bytes"]) * 0.01
