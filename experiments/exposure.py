@@ -29,7 +29,7 @@ from experiments.exposure_report import compare_arms, plot, plot_sweep, report, 
 from experiments.exposure_timing import time_plans
 from hilore_jax.config import Config
 from hilore_jax.errors import ConfigError
-from hilore_jax.memory import MemoryManager, calibration, predictors, risk
+from hilore_jax.memory import MemoryManager, calibration, predictors, probe, risk
 from hilore_jax.memory.config import GateConfig
 from hilore_jax.rl import train_step
 
@@ -101,18 +101,6 @@ def split(records: list[Record], calib: int) -> tuple[list[Record], list[Record]
   return cal, held
 
 
-class OracleManager(MemoryManager):
-  """hilore whose per-unit scores are the minibatch's *measured* single-unit errors (`errors`, set before allocate):
-  the same grid, buckets, solver and budget fit, with a perfect predictor."""
-
-  errors: np.ndarray | None = None
-
-  def unit_scores(self, minibatches, logp=None, token_err=None, inputs=None):
-    if inputs is not None:
-      return super().unit_scores(minibatches, logp, token_err, inputs)
-    return np.atleast_2d(self.errors)
-
-
 def arm_managers(cfg: Config, be: ExposureBenchConfig, hooks) -> dict[str, MemoryManager]:
   mc = cfg.memory.at_budget(None)  # memory.budget_ratio for every arm, never an absolute budget
   if mc.buckets <= 1:
@@ -121,7 +109,9 @@ def arm_managers(cfg: Config, be: ExposureBenchConfig, hooks) -> dict[str, Memor
           "hilore_static": MemoryManager(dataclasses.replace(mc, policy="hilore_static"), hooks),
           "hilore_exposure_off": MemoryManager(dataclasses.replace(mc, policy="hilore", buckets=1), hooks),
           "hilore_exposure_on": MemoryManager(dataclasses.replace(mc, policy="hilore", gate=ALWAYS), hooks),
-          "oracle": OracleManager(dataclasses.replace(mc, policy="hilore", gate=ALWAYS), hooks)}
+          # the minibatch's *measured* single-unit errors as its scores (probe.give_errors before allocate): the same
+          # grid, buckets, solver and budget fit, with a perfect predictor
+          "oracle": probe.oracle(dataclasses.replace(mc, policy="hilore", gate=ALWAYS), hooks)}
 
 
 def calibrate_on(manager: MemoryManager, cal: list[Record]):
@@ -172,11 +162,13 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
   L = trainer.model_cfg.num_hidden_layers
   units = calibration.lowp_units(L)
   mc, tol, metric = cfg.memory, cfg.memory.grad_err_tolerance, cfg.memory.risk_metric
-  probe = MemoryManager(dataclasses.replace(mc.at_budget(None, "hilore"), gate=ALWAYS), hooks)
+  calib_mm = MemoryManager(dataclasses.replace(mc.at_budget(None, "hilore"), gate=ALWAYS), hooks)
   # the bench gives cotangent_forward the forward's errors (token_err below), and refits predictors on one measurement
-  probe.forward_errors = probe.keep_measured = True
-  calibrate_on(probe, cal)
-  if not any(r.grad_norm > 0 for r in probe.measured.refs):
+  probe.use_forward_errors(calib_mm)
+  probe.keep_measurements(calib_mm)
+  calibrate_on(calib_mm, cal)
+  measured = probe.measurements(calib_mm)
+  if not any(r.grad_norm > 0 for r in measured.refs):
     raise ConfigError("no calibration minibatch has a gradient (rewards all equal, no KL yet): choose a task or "
                       "temperature with mixed rewards, or raise bench_exposure.calib_minibatches")
   progress(f"calibrated on {len(cal)} minibatches ({metric} error), each at its own params")
@@ -190,12 +182,12 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
   token_err = [fwd(start[r.step], r.batch) for r in held]
 
   progress("risk prediction on the held-out minibatches")
-  scores = exposure_risk.predictor_scores(probe, held, token_err)
+  scores = exposure_risk.predictor_scores(calib_mm, held, token_err)
   raw = {k: v[0][:, mu] for k, v in scores.items()}
   risk_prediction, chosen = predictors.compare(raw, err_MU[:, mu], be.bootstrap)
   by_metric = {m: predictors.compare(raw, e[:, mu], be.bootstrap)[0] for m, e in err_by.items()}
-  table = {**scores, **exposure_risk.other_scores(probe, held, token_err, chosen)}
-  static = np.asarray(probe.state.calibration.static_error)
+  table = {**scores, **exposure_risk.other_scores(calib_mm, held, token_err, chosen)}
+  static = np.asarray(calib_mm.state.calibration.static_error)
   table["baseline: static per unit"] = (np.tile(static, (len(held), 1)), np.ones(len(units)))
   risk_table = {k: spearman_summary(r[:, mu], err_MU[:, mu], be.bootstrap, pooled_MU=(r * s)[:, mu])
                 for k, (r, s) in table.items()}
@@ -209,13 +201,13 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
 
   # every arm on one calibration: the chosen predictor's, fitted on the same measurements
   sw = predictors.with_predictor(mc.exposure, chosen)
-  cal_state = probe.fit_calibration(probe.measured, sw)
+  cal_state = calib_mm.fit_calibration(measured, sw)
   managers = arm_managers(dataclasses.replace(cfg, memory=dataclasses.replace(mc, exposure=sw)), be, hooks)
   for m in managers.values():
-    m.forward_errors = True
+    probe.use_forward_errors(m)
     m.setup(cal[0].params, [r.batch for r in cal], 0, calibration_state=cal_state)
   on = managers["hilore_exposure_on"]
-  m0 = probe.measured
+  m0 = measured
   all_l = [float(calibration.set_errors(hooks, c.params, b, units, [list(range(len(units)))], mc.group_size,
                                         mc.lowp_format, r)[0]) for c, b, r in zip(m0.contexts, m0.batches, m0.refs)]
   gc_peak = hooks.compile_peak(model.uniform(L, model.FULL_REMAT), cal[0].batch)
@@ -240,7 +232,7 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
 
     per_arm = {a: [] for a in ARMS}
     for i, r in enumerate(held):
-      managers["oracle"].errors = err_MU[i]
+      probe.give_errors(managers["oracle"], err_MU[i])
       for a in ARMS:
         al = managers[a].allocate([r.batch], [r.logp], [token_err[i]])[0]
         per_arm[a].append({"policies": al.policies, "bucket": al.bucket, "plan_risk": float(al.plan.risk),

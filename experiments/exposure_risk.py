@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import optax
 
-from hilore_jax.memory import MemoryManager, calibration, predictors, risk, riskfit
+from hilore_jax.memory import MemoryManager, calibration, predictors, probe, risk, riskfit
 from hilore_jax.memory.config import PREDICTORS
 
 ABLATIONS = ("ratio_clip", "update_mask", "kl", "activation", "prompt")
@@ -23,13 +23,13 @@ ABLATIONS = ("ratio_clip", "update_mask", "kl", "activation", "prompt")
 def _scores(on: MemoryManager, sw, held, token_err) -> tuple[np.ndarray, np.ndarray]:
   """([M, U] predictor sw's raw scores of the held-out records, [U] its susceptibility), susceptibility and gradient
   scale fitted on the manager's calibration measurements."""
-  m, U = on.measured, len(on.lowp_ids)
+  m, U = probe.measurements(on), len(on.lowp_ids)
   logp_cal = [c.logp for c in m.contexts]
-  gamma = predictors.fit_grad_scale([r.grad_norm for r in m.refs], on.scorer.l1(m.batches, sw, logp_cal))
+  gamma = predictors.fit_grad_scale([r.grad_norm for r in m.refs], probe.l1(on, m.batches, sw, logp_cal))
   inputs = predictors.ScoreInputs(m.prompt_profile, m.profile, np.ones(U), gamma)
-  raw_cal = on.scorer(m.batches, inputs, sw, on.normalisation, logp_cal, m.token_err)
+  raw_cal = probe.scores(on, m.batches, inputs, sw, logp_cal, m.token_err)
   sus = riskfit.fit_susceptibility(raw_cal, m.err) if sw.susceptibility else np.ones(U)
-  raw = on.scorer([r.batch for r in held], inputs, sw, on.normalisation, [r.logp for r in held], token_err)
+  raw = probe.scores(on, [r.batch for r in held], inputs, sw, [r.logp for r in held], token_err)
   return raw, sus
 
 

@@ -15,6 +15,11 @@ CONFIG_MAY_IMPORT = {"hilore_jax.errors", "hilore_jax.model.config"} | {f"hilore
 WING_CONFIG_MAY_IMPORT = {"hilore_jax.errors", "hilore_jax.config", "hilore_jax.rl.grpo", "hilore_jax.model.codec",
                           "hilore_jax.memory.config"}
 ARRAY_LIBRARIES = ("jax", "jaxlib", "optax", "flax", "chex", "orbax")
+# what the lab may import from memory/: the wing's public API (the package: MemoryManager, ManagerState, ...), the
+# manager's interface for studies (probe), settings, types, and pure numerics; never the manager's machinery
+# (manager, calibrate, buckets, drift, store, warmup, ...) directly
+LAB_MEMORY_MODULES = {"hilore_jax.memory"} | {f"hilore_jax.memory.{m}" for m in (
+    "probe", "config", "hooks", "state", "risk", "riskfit", "predictors", "gate", "calibration", "methods", "profile")}
 TRAINER = ("hilore_jax.trainer", "hilore_jax.engine", "hilore_jax.step_hooks")  # the loop and its compiled steps
 
 
@@ -159,11 +164,71 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
         out.append(f"{mod} -> {dep}: tasks/ imports no JAX (data code runs anywhere)")
       if _lab(dep) and not _lab(mod):
         out.append(f"{mod} -> {dep}: neither the library nor train/ imports the lab (experiments/ is not installed)")
+      if _lab(mod) and _in(dep, "memory") and dep not in LAB_MEMORY_MODULES:
+        out.append(f"{mod} -> {dep}: the lab reaches the memory manager only through its public interface "
+                   "(hilore_jax.memory, memory/probe.py) and the wing's settings, types and numerics")
       if dep == "hilore_jax.trainer" and not (_lab(mod) or mod.split(".")[0] == "train"):
         out.append(f"{mod} -> {dep}: only experiments/ and train/ import the trainer")
   internal_graph = {m: {d for d in ds if _ours(d)} for m, ds in graph.items()}
   out += [f"import cycle: {' -> '.join(c)}" for c in _cycles(internal_graph)]
   return out
+
+
+def private_reaches(path: str, source: str) -> list[str]:
+  """Where a lab module reaches inside the library: an attribute `obj._name` of anything but its own self / cls,
+  a `_name` imported from the library, or a class derived from a library class (an override reaches inside it)."""
+  tree, out = ast.parse(source), []
+  library_names = set()  # names the module binds to hilore_jax modules or their members
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == PKG:
+      library_names |= {a.asname or a.name for a in node.names}
+      out += [f"{path}:{node.lineno}: imports {a.name}, a private name of {node.module}" for a in node.names
+              if a.name.startswith("_")]
+    elif isinstance(node, ast.Import):
+      library_names |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] == PKG}
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.endswith("__")
+        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+      out.append(f"{path}:{node.lineno}: {ast.unparse(node)} touches a private attribute")
+    if isinstance(node, ast.ClassDef):
+      for base in node.bases:
+        root = base
+        while isinstance(root, ast.Attribute):
+          root = root.value
+        if isinstance(root, ast.Name) and root.id in library_names:
+          out.append(f"{path}:{node.lineno}: class {node.name} derives from the library's {ast.unparse(base)}")
+  return out
+
+
+def test_the_lab_reaches_no_private_state():
+  files = _files(LAB)
+  assert len(files) > 20
+  out = []
+  for path in files:
+    with open(path) as fh:
+      out += private_reaches(os.path.relpath(path, ROOT), fh.read())
+  assert out == [], "the lab reaches the library only through public names (memory/probe.py for the manager):\n" + \
+      "\n".join(out)
+
+
+@pytest.mark.parametrize("source,found", [
+    ("from hilore_jax.memory import MemoryManager\nmm = MemoryManager(1, 2)\nmm._keep_measured = True\n",
+     "mm._keep_measured touches a private attribute"),
+    ("def f(mm):\n  return mm._scorer.l1(1)\n", "mm._scorer touches a private attribute"),
+    ("from hilore_jax.memory.manager import _helper\n", "imports _helper, a private name"),
+    ("from hilore_jax.memory import MemoryManager\nclass Oracle(MemoryManager):\n  pass\n",
+     "class Oracle derives from the library's MemoryManager"),
+    ("from hilore_jax import memory\nclass Oracle(memory.MemoryManager):\n  pass\n",
+     "class Oracle derives from the library's memory.MemoryManager"),
+])
+def test_the_private_state_rule_catches_a_synthetic_reach(source, found):
+  assert any(found in v for v in private_reaches("experiments/x.py", source)), source
+
+
+def test_the_private_state_rule_leaves_own_state_alone():
+  source = ("import dataclasses\nclass Cache:\n  def __init__(self):\n    self._seen = {}\n"
+            "  def get(self, k):\n    return self._seen.get(k), dataclasses.__name__\n")
+  assert private_reaches("experiments/x.py", source) == []
 
 
 def test_the_package_keeps_its_import_rules():
@@ -184,6 +249,8 @@ def test_the_package_keeps_its_import_rules():
     (("hilore_jax.config", "hilore_jax.tasks.task"), "config.py only composes"),
     (("hilore_jax.memory.config", "hilore_jax.memory.manager"), "a wing's config imports only leaf"),
     (("hilore_jax.memory.calibration", "hilore_jax.rl.train_step"), "memory/ reaches the trainer only"),
+    (("experiments.exposure", "hilore_jax.memory.manager"), "the lab reaches the memory manager only through"),
+    (("experiments.run", "hilore_jax.memory.calibrate"), "the lab reaches the memory manager only through"),
     (("hilore_jax.memory.manager", "experiments.report"), "memory/ reaches the trainer only"),
     (("hilore_jax.memory.manager", "hilore_jax.capacity.projection"), "memory/ reaches the trainer only"),
     (("hilore_jax.rl.rollout", "experiments.synthetic"), "rl/ is the step's pure functions"),

@@ -68,12 +68,13 @@ class MemoryManager:
     self.lowp_ids = calibration.lowp_units(self.num_layers)
     if mc.offload:
       methods.require_offload("memory.offload=true")
-    self.scorer = predictors.Scorer(hooks)
-    self.normalisation = predictors.Normalisation(mc.risk_metric, hooks.max_grad_norm)
+    self._scorer = predictors.Scorer(hooks)
+    self._normalisation = predictors.Normalisation(mc.risk_metric, hooks.max_grad_norm)
     # the last calibration's measurements, kept only when asked (they hold exact gradients): to refit a predictor;
     # forward_errors: allocate is given a forward's per-token errors (cotangent_forward; the trainer does not yet pass
-    # them), so calibration fits the predictor to the score it will run, forward errors or the profile
-    self.keep_measured, self.measured, self.forward_errors = False, None, False
+    # them), so calibration fits the predictor to the score it will run, forward errors or the profile. Both are set
+    # from outside only through memory/probe.py (the lab's interface)
+    self._keep_measured, self._measured, self._forward_errors = False, None, False
     # memory.warmup=gc: calibration minibatches gathered over the first rollouts; drift sentinels after set-up
     self.collector = warmup.Collector(mc.calib_batches, mc.calib_rollouts, mc.risk_metric == "update")
     self.sentinels = drift.Sentinels(mc, hooks, self.lowp_ids)
@@ -121,7 +122,7 @@ class MemoryManager:
       raise ValueError(f"memory.policy={self.method} calibrates risk: StepHooks needs gradient, token_weights and "
                        "unit_tensors")
     m = calibrate.measure(self.hooks, self.mc, self.lowp_ids, batches, contexts, log)
-    self.measured = m if self.keep_measured else None
+    self._measured = m if self._keep_measured else None
     return self.fit_calibration(m)
 
   def fit_calibration(self, m: calibrate.Measured, sw=None) -> Calibration:
@@ -129,9 +130,10 @@ class MemoryManager:
     the normalisation it runs with, the susceptibility fitted to them, coherence and delta."""
     sw = sw or self.mc.exposure
     logp = [c.logp for c in m.contexts]
-    gamma = predictors.fit_grad_scale([r.grad_norm for r in m.refs], self.scorer.l1(m.batches, sw, logp))
+    gamma = predictors.fit_grad_scale([r.grad_norm for r in m.refs], self._scorer.l1(m.batches, sw, logp))
     inputs = predictors.ScoreInputs(m.prompt_profile, m.profile, np.ones(len(self.lowp_ids)), gamma)
-    raw = self.scorer(m.batches, inputs, sw, self.normalisation, logp, m.token_err if self.forward_errors else None)
+    token_err = m.token_err if self._forward_errors else None
+    raw = self._scorer(m.batches, inputs, sw, self._normalisation, logp, token_err)
     return calibrate.fit(self.hooks, dataclasses.replace(self.mc, exposure=sw), self.lowp_ids, m, raw, gamma)
 
   def load_state(self, state: ManagerState | dict, reason: str = "restored from checkpoint"):
@@ -165,7 +167,7 @@ class MemoryManager:
     if inputs is None:
       inputs = predictors.ScoreInputs(np.asarray(cal.prompt_profile or np.zeros((len(self.lowp_ids), 0))),
                                       np.asarray(cal.profile), np.asarray(cal.susceptibility), cal.grad_scale)
-    return self.scorer(minibatches, inputs, self.mc.exposure, self.normalisation, logp, token_err)
+    return self._scorer(minibatches, inputs, self.mc.exposure, self._normalisation, logp, token_err)
 
   def _unit_list(self, batch: dict) -> list[profile.Unit]:
     shape = self.hooks.batch_shape(batch)

@@ -1,6 +1,7 @@
 """Run-time exposure per unit and minibatch in the memory manager, the oracle arm, and the bench's split."""
 
 import dataclasses
+import types
 
 import jax
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 from hilore_jax import engine, model, sharding, step_hooks
 from experiments import exposure as bench_exposure
 from experiments import exposure_risk, exposure_sweep
-from hilore_jax.memory import MemoryManager, buckets, calibration
+from hilore_jax.memory import MemoryManager, buckets, calibration, predictors, probe
 from hilore_jax.memory.config import GateConfig, MemoryConfig
 from hilore_jax.model import ModelConfig
 from hilore_jax.model import units as U
@@ -95,16 +96,33 @@ def test_each_minibatch_is_allocated_from_its_own_unit_scores(setup):
 @pytest.mark.slow
 def test_oracle_allocates_from_measured_errors(setup):
   hooks, params, on, mc, rng, adv = setup
-  oracle = bench_exposure.OracleManager(mc, hooks)
+  oracle = probe.oracle(mc, hooks)
   oracle.setup(params, [_batch(rng, adv)], 0, calibration_state=on.state.calibration)
   b = _batch(rng, adv)
   ref = np.asarray(on.state.calibration.predicted_error)
-  oracle.errors = np.zeros_like(ref)  # measured harmless: every unit may be L at no risk
+  probe.give_errors(oracle, np.zeros_like(ref))  # measured harmless: every unit may be L at no risk
   a0 = oracle.allocate([b])[0]
   assert set(oracle.state.buckets[a0.bucket]) == {buckets.ZERO} and a0.plan.risk == 0.0
-  oracle.errors = ref * 1e6  # measured far over the risk budget: no unit is L
+  probe.give_errors(oracle, ref * 1e6)  # measured far over the risk budget: no unit is L
   a1 = oracle.allocate([b])[0]
   assert a1.metrics["alloc/frac_L"] == 0.0 and a1.bucket != a0.bucket
+
+
+@pytest.mark.slow
+def test_the_probe_scores_with_the_managers_own_scorer(setup):
+  hooks, params, _, mc, rng, adv = setup
+  m = MemoryManager(mc, hooks)
+  probe.keep_measurements(m)
+  m.setup(params, [_batch(rng, adv) for _ in range(2)], 0)
+  assert len(probe.measurements(m).batches) == 2
+  c, held = m.state.calibration, [_batch(rng, adv) for _ in range(3)]
+  inputs = predictors.ScoreInputs(np.asarray(c.prompt_profile or np.zeros((len(m.lowp_ids), 0))),
+                                  np.asarray(c.profile), np.asarray(c.susceptibility), c.grad_scale)
+  np.testing.assert_allclose(probe.scores(m, held, inputs, mc.exposure, None, None), m.unit_scores(held))
+  # the lab's path: the held-out scores of a predictor refitted on the kept measurements
+  recs = [types.SimpleNamespace(batch=b, logp=None) for b in held]
+  raw, sus = exposure_risk._scores(m, mc.exposure, recs, None)
+  assert np.shape(raw) == (3, len(m.lowp_ids)) and np.isfinite(raw).all() and np.shape(sus) == (len(m.lowp_ids),)
 
 
 def test_split_holds_out_whole_later_rollouts():

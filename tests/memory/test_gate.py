@@ -10,7 +10,7 @@ import pytest
 
 from hilore_jax import config, engine, model, sharding, step_hooks
 from hilore_jax.errors import ConfigError
-from hilore_jax.memory import MemoryManager, gate, manager, warmup
+from hilore_jax.memory import MemoryManager, gate, manager, probe, warmup
 from hilore_jax.memory.config import GateConfig, MemoryConfig
 from hilore_jax.model import ModelConfig
 from hilore_jax.rl import train_step
@@ -156,9 +156,9 @@ def test_the_allocator_receives_each_units_p90_over_the_calibration_minibatches(
 def test_the_manager_runs_exposure_buckets_only_where_the_gate_passes(tiny):
   hooks, params, batches, mc = tiny
   m = MemoryManager(mc, hooks)
-  m.keep_measured = True
+  probe.keep_measurements(m)
   m.setup(params, batches, 0)
-  cal, meas = m.state.calibration, m.measured
+  cal, meas = m.state.calibration, probe.measurements(m)
   # the record is the pure gate of calibration's own arrays (no clip here: every minibatch counts as unclipped)
   raw = np.asarray(m.unit_scores(meas.batches)) / np.asarray(cal.susceptibility)
   live = np.asarray(cal.susceptibility) > 0
