@@ -8,7 +8,7 @@ from hilore_jax import cli
 
 
 def body(args):
-  from hilore_jax import engine
+  from hilore_jax.loop import engine
   from experiments import config, prefill_flops
 
   cfg, _ = config.load(args.config, args.overrides, "bench")  # the bench configs' YAML carries a bench section

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import engine, model, optim, sharding
+from hilore_jax import model, optim, sharding
+from hilore_jax.loop import engine
 from hilore_jax.capacity import synthetic
 from experiments.config import BenchConfig
 from hilore_jax.config import Config

@@ -14,7 +14,8 @@ import time
 import jax
 import numpy as np
 
-from hilore_jax import engine, model, sharding
+from hilore_jax import model, sharding
+from hilore_jax.loop import engine
 from hilore_jax.capacity import synthetic
 from experiments.config import BenchConfig
 from hilore_jax.config import Config

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import model, stats, step_hooks
+from hilore_jax import model, stats
+from hilore_jax.loop import step_hooks
 from experiments import exposure_e1, exposure_risk, exposure_sweep
 from experiments.config import ExposureBenchConfig
 from experiments.exposure_report import compare_arms, plot, plot_sweep, report, spearman_summary, where_it_varies
@@ -143,7 +144,7 @@ def measure_held_out(hooks, mc, held: list[Record], units, progress=print):
 def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> dict:
   """Collect, calibrate, measure the held-out minibatches, compare predictors, allocate under every arm and sweep
   delta; write the report."""
-  from hilore_jax.trainer import Trainer
+  from hilore_jax.loop.trainer import Trainer
 
   if cfg.grpo.num_iterations < 2:
     raise ConfigError("bench_exposure needs grpo.num_iterations >= 2 (off-policy passes, where ratios clip)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hilore_jax import metrics
+from hilore_jax.loop import metrics
 from hilore_jax.memory.predictors import rho_summary, within_unit_spearman  # noqa: F401 (re-exported)
 
 NAN = float("nan")

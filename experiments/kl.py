@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from hilore_jax import metrics
+from hilore_jax.loop import metrics
 from hilore_jax.errors import DataError
 
 

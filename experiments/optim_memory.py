@@ -18,7 +18,8 @@ import jax
 import numpy as np
 import optax
 
-from hilore_jax import engine, model, step_hooks
+from hilore_jax import model
+from hilore_jax.loop import engine, step_hooks
 from hilore_jax.capacity import synthetic
 from experiments.config import BenchConfig
 from hilore_jax.config import Config

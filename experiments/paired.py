@@ -39,7 +39,7 @@ def _copy(tree):
 
 
 def _trainer(config_path: str | None, overrides: list[str], out_dir: str):
-  from hilore_jax.trainer import Trainer
+  from hilore_jax.loop.trainer import Trainer
 
   cfg = cli.load_config(config_path, [*overrides, f"out_dir={out_dir}", "logging.progress=false",
                                       "logging.plot=false"])

@@ -20,7 +20,8 @@ import time
 import jax
 import numpy as np
 
-from hilore_jax import engine, model, sharding
+from hilore_jax import model, sharding
+from hilore_jax.loop import engine
 from hilore_jax import stats
 from experiments import hlo_ops, op_profile, profile_report, run, timing
 from hilore_jax.capacity import flops, projection, synthetic

@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 from hilore_jax import config as config_lib
-from hilore_jax import metrics
+from hilore_jax.loop import metrics
 from hilore_jax.stats import summary
 from hilore_jax.config import Config
 from hilore_jax.errors import ConfigError
@@ -69,7 +69,7 @@ def joint_scores(runs: dict[str, list[dict]], base: str) -> dict[str, list[float
 
 def run(cfg: Config, seeds: int, out_dir: str, arms=DEFAULT_ARMS, progress=print) -> dict:
   """Train every (seed, arm) pair (a finished pair in out_dir is reused) and write quality.json/.md/.png."""
-  from hilore_jax.trainer import Trainer
+  from hilore_jax.loop.trainer import Trainer
 
   os.makedirs(out_dir, exist_ok=True)
   runs: dict[str, list[dict]] = {a.name: [] for a in arms}

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import engine, model, step_hooks
+from hilore_jax import model
+from hilore_jax.loop import engine, step_hooks
 from hilore_jax.capacity import synthetic
 from experiments.config import RealBenchConfig
 from experiments.optim_memory import nbytes
@@ -221,7 +222,7 @@ def _write(out_dir: str, result: dict):
 def run(cfg: Config, br: RealBenchConfig, out_dir: str, ratios=(1.00, 1.10), progress=print) -> dict:
   """Rollouts of the model on its task, then br.parts in order (set-up cost, L-error table, memory table, LoGRA);
   real_model.json and real_model.md are rewritten after each part."""
-  from hilore_jax.trainer import Trainer
+  from hilore_jax.loop.trainer import Trainer
 
   os.makedirs(out_dir, exist_ok=True)
   result = {"config": {**cfg.to_dict(), "bench_real": dataclasses.asdict(br)},

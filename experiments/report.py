@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from hilore_jax import metrics
+from hilore_jax.loop import metrics
 from hilore_jax import stats
 from experiments import unit_risk
 

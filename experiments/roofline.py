@@ -14,7 +14,7 @@ from hilore_jax import cli, runtime
 
 
 def body(args):
-  from hilore_jax import engine
+  from hilore_jax.loop import engine
   from experiments import config, report
   from hilore_jax.capacity import projection
   from hilore_jax.memory import methods

@@ -7,7 +7,6 @@ the exact gradient; risk diagnostics only when asked for."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import platform
 import time
@@ -15,14 +14,14 @@ import time
 import jax
 import numpy as np
 
-from hilore_jax import engine, model, sharding, stats, step_hooks
+from hilore_jax import model, sharding, stats
+from hilore_jax.loop import engine, step_hooks
 from hilore_jax.capacity import flops, projection, roofline, synthetic
-from experiments import config as bench_config, report, timing, unit_risk
+from experiments import report, timing, unit_risk
+from experiments.config import BenchConfig
 from hilore_jax.config import Config
 from hilore_jax.memory import MemoryManager, calibration, methods, profile, riskfit
 from hilore_jax.rl import train_step
-
-log = logging.getLogger(__name__)
 
 ROW_KEYS = ("method", "budget_ratio", "peak_bytes", "tokens_per_s", "gain_vs_gc_pct", "gain_ci_low", "gain_ci_high",
             "active_constraint", "solver", "grad_rel_err_mean", "grad_rel_err_max", "grad_cos", "frac_H", "frac_L",
@@ -98,7 +97,7 @@ class Setup:
   setup_s: dict
 
 
-def prepare(cfg: Config, bc: bench_config.BenchConfig, progress=print) -> Setup:
+def prepare(cfg: Config, bc: BenchConfig, progress=print) -> Setup:
   """The run's engine, minibatches (drawn from cfg.seed), exact gradients and calibration."""
   mcfg = engine.model_config(cfg)
   eng, state = engine.build(cfg, mcfg, 10_000)
@@ -135,7 +134,7 @@ def prepare(cfg: Config, bc: bench_config.BenchConfig, progress=print) -> Setup:
                _end_plans(cfg, hooks, batch), setup_s)
 
 
-def configure_all(cfg: Config, bc: bench_config.BenchConfig, s: Setup, progress=print) -> list[Entry]:
+def configure_all(cfg: Config, bc: BenchConfig, s: Setup, progress=print) -> list[Entry]:
   """Every (method, budget) configuration, planned and compiled in bc.methods' order (none and GC once)."""
   entries: list[Entry] = []
   for method in bc.methods:
@@ -149,7 +148,7 @@ def configure_all(cfg: Config, bc: bench_config.BenchConfig, s: Setup, progress=
   return entries
 
 
-def run(cfg: Config, bc: bench_config.BenchConfig, out_dir: str, progress=print) -> dict:
+def run(cfg: Config, bc: BenchConfig, out_dir: str, progress=print) -> dict:
   """Run the benchmark and write results.json, results.md, frontier.png (and risk.md when asked) into out_dir."""
   os.makedirs(out_dir, exist_ok=True)
   t0 = time.perf_counter()

@@ -10,7 +10,8 @@ import os
 
 import numpy as np
 
-from hilore_jax import engine, model
+from hilore_jax import model
+from hilore_jax.loop import engine
 from hilore_jax.capacity import flops
 from hilore_jax.config import Config
 from hilore_jax.rl import prompt_share, train_step

@@ -2,9 +2,10 @@
 
 Wings: `model/` (decoder, dataflow table, remat policies, L codes, HF and GGUF interop), `memory/` (the HiLoRe
 decisions), `rl/` (GRPO numerics, the train step's pure functions, the update batch, rollouts, sampler, replay),
-`tasks/` (tasks, verifiers, prompts, tokenizers; no JAX), `optim/` (AdamW, LoGRA), `capacity/` (train.capacity's
-compile-only search). At the root: the config that composes the wings' sections, the engine (state and compiled
-steps), the trainer and the run's plumbing (checkpoints, metrics, sharding, entry-point helpers).
+`tasks/` (tasks, verifiers, prompts, tokenizers; no JAX), `optim/` (AdamW, LoGRA), and on top of them `loop/` (the
+trainer, the engine's state and compiled steps, evaluation, checkpoints, metrics); `capacity/` (train.capacity's
+compile-only search). At the root: the config that composes the wings' sections and the run's plumbing (sharding,
+runtime, errors, entry-point helpers). The lab (benchmarks and studies) is `experiments/`, beside the package.
 """
 
 from hilore_jax import runtime

@@ -9,7 +9,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = "hilore_jax"
 LAB = "experiments"  # the lab: benchmarks and studies, beside the package and not installed with it
 PACKAGES = (PKG, "train", LAB)  # the walked modules: the library, the user's entry points, the lab
-WINGS = ("model", "memory", "rl", "tasks", "optim")
+WINGS = ("model", "memory", "rl", "tasks", "optim")  # the wings with settings; loop/ and capacity/ have none
 # the root config composes the wings' sections; a wing's config imports only leaf constants and checks
 CONFIG_MAY_IMPORT = {"hilore_jax.errors", "hilore_jax.model.config"} | {f"hilore_jax.{w}.config" for w in WINGS}
 WING_CONFIG_MAY_IMPORT = {"hilore_jax.errors", "hilore_jax.config", "hilore_jax.rl.grpo", "hilore_jax.model.codec",
@@ -20,7 +20,8 @@ ARRAY_LIBRARIES = ("jax", "jaxlib", "optax", "flax", "chex", "orbax")
 # (manager, calibrate, buckets, drift, store, warmup, ...) directly
 LAB_MEMORY_MODULES = {"hilore_jax.memory"} | {f"hilore_jax.memory.{m}" for m in (
     "probe", "config", "hooks", "state", "risk", "riskfit", "predictors", "gate", "calibration", "methods", "profile")}
-TRAINER = ("hilore_jax.trainer", "hilore_jax.engine", "hilore_jax.step_hooks")  # the loop and its compiled steps
+# the loop and its compiled steps
+TRAINER = ("hilore_jax.loop.trainer", "hilore_jax.loop.engine", "hilore_jax.loop.step_hooks")
 
 
 def _module_name(path: str) -> str:
@@ -162,12 +163,15 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
         out.append(f"{mod} -> {dep}: tasks/ imports only itself, errors and runtime")
       if _in(mod, "tasks") and dep in ARRAY_LIBRARIES:
         out.append(f"{mod} -> {dep}: tasks/ imports no JAX (data code runs anywhere)")
+      if _in(dep, "loop") and not (_in(mod, "loop", "capacity") or _lab(mod) or mod.split(".")[0] == "train"):
+        out.append(f"{mod} -> {dep}: the loop sits on the wings: only loop/, capacity/, train/ and experiments/ "
+                   "import it")
       if _lab(dep) and not _lab(mod):
         out.append(f"{mod} -> {dep}: neither the library nor train/ imports the lab (experiments/ is not installed)")
       if _lab(mod) and _in(dep, "memory") and dep not in LAB_MEMORY_MODULES:
         out.append(f"{mod} -> {dep}: the lab reaches the memory manager only through its public interface "
                    "(hilore_jax.memory, memory/probe.py) and the wing's settings, types and numerics")
-      if dep == "hilore_jax.trainer" and not (_lab(mod) or mod.split(".")[0] == "train"):
+      if dep == "hilore_jax.loop.trainer" and not (_lab(mod) or mod.split(".")[0] == "train"):
         out.append(f"{mod} -> {dep}: only experiments/ and train/ import the trainer")
   internal_graph = {m: {d for d in ds if _ours(d)} for m, ds in graph.items()}
   out += [f"import cycle: {' -> '.join(c)}" for c in _cycles(internal_graph)]
@@ -234,8 +238,8 @@ def test_the_private_state_rule_leaves_own_state_alone():
 def test_the_package_keeps_its_import_rules():
   graph = import_graph(external=True)
   assert {"hilore_jax.model.decoder", "hilore_jax.memory.manager", "hilore_jax.rl.train_step", "hilore_jax.tasks.task",
-          "hilore_jax.optim.optimizer", "hilore_jax.capacity.measure", "experiments.run", "experiments.bench",
-          "train.grpo", "train.capacity"} <= set(graph)
+          "hilore_jax.optim.optimizer", "hilore_jax.loop.trainer", "hilore_jax.capacity.measure", "experiments.run",
+          "experiments.bench", "train.grpo", "train.capacity"} <= set(graph)
   assert "experiments.run" in graph["experiments.bench"]  # a lazy import inside a function counts
   assert violations(graph) == []
   # tasks/ imports no JAX through the package either
@@ -257,8 +261,11 @@ def test_the_package_keeps_its_import_rules():
     (("hilore_jax.rl.train_step", "hilore_jax.memory.exposure"), "rl/ is the step's pure functions"),
     (("hilore_jax.tasks.prompts", "hilore_jax.rl.grpo"), "tasks/ imports only itself"),
     (("hilore_jax.tasks.verifiers", "jax"), "tasks/ imports no JAX"),
-    (("hilore_jax.evaluation", "hilore_jax.trainer"), "only experiments/ and train/ import the trainer"),
-    (("hilore_jax.evaluation", "experiments.report"), "neither the library nor train/ imports the lab"),
+    (("hilore_jax.loop.evaluation", "hilore_jax.loop.trainer"), "only experiments/ and train/ import the trainer"),
+    (("hilore_jax.cli", "hilore_jax.loop.engine"), "the loop sits on the wings"),
+    (("hilore_jax.tasks.task", "hilore_jax.loop.metrics"), "the loop sits on the wings"),
+    (("hilore_jax.optim.optimizer", "hilore_jax.loop.checkpointing"), "the loop sits on the wings"),
+    (("hilore_jax.loop.evaluation", "experiments.report"), "neither the library nor train/ imports the lab"),
     (("hilore_jax.capacity.measure", "experiments.run"), "neither the library nor train/ imports the lab"),
     (("train.capacity", "experiments.run"), "neither the library nor train/ imports the lab"),
     (("experiments.config", "hilore_jax.memory.manager"), "a wing's config imports only leaf"),

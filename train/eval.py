@@ -13,7 +13,7 @@ def body(args):
   if not checkpoint:
     raise ConfigError("give --checkpoint DIR (or checkpoint=DIR)")
   cfg = cli.load_config(args.config, overrides)
-  from hilore_jax.evaluation import evaluate_checkpoint
+  from hilore_jax.loop.evaluation import evaluate_checkpoint
 
   print(json.dumps(evaluate_checkpoint(cfg, checkpoint), indent=2))
 

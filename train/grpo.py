@@ -8,7 +8,7 @@ from hilore_jax import cli, runtime
 
 def body(args):
   cfg = cli.load_config(args.config, args.overrides)
-  from hilore_jax.trainer import Trainer
+  from hilore_jax.loop.trainer import Trainer
 
   runtime.enable_compilation_cache()  # compiled steps survive restarts (one per allocation bucket)
   summary = Trainer(cfg).train()

@@ -23,7 +23,8 @@ import time
 import jax
 import numpy as np
 
-from hilore_jax import engine, model, optim, sharding, step_hooks
+from hilore_jax import model, optim, sharding
+from hilore_jax.loop import engine, step_hooks
 from hilore_jax.capacity import projection
 from hilore_jax.config import Config
 from hilore_jax.errors import ConfigError

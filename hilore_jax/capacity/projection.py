@@ -15,7 +15,8 @@ import logging
 import jax
 import numpy as np
 
-from hilore_jax import engine, model, sharding, step_hooks
+from hilore_jax import model, sharding
+from hilore_jax.loop import engine, step_hooks
 from hilore_jax.capacity import flops, roofline, synthetic
 from hilore_jax.config import Config
 from hilore_jax.memory import MemoryManager, ManagerState

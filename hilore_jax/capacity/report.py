@@ -3,7 +3,7 @@ row, with the growth check) and a plot (bytes by tokens; longest completion by b
 
 from __future__ import annotations
 
-from hilore_jax import metrics
+from hilore_jax.loop import metrics
 
 GiB, MiB = 2**30, 2**20
 

@@ -8,7 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from hilore_jax import engine, model, sharding
+from hilore_jax import model, sharding
+from hilore_jax.loop import engine
 from experiments import config as bench_config
 from hilore_jax import stats
 from experiments import timing

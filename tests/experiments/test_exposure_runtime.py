@@ -8,7 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from hilore_jax import engine, model, sharding, step_hooks
+from hilore_jax import model, sharding
+from hilore_jax.loop import engine, step_hooks
 from experiments import exposure as bench_exposure
 from experiments import exposure_risk, exposure_sweep
 from hilore_jax.memory import MemoryManager, buckets, calibration, predictors, probe
@@ -326,7 +327,7 @@ def test_exposure_arrays_store_grad_norm_and_absolute_unit_errors(setup, tmp_pat
 def test_a_later_pass_is_scored_with_the_log_probs_at_its_own_params(tmp_path):
   """Defect (a): a pass-1 record carried the log-probs of its pass-0 step, taken before that minibatch's own update
   (the first minibatch's ratio exactly 1, nothing clipped); it now carries those at the params its update runs at."""
-  from hilore_jax.trainer import Trainer
+  from hilore_jax.loop.trainer import Trainer
   from tests.trainer_util import tiny_config
 
   t = Trainer(tiny_config(tmp_path, "train.minibatch_size=6", "grpo.filter_zero_std=false", "train.warmstart_steps=0",

@@ -17,7 +17,7 @@ from trainer_util import tiny_config  # noqa: E402
 from hilore_jax import runtime  # noqa: E402
 from hilore_jax.rl import prompt_share, train_step  # noqa: E402
 from hilore_jax.rl.update_batch import UpdateBatch  # noqa: E402
-from hilore_jax.trainer import Trainer  # noqa: E402
+from hilore_jax.loop.trainer import Trainer  # noqa: E402
 
 runtime.enable_compilation_cache()  # the test session's HILORE_CACHE
 

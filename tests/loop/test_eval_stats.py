@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from hilore_jax import evaluation, stats
+from hilore_jax import stats
+from hilore_jax.loop import evaluation
 
 
 def test_wilson_interval_matches_hand_computed_values():

@@ -1,8 +1,9 @@
 import pytest
 from trainer_util import tiny_config
 
-from hilore_jax import errors, metrics
-from hilore_jax.trainer import Trainer
+from hilore_jax import errors
+from hilore_jax.loop import metrics
+from hilore_jax.loop.trainer import Trainer
 
 HILORE = ["memory.policy=hilore", "memory.group_size=8", "memory.buckets=3", "memory.budget_probes=2",
           "train.steps=3", "checkpoint.every=2", "eval.at_start=false", "eval.at_end=false",

@@ -9,7 +9,7 @@ import sys
 import pytest
 from trainer_util import TINY, stable
 
-from hilore_jax import metrics
+from hilore_jax.loop import metrics
 import repo
 
 ROOT = repo.ROOT

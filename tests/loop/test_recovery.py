@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from trainer_util import TINY, stable, tiny_config
 
-from hilore_jax import checkpointing, engine, metrics, runtime
+from hilore_jax import runtime
+from hilore_jax.loop import checkpointing, engine, metrics
 from hilore_jax.errors import CheckpointError, DataError
-from hilore_jax.trainer import Trainer
+from hilore_jax.loop.trainer import Trainer
 from train import grpo as grpo_main
 import repo
 

@@ -5,13 +5,14 @@ import numpy as np
 import pytest
 from trainer_util import tiny_config
 
-from hilore_jax import cli, step_hooks
+from hilore_jax import cli
+from hilore_jax.loop import step_hooks
 from hilore_jax.errors import ConfigError
 from hilore_jax.memory.config import ExposureSwitches
 from hilore_jax.rl import grpo, train_step
 from hilore_jax.rl.rollout import Rollout
 from hilore_jax.rl.update_batch import UpdateBatch
-from hilore_jax.trainer import Trainer
+from hilore_jax.loop.trainer import Trainer
 
 G, P, N = 4, 6, 3  # tiny_config: 3 prompts x 4 generations, prompts padded to 6, 3 new tokens
 OFFSETS = np.array([-1.0, 0.05, 1.0, -0.05, 0.5, 0.0])  # stored - current log-prob: some ratios far outside the clip

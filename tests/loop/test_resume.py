@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from trainer_util import stable, tiny_config
 
-from hilore_jax import metrics
+from hilore_jax.loop import metrics
 from hilore_jax.optim import logra
 from hilore_jax.rl.replay import STAT_KEYS
-from hilore_jax.trainer import Trainer
+from hilore_jax.loop.trainer import Trainer
 
 # 5 prompts x 4 = 20 fresh rows + replay's share, 2 passes over minibatches of 10: several updates a step; LoGRA
 # refits every 3 updates, so the resumed half refits from restored moments and P

@@ -9,7 +9,8 @@ import optax
 import pytest
 from trainer_util import stable
 
-from hilore_jax import engine, model, packed_step, sharding
+from hilore_jax import model, sharding
+from hilore_jax.loop import engine, packed_step
 from hilore_jax.model import ModelConfig
 from hilore_jax.rl import grpo, prompt_share, token_budget, train_step
 from hilore_jax.rl.config import GRPOConfig

@@ -11,15 +11,16 @@ import optax
 import pytest
 from trainer_util import stable, tiny_config
 
-from hilore_jax import engine, metrics, model, packed_step, sharding
+from hilore_jax import model, sharding
+from hilore_jax.loop import engine, metrics, packed_step
 from hilore_jax.errors import ConfigError
 from hilore_jax.model import ModelConfig
 from hilore_jax.rl import token_budget, train_step
 from hilore_jax.rl.config import GRPOConfig
 from hilore_jax.rl.update_batch import UpdateBatch
 from hilore_jax.memory import MemoryManager
-from hilore_jax.shaped_memory import ShapedMemory
-from hilore_jax.trainer import Trainer
+from hilore_jax.loop.shaped_memory import ShapedMemory
+from hilore_jax.loop.trainer import Trainer
 import repo
 
 CFG = ModelConfig(vocab_size=31, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from trainer_util import tiny_config
 
-from hilore_jax import metrics
-from hilore_jax.trainer import Trainer, TrainingDiverged
+from hilore_jax.loop import metrics
+from hilore_jax.loop.trainer import Trainer, TrainingDiverged
 import repo
 
 

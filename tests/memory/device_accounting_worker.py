@@ -25,7 +25,7 @@ from hilore_jax import runtime  # noqa: E402
 from hilore_jax.memory import methods, profile  # noqa: E402
 from hilore_jax.memory.manager import Calibration  # noqa: E402
 from hilore_jax.rl.update_batch import UpdateBatch  # noqa: E402
-from hilore_jax.trainer import Trainer  # noqa: E402
+from hilore_jax.loop.trainer import Trainer  # noqa: E402
 
 runtime.enable_compilation_cache()  # the test session's HILORE_CACHE
 

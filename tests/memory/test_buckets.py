@@ -3,7 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hilore_jax import engine, model
+from hilore_jax import model
+from hilore_jax.loop import engine
 from hilore_jax.memory import allocator, buckets
 from hilore_jax.rl import train_step
 from hilore_jax.rl.config import GRPOConfig

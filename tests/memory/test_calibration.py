@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from hilore_jax import model, step_hooks
+from hilore_jax import model
+from hilore_jax.loop import step_hooks
 from hilore_jax.model import decoder
 from hilore_jax.capacity import synthetic
 from experiments import unit_risk

@@ -8,7 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from hilore_jax import engine, model, sharding, step_hooks
+from hilore_jax import model, sharding
+from hilore_jax.loop import engine, step_hooks
 from hilore_jax.memory import MemoryManager, drift
 from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.model import ModelConfig

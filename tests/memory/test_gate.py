@@ -8,7 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from hilore_jax import config, engine, model, sharding, step_hooks
+from hilore_jax import config, model, sharding
+from hilore_jax.loop import engine, step_hooks
 from hilore_jax.errors import ConfigError
 from hilore_jax.memory import MemoryManager, gate, manager, probe, warmup
 from hilore_jax.memory.config import GateConfig, MemoryConfig

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hilore_jax import model, step_hooks
+from hilore_jax import model
+from hilore_jax.loop import step_hooks
 from hilore_jax.memory import predictors
 from hilore_jax.memory.config import ExposureSwitches
 from hilore_jax.rl import train_step

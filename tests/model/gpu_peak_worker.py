@@ -11,7 +11,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from hilore_jax import cli, engine, model, sharding, step_hooks  # noqa: E402
+from hilore_jax import cli, model, sharding  # noqa: E402
+from hilore_jax.loop import engine, step_hooks
 from hilore_jax.capacity import synthetic  # noqa: E402
 from hilore_jax.memory import MemoryManager  # noqa: E402
 from hilore_jax.rl import train_step

@@ -212,7 +212,8 @@ def test_the_managers_plan_for_the_real_shape_compiles_within_its_budget(model_d
   """hilore (a given uniform calibration: this test is about bytes) on the real 30-layer shape, a 2 x 96-token
   minibatch: the fitted plan's compiled peak (XLA's, compile only) is within 1.10x GC's. Its fit includes its
   risk-free subset's (optimal_hr's H/R plans at the same budget), so both methods' fits compile here."""
-  from hilore_jax import cli, engine, step_hooks
+  from hilore_jax import cli
+  from hilore_jax.loop import engine, step_hooks
   from experiments.real_model import abstract_batch
   from hilore_jax.memory import Calibration, MemoryManager, calibration
   from hilore_jax.rl import train_step

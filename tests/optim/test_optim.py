@@ -7,7 +7,8 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from hilore_jax import cli, engine, model, optim, sharding
+from hilore_jax import cli, model, optim, sharding
+from hilore_jax.loop import engine
 from hilore_jax.model import ModelConfig
 from hilore_jax.optim import logra
 from hilore_jax.optim.config import LograConfig, OptimizerConfig

@@ -9,7 +9,8 @@ import numpy as np
 import optax
 import pytest
 
-from hilore_jax import engine, model, sharding
+from hilore_jax import model, sharding
+from hilore_jax.loop import engine
 from hilore_jax.model import ModelConfig
 from hilore_jax.optim.config import KLControlConfig
 from hilore_jax.rl import kl_control, train_step

@@ -14,7 +14,7 @@ from hilore_jax.model import ModelConfig
 from hilore_jax.rl import grpo, rollout, train_step
 from hilore_jax.rl.config import GRPOConfig
 from hilore_jax.rl.update_batch import UpdateBatch
-from hilore_jax.trainer import Trainer
+from hilore_jax.loop.trainer import Trainer
 
 CFG = ModelConfig(vocab_size=31, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2)
@@ -164,7 +164,7 @@ def test_training_logprobs_are_the_samplers_at_temperature(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_old_logp_from_the_sampler_needs_no_forward_and_trains_as_the_forward_does(tmp_path, temperature):
-  from hilore_jax import metrics
+  from hilore_jax.loop import metrics
 
   args = ["train.steps=2", "train.minibatch_size=4", "grpo.num_iterations=2", "grpo.filter_zero_std=false",
           "eval.at_start=false", "eval.at_end=false", f"rollout.temperature={temperature}"]

@@ -121,7 +121,7 @@ def test_the_trainer_shares_by_default_and_one_switch_turns_it_off(tmp_path):
   from trainer_util import tiny_config
 
   from hilore_jax.rl.rollout import Rollout
-  from hilore_jax.trainer import Trainer
+  from hilore_jax.loop.trainer import Trainer
 
   rng = np.random.default_rng(1)
   B, G, P, N = 12, 4, 6, 3

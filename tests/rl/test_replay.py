@@ -238,7 +238,7 @@ def test_exact_resume_from_saved_state():
 def test_state_round_trips_through_orbax(tmp_path):
   import jax
 
-  from hilore_jax import checkpointing
+  from hilore_jax.loop import checkpointing
 
   c = cfg(capacity=11)
   buf = ReplayBuffer(c, P, N)

@@ -7,7 +7,8 @@ import optax
 import pytest
 from tolerance import assert_close, assert_trees_close
 
-from hilore_jax import engine, model, sharding
+from hilore_jax import model, sharding
+from hilore_jax.loop import engine
 from hilore_jax.model import ModelConfig
 from hilore_jax.rl import train_step
 from hilore_jax.rl.config import GRPOConfig

@@ -12,7 +12,7 @@ from chat_util import GSM8K_ROWS, IM_END, IM_START, build_chat_tokenizer, build_
 import hilore_jax
 from hilore_jax import cli, tasks
 from hilore_jax.tasks import prompts, tokenizer
-from hilore_jax.trainer import Trainer
+from hilore_jax.loop.trainer import Trainer
 
 torch = pytest.importorskip("torch", reason="the HF export check needs PyTorch")
 transformers = pytest.importorskip("transformers")

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from hilore_jax import model, sharding
-from hilore_jax.engine import Stepper
+from hilore_jax.loop.engine import Stepper
 from hilore_jax.memory import exposure
 from hilore_jax.memory.hooks import StepHooks
 from hilore_jax.rl import prompt_share, train_step

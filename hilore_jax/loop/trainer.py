@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import (checkpointing, engine, evaluation, metrics, model, packed_step, preflight, runtime, sharding,
-                        step_hooks, tasks)
+from hilore_jax import model, runtime, sharding, tasks
+from hilore_jax.loop import checkpointing, engine, evaluation, metrics, packed_step, preflight, step_hooks
 from hilore_jax.config import Config
 from hilore_jax.errors import ConfigError, RunExists, TrainingDiverged
 from hilore_jax.memory import MemoryManager, methods
@@ -25,7 +25,7 @@ from hilore_jax.memory import store as stores
 from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.model import hf
 from hilore_jax.rl import prompt_share, replay, rollout, sft, token_budget, train_step, update_batch
-from hilore_jax.shaped_memory import ShapedMemory
+from hilore_jax.loop.shaped_memory import ShapedMemory
 from hilore_jax.tasks import prompts
 
 log = logging.getLogger(__name__)

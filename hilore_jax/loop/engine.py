@@ -256,7 +256,7 @@ class Stepper:
 def model_config(cfg: Config) -> model.ModelConfig:
   """The model's shape: from model.path's config.json, or the config's shape fields."""
   if cfg.model.path:
-    from hilore_jax import preflight
+    from hilore_jax.loop import preflight
 
     return preflight.load_model_config("model.path", cfg.model.path, cfg.model)
   return cfg.model.shape_config()

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from hilore_jax import sharding
-from hilore_jax.engine import Stepper, _memory, abstract
+from hilore_jax.loop.engine import Stepper, _memory, abstract
 from hilore_jax.rl import token_budget, train_step
 from hilore_jax.rl.train_step import StepSpec
 from hilore_jax.rl.update_batch import UpdateBatch

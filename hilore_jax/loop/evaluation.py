@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hilore_jax import checkpointing, engine, model, optim, preflight, stats, tasks
+from hilore_jax import model, optim, stats, tasks
+from hilore_jax.loop import checkpointing, engine, preflight
 from hilore_jax import config as config_lib
 from hilore_jax.config import Config
 from hilore_jax.errors import CheckpointError
