@@ -1,4 +1,5 @@
-"""The package's architecture as rules on its import graph (an ast walk), checked in CI."""
+"""The repository's architecture as rules on the import graph of the library, train/ and the lab (an ast walk), and
+on what the lab may touch of the library, checked in CI."""
 
 import ast
 import os
@@ -34,9 +35,9 @@ def _type_checking(node) -> bool:
 
 
 def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
-  """Modules a module imports, outside TYPE_CHECKING: package modules by name (`from a import b` is a.b when that is
-  a module), anywhere; others by their top-level name, at module level only (an import inside a function runs only
-  when it is called)."""
+  """Modules a module imports, outside TYPE_CHECKING: modules of the library, train/ and the lab by name (`from a
+  import b` is a.b when that is a module), anywhere; others by their top-level name, at module level only (an import
+  inside a function runs only when it is called)."""
   out = set()
   stack = [(tree, False)]
   while stack:
