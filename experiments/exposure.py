@@ -7,7 +7,7 @@ hilore_static, hilore with exposure off / on, an oracle allocating from the meas
 calibrated delta and its realised error, and a sweep over delta read at one violation rate (recompute FLOPs removed,
 the cost model's predicted removal; experiments/exposure_sweep.py). Step times only with bench_exposure.timing. Writes
 exposure.json, exposure.md, exposure.png, exposure_sweep.png and exposure_arrays.npz (every held-out error and score,
-each minibatch's ||g|| and each unit's absolute error, for re-analysis)."""
+each minibatch's ||g|| and each unit's absolute error). Long on purpose: the study's steps, in order, in one run()."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import time
 from typing import Any
 
@@ -24,7 +25,7 @@ import numpy as np
 
 from hilore_jax import model, stats
 from hilore_jax.loop import step_hooks
-from experiments import exposure_e1, exposure_risk, exposure_sweep
+from experiments import exposure_e1, exposure_risk, exposure_sweep, spill
 from experiments.config import ExposureBenchConfig
 from experiments.exposure_report import compare_arms, plot, plot_sweep, report, spearman_summary, where_it_varies
 from experiments.exposure_timing import time_plans
@@ -48,16 +49,18 @@ class Record:
   step: int
   pass_: int
   index: int
-  params: Any
+  kept_params: Any  # the params, or spill.Spilled: read back on each access of .params
   batch: Any
   describe: dict
   logp: np.ndarray | None = None
-  opt_state: Any = None
+  kept_opt: Any = None
+  params = property(lambda self: spill.load(self.kept_params))
+  opt_state = property(lambda self: spill.load(self.kept_opt))
 
 
-def collect(trainer, steps: int, progress=print, opt_state: bool = True) -> list[Record]:
+def collect(trainer, steps: int, progress=print, opt_state: bool = True, spill_dir: str | None = None) -> list[Record]:
   """Warm-start (if set), then `steps` rollouts, each trained for grpo.num_iterations passes under the run's own
-  step, recording every minibatch with the params (and optimizer state) its update saw."""
+  step, recording every minibatch with the params (and optimizer state) its update saw: on disk under spill_dir."""
   c = trainer.config
   if c.train.warmstart_steps:
     trainer.warmstart()
@@ -74,8 +77,9 @@ def collect(trainer, steps: int, progress=print, opt_state: bool = True) -> list
     minibatches, _ = trainer.add_logprobs(minibatches)
     for it in range(c.grpo.num_iterations):
       for j, b in enumerate(trainer.pass_batches(minibatches, it)):
-        copy = lambda t: jax.tree_util.tree_map(jnp.copy, t)  # the step donates the state
-        params, opt = copy(trainer.state["params"]), copy(trainer.state["opt_state"]) if opt_state else None
+        where = None if spill_dir is None else os.path.join(spill_dir, f"{len(records)}")  # the step donates the state
+        params = spill.keep(trainer.state["params"], where and where + "p")
+        opt = spill.keep(trainer.state["opt_state"], where and where + "o") if opt_state else None
         trainer.state, m = trainer.stepper(trainer.spec, trainer.state, b)
         # its own log-probs (a forward at `params`), not the previous pass's (before its own update there)
         logp, rec = m.pop(train_step.TOKEN_LOGP), jax.device_get(b)
@@ -154,7 +158,8 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
   t_start = time.perf_counter()
   trainer = Trainer(dataclasses.replace(cfg, out_dir=os.path.join(out_dir, "collect"),
                                         memory=dataclasses.replace(cfg.memory, policy="none")))
-  records = collect(trainer, be.rollout_steps, progress, be.update_error)
+  spill_dir = os.path.join(out_dir, "records")  # removed at the end: a real model's params are GBs per rollout
+  records = collect(trainer, be.rollout_steps, progress, be.update_error, spill_dir)
   cal, held = split(records, be.calib_minibatches)
   cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, calib_batches=len(cal)))  # all of them
   held = held[:be.held_out or None]
@@ -178,9 +183,9 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
   held, refs, err_by, layers = measure_held_out(hooks, mc, held, units, progress)
   err_MU, mu = err_by[metric], [i for i, (l, _) in enumerate(units) if layers is None or l in layers]
   # per-token errors of the forward the step runs anyway: the old-log-prob forward at the rollout's first params
-  start = {r.step: r.params for r in records if r.pass_ == 0 and r.index == 0}
+  start = {r.step: r for r in records if r.pass_ == 0 and r.index == 0}
   fwd = jax.jit(lambda p, b: calibration.token_errors(hooks, p, b, units, mc.group_size, mc.lowp_format))
-  token_err = [fwd(start[r.step], r.batch) for r in held]
+  token_err = [fwd(start[r.step].params, r.batch) for r in held]
 
   progress("risk prediction on the held-out minibatches")
   scores = exposure_risk.predictor_scores(calib_mm, held, token_err)
@@ -310,4 +315,5 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
   plot_sweep(result, os.path.join(out_dir, "exposure_sweep.png"))
   if be.e1_json:  # issue 36's E1 summary: P1-P4 with cluster CIs over row sets, and the gate's decision
     exposure_e1.write(be, metric, cal, held, err_by, units, mu, table, chosen, sweep, cal_state, tol)
+  shutil.rmtree(spill_dir, ignore_errors=True)
   return result

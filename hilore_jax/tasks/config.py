@@ -27,9 +27,15 @@ class ArithmeticSpec:
   # word: a short story with num_terms = 3 numbers and two operations ('Mia has 12 pens. She buys 7 more and then
   # gives away 5. How many pens does Mia have now?'), rewarded the same way: a problem that needs steps
   format: str = "symbols"
+  # word only: the share of one-step stories (two numbers, one operation) mixed in, so the difficulty varies
+  one_step_frac: float = 0.0
 
   def __post_init__(self):
     check_range("task.arithmetic.teacher_error_rate", self.teacher_error_rate, 0.0, 1.0)
+    check_range("task.arithmetic.one_step_frac", self.one_step_frac, 0.0, 1.0)
+    if self.one_step_frac and self.format != "word":
+      raise ConfigError(f"task.arithmetic.one_step_frac mixes one-step stories into format=word, got format "
+                        f"{self.format!r}")
     if self.min_value < 0 or self.max_value < self.min_value:
       raise ConfigError(f"task.arithmetic needs 0 <= min_value <= max_value, got {self.min_value}, "
                         f"{self.max_value}")

@@ -66,10 +66,30 @@ WORD_STORIES = (
                  "How many cookies are left?"),
     (("+", "+"), "A farm has {a} cows, {b} sheep and {c} goats. How many animals does the farm have?"),
 )
+# One-step stories (task.arithmetic.one_step_frac): (op, text) with {a} {b}; a '-' story's result stays >= 0.
+WORD_STORIES_ONE = (
+    ("+", "{n} has {a} marbles and wins {b} more. How many marbles does {n} have now?"),
+    ("-", "A shop had {a} apples and sold {b} of them. How many apples are left?"),
+    ("+", "{n} read {a} pages on Monday and {b} pages on Tuesday. How many pages did {n} read in all?"),
+    ("-", "There are {a} birds on a tree and {b} fly away. How many birds are on the tree now?"),
+)
 WORD_NAMES = ("Mia", "Sam", "Ava", "Leo", "Zoe", "Ben", "Ivy", "Max")
 
 
+def _one_step_problem(spec: ArithmeticSpec, rng: random.Random, template: str) -> Example:
+  stories = [s for s in WORD_STORIES_ONE if s[0] in spec.ops]
+  op, text = stories[rng.randrange(len(stories))]
+  a, b = (rng.randint(spec.min_value, spec.max_value) for _ in range(2))
+  a, b = (a, b) if op == "+" else (max(a, b), min(a, b))
+  value = a + b if op == "+" else a - b
+  question = text.format(n=WORD_NAMES[rng.randrange(len(WORD_NAMES))], a=a, b=b)
+  return Example(prompt=template.replace("{question}", question), reference=value, target=str(value))
+
+
 def _word_problem(spec: ArithmeticSpec, rng: random.Random, template: str) -> Example:
+  # the draw only where one-step stories are asked for: streams without them stay as they were
+  if spec.one_step_frac and rng.random() < spec.one_step_frac:
+    return _one_step_problem(spec, rng, template)
   stories = [s for s in WORD_STORIES if set(s[0]) <= set(spec.ops)]
   ops, text = stories[rng.randrange(len(stories))]
   while True:

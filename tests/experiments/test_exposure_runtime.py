@@ -6,43 +6,25 @@ import types
 import jax
 import numpy as np
 import optax
+import manager_util
 import pytest
 
-from hilore_jax import model, sharding
-from hilore_jax.loop import engine, step_hooks
+from hilore_jax import model
 from experiments import exposure as bench_exposure
 from experiments import exposure_risk, exposure_sweep
 from hilore_jax.memory import MemoryManager, buckets, calibration, predictors, probe
 from hilore_jax.memory.config import GateConfig, MemoryConfig
-from hilore_jax.model import ModelConfig
 from hilore_jax.model import units as U
-from hilore_jax.rl import train_step
-from hilore_jax.rl.config import GRPOConfig
-from hilore_jax.rl.update_batch import UpdateBatch
 
-CFG = ModelConfig(vocab_size=31, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, tie_word_embeddings=False)
-B, P, N = 8, 5, 7
-
-
-def _batch(rng, adv):
-  mask = (np.arange(N)[None] < rng.integers(3, N + 1, B)[:, None]).astype(np.int32)
-  return UpdateBatch(rng.integers(3, 31, (B, P)).astype(np.int32), np.ones((B, P), np.int32),
-                     (rng.integers(3, 31, (B, N)) * mask).astype(np.int32), mask, np.asarray(adv, np.float32),
-                     old_logp=np.full((B, N), -3.0, np.float32) * mask)
+B = 8
 
 
 @pytest.fixture(scope="module")
 def setup():
-  params = model.init_params(CFG, jax.random.PRNGKey(0), init_std=0.3)
-  mesh = sharding.make_mesh(1, 1)
-  opt = optax.sgd(1e-3)
-  state, sh = engine.init_state(mesh, opt, jax.eval_shape(lambda: params), lambda s: jax.device_put(params, s))
-  spec = train_step.StepSpec(CFG, GRPOConfig(), model.uniform(2, model.NO_REMAT), use_old_logp=True)
-  hooks = step_hooks.memory_hooks(engine.Stepper(mesh, opt, state, sh), spec)
+  hooks, params = manager_util.hooks()
   rng = np.random.default_rng(0)
   adv = [1.5, -0.5, -0.5, -0.5, 1.0, -1.0, 1.0, -1.0]
-  cal = [_batch(rng, adv) for _ in range(2)]
+  cal = [manager_util.batch(rng, adv) for _ in range(2)]
   # exposure buckets forced on: these tests are of the buckets, not of the gate (tests/test_gate.py)
   mc = MemoryConfig(policy="hilore", budget_ratio=1.5, group_size=8, calib_batches=2, calib_sets=2,
                     budget_probes=2, buckets=4, gate=GateConfig(mode="always"))
@@ -54,7 +36,7 @@ def setup():
 @pytest.mark.slow
 def test_each_minibatch_is_allocated_from_its_own_unit_scores(setup):
   hooks, params, on, mc, rng, adv = setup
-  normal = _batch(rng, adv)
+  normal = manager_util.batch(rng, adv)
   zero = normal.replace(adv=np.zeros(B, np.float32))  # every group's rewards equal
   # the previous pass moved the log-probs of the rows with A > 0 up by 1: ratio e > 1 + eps clips every one of
   # their tokens (w = 0, beta = 0), exactly as if those rows had no advantage; the other rows keep ratio 1
@@ -98,8 +80,8 @@ def test_each_minibatch_is_allocated_from_its_own_unit_scores(setup):
 def test_oracle_allocates_from_measured_errors(setup):
   hooks, params, on, mc, rng, adv = setup
   oracle = probe.oracle(mc, hooks)
-  oracle.setup(params, [_batch(rng, adv)], 0, calibration_state=on.state.calibration)
-  b = _batch(rng, adv)
+  oracle.setup(params, [manager_util.batch(rng, adv)], 0, calibration_state=on.state.calibration)
+  b = manager_util.batch(rng, adv)
   ref = np.asarray(on.state.calibration.predicted_error)
   probe.give_errors(oracle, np.zeros_like(ref))  # measured harmless: every unit may be L at no risk
   a0 = oracle.allocate([b])[0]
@@ -114,9 +96,9 @@ def test_the_probe_scores_with_the_managers_own_scorer(setup):
   hooks, params, _, mc, rng, adv = setup
   m = MemoryManager(mc, hooks)
   probe.keep_measurements(m)
-  m.setup(params, [_batch(rng, adv) for _ in range(2)], 0)
+  m.setup(params, [manager_util.batch(rng, adv) for _ in range(2)], 0)
   assert len(probe.measurements(m).batches) == 2
-  c, held = m.state.calibration, [_batch(rng, adv) for _ in range(3)]
+  c, held = m.state.calibration, [manager_util.batch(rng, adv) for _ in range(3)]
   inputs = predictors.ScoreInputs(np.asarray(c.prompt_profile or np.zeros((len(m.lowp_ids), 0))),
                                   np.asarray(c.profile), np.asarray(c.susceptibility), c.grad_scale)
   np.testing.assert_allclose(probe.scores(m, held, inputs, mc.exposure, None, None), m.unit_scores(held))
@@ -161,9 +143,10 @@ def test_manager_state_round_trips_and_converts_the_scalar_bucket_version(setup)
 @pytest.mark.slow
 def test_calibration_skips_minibatches_without_a_gradient(setup):
   hooks, params, _, mc, rng, adv = setup
-  dead = _batch(rng, adv).replace(adv=np.zeros(B, np.float32))  # every group's rewards equal, no KL: no gradient
+  # every group's rewards equal, no KL: no gradient
+  dead = manager_util.batch(rng, adv).replace(adv=np.zeros(B, np.float32))
   m = MemoryManager(dataclasses.replace(mc, calib_sets=1), hooks)
-  m.setup(params, [dead, _batch(rng, adv)], 0)
+  m.setup(params, [dead, manager_util.batch(rng, adv)], 0)
   cal = m.state.calibration
   assert cal.calib_batches == 1 and cal.delta > 0 and np.isfinite(cal.unit_errors).all()
 
@@ -219,7 +202,7 @@ def test_calibration_measures_each_minibatch_at_its_own_params(setup):
   on-policy; each is now measured at the params its update saw."""
   hooks, params, _, mc, rng, adv = setup
   moved = jax.tree.map(lambda x: x * 1.3, params)  # the policy a later update saw
-  b0, b1 = _batch(rng, adv), _batch(rng, adv)
+  b0, b1 = manager_util.batch(rng, adv), manager_util.batch(rng, adv)
   m = MemoryManager(dataclasses.replace(mc, calib_sets=1), hooks)
   m.setup(params, [b0, b1], 0, contexts=[calibration.UpdateContext(params), calibration.UpdateContext(moved)])
   got = np.asarray(m.state.calibration.unit_errors)
@@ -265,7 +248,7 @@ def test_plan_flops_add_up_per_layer(setup):
   from hilore_jax.capacity import flops
 
   hooks, params, _, _, rng, adv = setup
-  b = _batch(rng, adv)
+  b = manager_util.batch(rng, adv)
   pf = exposure_sweep.PlanFlops(hooks.gradient, 2, params, b)
   mixed = (model.FULL_REMAT, model.LayerPolicy(remat=True, save=(U.MLP_GATE,), lowp=(U.Q, U.ATTN_PROBS)))
   direct = flops.program_flops(lambda q, x: hooks.gradient(q, x, mixed), params, b)
@@ -279,10 +262,9 @@ def test_plan_flops_add_up_per_layer(setup):
 def test_calibration_measures_the_configured_risk_metric(setup):
   """memory.risk_metric reaches every calibration measurement: clipped errors are the relative ones times
   ||g|| / max(||g||, c), and the update error of plain SGD (u = -lr g) is the gradient's relative error."""
-  import optax
 
   hooks, params, _, mc, rng, adv = setup
-  b = _batch(rng, adv)
+  b = manager_util.batch(rng, adv)
   units = calibration.lowp_units(2)
   rel = calibration.measure_unit_errors(hooks, params, b, units, mc.group_size)
   g = float(calibration.norm(calibration.exact_gradient(hooks, params, b)))
@@ -303,7 +285,7 @@ def test_exposure_arrays_store_grad_norm_and_absolute_unit_errors(setup, tmp_pat
   """Defect (e): the arrays lacked ||g|| and the absolute ||dg_u||; both are stored, checked against a probe."""
   hooks, params, _, mc, rng, adv = setup
   units = calibration.lowp_units(2)
-  batches = [_batch(rng, adv) for _ in range(2)]
+  batches = [manager_util.batch(rng, adv) for _ in range(2)]
   refs = [calibration.reference(hooks, calibration.UpdateContext(params), b) for b in batches]
   err = np.stack([calibration.measure_unit_errors(hooks, params, b, units, mc.group_size, exact=r,
                                                   metrics=("relative", "clipped")) for b, r in zip(batches, refs)])

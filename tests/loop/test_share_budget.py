@@ -5,12 +5,12 @@ packed program computes each prompt once; a run with both on updates as one with
 
 import jax
 import numpy as np
-import optax
+import packed_util
 import pytest
 from trainer_util import stable
 
-from hilore_jax import model, sharding
-from hilore_jax.loop import engine, packed_step
+from hilore_jax import model
+from hilore_jax.loop import packed_step
 from hilore_jax.model import ModelConfig
 from hilore_jax.rl import grpo, prompt_share, token_budget, train_step
 from hilore_jax.rl.config import GRPOConfig
@@ -43,17 +43,6 @@ def _micros(batch, budget=BUDGET, distinct=0):
   return token_budget.share(plan, prompt_share.prompt_keys(batch), distinct)
 
 
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
-
-
-def _stepper(params):
-  mesh, opt = sharding.make_mesh(), optax.sgd(0.1)
-  state, shardings = engine.init_state(mesh, opt, jax.eval_shape(lambda: params), lambda sh: jax.device_put(params, sh))
-  return engine.Stepper(mesh, opt, state, shardings)
-
-
 def test_each_microbatch_tables_the_distinct_prompts_of_its_own_rows():
   batch = _batch()
   keys = prompt_share.prompt_keys(batch)
@@ -81,32 +70,19 @@ def test_each_microbatch_tables_the_distinct_prompts_of_its_own_rows():
 
 @pytest.mark.parametrize("loss_agg", grpo.LOSS_AGGS)
 def test_packed_shared_loss_gradient_and_logprobs_equal_the_unpacked_unshared_minibatch(loss_agg):
-  lc = GRPOConfig(loss_agg=loss_agg, max_completion_len=N, beta=0.05)
-  spec = train_step.StepSpec(CFG, lc, model.uniform(CFG.num_hidden_layers, model.FULL_REMAT), use_old_logp=True,
-                             use_ref_logp=True)
+  spec = packed_util.spec(CFG, loss_agg, N)
   params = model.init_params(CFG, jax.random.PRNGKey(3), init_std=0.2)
   batch = _batch()
   batch = batch.replace(ref_logp=(batch.old_logp * 1.1).astype(np.float32))
-  want_g, want_m = jax.jit(lambda p, b: train_step.gradient_step(p, b, spec))(params, batch)
   micros = _micros(batch)
   assert {m.cap for m in micros} > {N} and any(m.table is not None for m in micros)
   # the trainer's minibatch carries its own table (the unpacked passes read it); each microbatch gathers its own
   placed = prompt_share.share_prompts(batch)
   assert prompt_share.shared(placed)
-  st = _stepper(params)
-  run = jax.jit(lambda p, b, i, n, a, cap: train_step.packed_gradient(p, b, i, n, a, spec, cap), static_argnums=5)
-  acc, norm = jax.jit(train_step.packed_start)(params, placed)
-  for m in micros:
-    acc = run(params, placed, m.arrays(), norm, acc, m.cap)
-  grads, stats, logp = acc
-  got_m = train_step.step_metrics({**stats, train_step.TOKEN_LOGP: logp})
-  assert _rel(got_m["loss"], want_m["loss"]) <= 1e-5 and float(want_m["loss"]) != 0.0
-  for k in ("tokens", "clipfrac", "kl", "entropy", "abs_log_ratio"):
-    np.testing.assert_allclose(float(got_m[k]), float(want_m[k]), rtol=1e-5, atol=1e-7)
-  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_g)):
-    assert _rel(g, w) <= 1e-5
+  want_m = packed_util.assert_packed_equals_unpacked(params, batch, placed, micros, spec)
+  assert float(want_m["loss"]) != 0.0
+  st = packed_util.stepper(params)
   mask = batch.mask > 0
-  np.testing.assert_allclose(np.asarray(logp)[mask], np.asarray(want_m[train_step.TOKEN_LOGP])[mask], rtol=1e-5)
   # the packed log-prob pass (its own plan, larger microbatches) against the unpacked, unshared forward
   want = np.asarray(st.logprobs(spec, params, batch))[mask]
   logp_micros = _micros(batch, 2 * BUDGET)
@@ -123,7 +99,7 @@ def test_the_packed_program_computes_each_prompt_once():
   micros = _micros(batch, budget=8 * 56)
   assert len(micros) == 1 and micros[0].key == (8, 8, 2)
   params = model.init_params(CFG, jax.random.PRNGKey(3), init_std=0.2)
-  packer = packed_step.PackedStepper(_stepper(params))
+  packer = packed_step.PackedStepper(packed_util.stepper(params))
   spec = train_step.StepSpec(CFG, GRPOConfig(), model.uniform(CFG.num_hidden_layers, model.FULL_REMAT))
   unshared = token_budget.Micro(micros[0].rows, micros[0].live, micros[0].cap)
   flops = {name: packer._gradient(spec, batch, m)[0].cost_analysis()["flops"]

@@ -7,16 +7,15 @@ import os
 
 import jax
 import numpy as np
-import optax
+import packed_util
 import pytest
 from trainer_util import stable, tiny_config
 
-from hilore_jax import model, sharding
-from hilore_jax.loop import engine, metrics, packed_step
+from hilore_jax import model
+from hilore_jax.loop import metrics, packed_step
 from hilore_jax.errors import ConfigError
 from hilore_jax.model import ModelConfig
-from hilore_jax.rl import token_budget, train_step
-from hilore_jax.rl.config import GRPOConfig
+from hilore_jax.rl import token_budget
 from hilore_jax.rl.update_batch import UpdateBatch
 from hilore_jax.memory import MemoryManager
 from hilore_jax.loop.shaped_memory import ShapedMemory
@@ -37,11 +36,6 @@ def _batch(rng=np.random.default_rng(0)) -> UpdateBatch:
                      rng.normal(size=B).astype(np.float32),
                      old_logp=(np.log(rng.uniform(0.02, 0.2, (B, N))) * mask).astype(np.float32),
                      on_policy=np.array([1, 0, 0, 0, 1, 0, 0], np.int32))
-
-
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
 
 
 def test_bucket_caps_and_the_plan_keep_every_row_once_within_the_budget():
@@ -68,32 +62,16 @@ def test_bucket_caps_and_the_plan_keep_every_row_once_within_the_budget():
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_packed_loss_and_gradient_equal_the_unpacked_minibatch(loss_agg):
-  lc = GRPOConfig(loss_agg=loss_agg, max_completion_len=N, beta=0.05)
-  spec = train_step.StepSpec(CFG, lc, model.uniform(CFG.num_hidden_layers, model.FULL_REMAT), use_old_logp=True,
-                             use_ref_logp=True)
+  spec = packed_util.spec(CFG, loss_agg, N)
   params = model.init_params(CFG, jax.random.PRNGKey(3), init_std=0.2)
   batch = _batch()
   batch = batch.replace(ref_logp=(batch.old_logp * 1.1).astype(np.float32))
-  want_g, want_m = jax.jit(lambda p, b: train_step.gradient_step(p, b, spec))(params, batch)
   micros = token_budget.plan(LENGTHS, P, token_budget.bucket_caps(N, 3), budget=3 * (P + N), max_rows=B)
   assert {m.cap for m in micros} > {N}  # shorter buckets are used
-  run = jax.jit(lambda p, b, i, n, a, cap: train_step.packed_gradient(p, b, i, n, a, spec, cap), static_argnums=5)
-  acc, norm = jax.jit(train_step.packed_start)(params, batch)
-  for m in micros:
-    acc = run(params, batch, m.arrays(), norm, acc, m.cap)
-  grads, stats, logp = acc
-  got_m = train_step.step_metrics({**stats, train_step.TOKEN_LOGP: logp})
-  assert _rel(got_m["loss"], want_m["loss"]) <= 1e-5
-  for k in ("tokens", "clipfrac", "kl", "entropy", "abs_log_ratio"):
-    np.testing.assert_allclose(float(got_m[k]), float(want_m[k]), rtol=1e-5, atol=1e-7)
-  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_g)):
-    assert _rel(g, w) <= 1e-5
+  packed_util.assert_packed_equals_unpacked(params, batch, batch, micros, spec)
   mask = batch.mask > 0
-  np.testing.assert_allclose(np.asarray(logp)[mask], np.asarray(want_m[train_step.TOKEN_LOGP])[mask], rtol=1e-5)
   # the log-prob forward: the same values scattered back to the minibatch's row order
-  mesh, opt = sharding.make_mesh(), optax.sgd(0.1)
-  state, shardings = engine.init_state(mesh, opt, jax.eval_shape(lambda: params), lambda sh: jax.device_put(params, sh))
-  st = engine.Stepper(mesh, opt, state, shardings)
+  st = packed_util.stepper(params)
   packed = packed_step.PackedStepper(st).logprobs(spec, params, batch, micros)
   np.testing.assert_allclose(np.asarray(packed)[mask], np.asarray(st.logprobs(spec, params, batch))[mask], rtol=1e-5)
 

@@ -10,26 +10,18 @@ import json
 import os
 import sys
 
-n_dev, data, fsdp, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the shared helpers
-from devices import force_cpu_devices  # noqa: E402
+from devices import start_worker  # noqa: E402
 
-force_cpu_devices(n_dev)
-import jax  # noqa: E402
+n_dev, data, fsdp, out = start_worker()
 import numpy as np  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout, not an install
 from trainer_util import tiny_config  # noqa: E402
 
-from hilore_jax import runtime  # noqa: E402
 from hilore_jax.memory import methods, profile  # noqa: E402
 from hilore_jax.memory.manager import Calibration  # noqa: E402
 from hilore_jax.rl.update_batch import UpdateBatch  # noqa: E402
 from hilore_jax.loop.trainer import Trainer  # noqa: E402
 
-runtime.enable_compilation_cache()  # the test session's HILORE_CACHE
-
-assert jax.device_count() == n_dev
 t = Trainer(tiny_config(out + ".run", f"mesh.data={data}", f"mesh.fsdp={fsdp}", "train.warmstart_steps=0",
                         "model.hidden_size=32", "model.intermediate_size=88", "memory.policy=hilore",
                         "memory.group_size=8", "memory.buckets=1", "memory.budget_ratio=1.25",

@@ -5,21 +5,12 @@ import dataclasses
 
 import jax
 import numpy as np
-import optax
+import manager_util
 import pytest
 
-from hilore_jax import model, sharding
-from hilore_jax.loop import engine, step_hooks
 from hilore_jax.memory import MemoryManager, drift
 from hilore_jax.memory.config import MemoryConfig
-from hilore_jax.model import ModelConfig
-from hilore_jax.rl import train_step
-from hilore_jax.rl.config import GRPOConfig
-from hilore_jax.rl.update_batch import UpdateBatch
 
-CFG = ModelConfig(vocab_size=31, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, tie_word_embeddings=False)
-B, P, N = 6, 5, 7
 NAN = float("nan")
 
 
@@ -37,24 +28,12 @@ def test_sentinels_past_their_thresholds_by_hand():
   assert np.isnan(m["memory/drift/recon_ratio"])  # every key present in every row of a step
 
 
-def _batch(rng, scale=1.0):
-  mask = (np.arange(N)[None] < rng.integers(3, N + 1, B)[:, None]).astype(np.int32)
-  adv = np.array([1.5, -0.5, -1.0, 1.0, 0.5, -1.5], np.float32) * scale
-  return UpdateBatch(rng.integers(3, 31, (B, P)).astype(np.int32), np.ones((B, P), np.int32),
-                     (rng.integers(3, 31, (B, N)) * mask).astype(np.int32), mask, adv,
-                     old_logp=np.full((B, N), -3.0, np.float32) * mask)
-
-
 @pytest.fixture(scope="module")
 def tiny():
-  params = model.init_params(CFG, jax.random.PRNGKey(0), init_std=0.3)
-  mesh = sharding.make_mesh(1, 1)
-  opt = optax.sgd(1e-3)
-  state, sh = engine.init_state(mesh, opt, jax.eval_shape(lambda: params), lambda s: jax.device_put(params, s))
-  spec = train_step.StepSpec(CFG, GRPOConfig(), model.uniform(2, model.NO_REMAT), use_old_logp=True)
-  hooks = step_hooks.memory_hooks(engine.Stepper(mesh, opt, state, sh), spec, 1.0)  # clip c = 1
+  hooks, params = manager_util.hooks(1.0)  # clip c = 1
   rng = np.random.default_rng(0)
-  batches = [_batch(rng, s) for s in (1.0, 2.0, 0.5, 1.5)]
+  adv = np.array([1.5, -0.5, -1.0, 1.0, 0.5, -1.5])
+  batches = [manager_util.batch(rng, adv * s) for s in (1.0, 2.0, 0.5, 1.5)]
   mc = MemoryConfig(policy="hilore", budget_ratio=1.5, group_size=8, calib_sets=1, budget_probes=2, buckets=1,
                     cache=False, verify_steps=0, drift_check_every=1)
   return hooks, params, batches, mc

@@ -5,22 +5,14 @@ import dataclasses
 
 import jax
 import numpy as np
-import optax
+import manager_util
 import pytest
 
-from hilore_jax import config, model, sharding
-from hilore_jax.loop import engine, step_hooks
+from hilore_jax import config
 from hilore_jax.errors import ConfigError
 from hilore_jax.memory import MemoryManager, gate, manager, probe, warmup
 from hilore_jax.memory.config import GateConfig, MemoryConfig
-from hilore_jax.model import ModelConfig
-from hilore_jax.rl import train_step
-from hilore_jax.rl.config import GRPOConfig
-from hilore_jax.rl.update_batch import UpdateBatch
 
-CFG = ModelConfig(vocab_size=31, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, tie_word_embeddings=False)
-B, P, N = 6, 5, 7
 U = 13  # units in the hand-made arrays: odd, so medians are single units
 K = 5
 
@@ -105,24 +97,12 @@ def test_collector_takes_minibatches_in_turn_from_each_rollout():
   assert col.by_rollout == [] and warmup.Collector(count=1, rollouts=2).rollouts == 1
 
 
-def _batch(rng, adv):
-  mask = (np.arange(N)[None] < rng.integers(3, N + 1, B)[:, None]).astype(np.int32)
-  return UpdateBatch(rng.integers(3, 31, (B, P)).astype(np.int32), np.ones((B, P), np.int32),
-                     (rng.integers(3, 31, (B, N)) * mask).astype(np.int32), mask, np.asarray(adv, np.float32),
-                     old_logp=np.full((B, N), -3.0, np.float32) * mask)
-
-
 @pytest.fixture(scope="module")
 def tiny():
-  params = model.init_params(CFG, jax.random.PRNGKey(0), init_std=0.3)
-  mesh = sharding.make_mesh(1, 1)
-  opt = optax.sgd(1e-3)
-  state, sh = engine.init_state(mesh, opt, jax.eval_shape(lambda: params), lambda s: jax.device_put(params, s))
-  spec = train_step.StepSpec(CFG, GRPOConfig(), model.uniform(2, model.NO_REMAT), use_old_logp=True)
-  hooks = step_hooks.memory_hooks(engine.Stepper(mesh, opt, state, sh), spec)
+  hooks, params = manager_util.hooks()
   rng = np.random.default_rng(0)
   adv = [1.5, -0.5, -1.0, 1.0, 0.5, -1.5]
-  batches = [_batch(rng, np.asarray(adv) * s) for s in (1.0, 3.0, 0.3, 1.7)]  # K = 4 of different scales
+  batches = [manager_util.batch(rng, np.asarray(adv) * s) for s in (1.0, 3.0, 0.3, 1.7)]  # K = 4 of different scales
   mc = MemoryConfig(policy="hilore", budget_ratio=1.5, group_size=8, calib_sets=2, budget_probes=2, buckets=3,
                     warmup="none", cache=False, verify_steps=0, drift_check_every=0)
   return hooks, params, batches, mc

@@ -1,4 +1,5 @@
 import concurrent.futures
+import dataclasses
 import json
 import os
 import random
@@ -150,6 +151,27 @@ def test_word_format_tells_two_step_stories_and_rewards_the_final_number():
     ArithmeticSpec(format="word")
   with pytest.raises(ConfigError, match="'\\+' and '-' only"):
     ArithmeticSpec(format="word", num_terms=3, ops=("*",))
+
+
+def test_one_step_stories_mix_in_at_their_share_and_leave_the_two_step_stream_alone():
+  from hilore_jax.tasks.task import WORD_STORIES_ONE
+
+  spec = ArithmeticSpec(seed=5, min_value=1, max_value=10, num_terms=3, ops=("+", "-"), format="word")
+  mixed = tasks.arithmetic_task(dataclasses.replace(spec, one_step_frac=0.5))
+  one = 0
+  for e in mixed.train_batch(0, 400):
+    numbers = list(map(int, re.findall(r"\d+", e.prompt)))
+    if len(numbers) == 2:  # a one-step story: its operation from its text, its result never negative
+      one += 1
+      a, b = numbers
+      op = next(s[0] for s in WORD_STORIES_ONE
+                if re.fullmatch(re.sub(r"\\{[abn]\\}", ".+?", re.escape(s[1])), e.prompt))
+      assert e.reference == (a + b if op == "+" else a - b) >= 0
+  assert 150 <= one <= 250  # about half of 400
+  plain = tasks.arithmetic_task(spec)  # one_step_frac 0: the stream draws exactly as before
+  assert all(len(re.findall(r"\d+", e.prompt)) == 3 for e in plain.train_batch(0, 200))
+  with pytest.raises(ConfigError, match="one_step_frac mixes one-step stories into format=word"):
+    ArithmeticSpec(one_step_frac=0.5)
 
 
 def test_biased_teacher_changes_only_warmstart_targets():
