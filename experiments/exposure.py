@@ -70,13 +70,13 @@ def collect(trainer, steps: int, progress=print, opt_state: bool = True, spill_d
   records = []
   for step in range(steps):
     roll = trainer.next_rollout()
-    minibatches, _ = trainer.build_update_batch(roll, np.random.default_rng([c.seed, step]), step)
-    if not minibatches:  # every group's rewards equal and filtered out: nothing to update
+    plan = trainer.plan_update(roll, np.random.default_rng([c.seed, step]), step)
+    if not len(plan):  # every group's rewards equal and filtered out: nothing to update
       progress(f"rollout {step + 1}/{steps}: no update rows (every group zero-std and grpo.filter_zero_std)")
       continue
-    minibatches, _ = trainer.add_logprobs(minibatches)
+    plan = trainer.add_logprobs(plan)
     for it in range(c.grpo.num_iterations):
-      for j, b in enumerate(trainer.pass_batches(minibatches, it)):
+      for j, b in enumerate(plan.pass_batches(it, trainer.spec.use_old_logp)):
         where = None if spill_dir is None else os.path.join(spill_dir, f"{len(records)}")  # the step donates the state
         params = spill.keep(trainer.state["params"], where and where + "p")
         opt = spill.keep(trainer.state["opt_state"], where and where + "o") if opt_state else None

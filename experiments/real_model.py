@@ -54,8 +54,8 @@ def rollout_minibatches(trainer, count: int) -> list:
   out, step = [], 0
   while len(out) < count and step < 8 * count:
     roll = trainer.next_rollout()
-    mbs, _ = trainer.build_update_batch(roll, np.random.default_rng([trainer.config.seed, step]), step)
-    out += trainer.add_logprobs(mbs)[0]
+    plan = trainer.plan_update(roll, np.random.default_rng([trainer.config.seed, step]), step)
+    out += trainer.add_logprobs(plan).batches
     step += 1
   return out[:count]
 

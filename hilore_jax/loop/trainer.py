@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hilore_jax import model, runtime, sharding, tasks
-from hilore_jax.loop import checkpointing, engine, evaluation, metrics, packed_step, preflight, step_hooks
+from hilore_jax.loop import checkpointing, engine, evaluation, metrics, packed_step, preflight, step_hooks, update_plan
 from hilore_jax.config import Config
 from hilore_jax.errors import ConfigError, RunExists, TrainingDiverged
 from hilore_jax.memory import MemoryManager, methods
@@ -29,8 +29,6 @@ from hilore_jax.loop.shaped_memory import ShapedMemory
 from hilore_jax.tasks import prompts
 
 log = logging.getLogger(__name__)
-_gather = jax.jit(token_budget.gather, static_argnums=2)  # a microbatch of a placed minibatch (the memory manager's)
-_columns = jax.jit(lambda x, rows, cap: x[rows, :cap], static_argnums=2)
 
 
 # config sections that change nothing the memory manager measures or fits at set-up
@@ -103,9 +101,7 @@ class Trainer:
     n_shards = sharding.num_batch_shards(self.engine.mesh)
     if micro % n_shards:
       raise ConfigError(f"train.microbatch_size ({micro}) must be divisible by the {n_shards} devices of the mesh")
-    self.packer, self._row_lengths, self._prompt_lengths = self._token_budget(n_shards), [], []
-    # a group's prompt computed once (the token budget's packed microbatches each gather a table of their own)
-    self.share_prompt, self._prompt_keys = c.train.share_prompt, []
+    self.packer, self.n_shards = self._token_budget(n_shards), n_shards
     self.memory = None
     if methods.REGISTRY[c.memory.policy].fixed is None:
       hooks = step_hooks.memory_hooks(self.stepper, self.spec, c.optimizer.max_grad_norm)
@@ -138,32 +134,8 @@ class Trainer:
                           f"{P} + {N} tokens ({n_shards * (P + N)})")
     return packed_step.PackedStepper(self.stepper)
 
-  def budget_plan(self, i: int, key: str = "max_tokens_per_microbatch") -> list[token_budget.Micro] | None:
-    """Minibatch i's microbatches under train.<key> (None: that budget is off)."""
-    c = self.config
-    budget = getattr(c.train, key)
-    if not budget:
-      return None
-    caps = token_budget.bucket_caps(c.rollout.max_new_tokens, c.train.length_buckets)
-    micros = token_budget.plan(self._row_lengths[i], c.rollout.max_prompt_len, caps, budget, c.minibatch_size,
-                               sharding.num_batch_shards(self.engine.mesh))
-    if self.share_prompt:
-      micros = token_budget.share(micros, self._prompt_keys[i], prompt_share.max_distinct(c))
-    return micros
-
-  def memory_batches(self, batches: list, plans: list, logp=None) -> tuple[list, list | None]:
-    """(batches, logp), or with the token budget their microbatches, gathered on the devices, and logp's slices of
-    them: what the memory manager plans for (shaped_memory.py: one manager per microbatch shape)."""
-    if not plans or plans[0] is None:
-      return batches, logp
-    micro = [_gather(b, m.arrays(), m.cap) for b, p in zip(batches, plans) for m in p]
-    if logp is not None:
-      logp = [None if x is None else _columns(x, m.rows, m.cap) for x, p in zip(logp, plans) for m in p]
-    return micro, logp
-
-  def logprobs(self, params, batch: update_batch.UpdateBatch, i: int):
-    """Minibatch i's log-probs under params (old or reference): packed under train.max_tokens_per_logprob_pass."""
-    micros = self.budget_plan(i, "max_tokens_per_logprob_pass")
+  def logprobs(self, params, batch: update_batch.UpdateBatch, micros: update_plan.Micros = None):
+    """A minibatch's log-probs under params (old or reference): packed into micros (its log-prob pass's)."""
     if micros is None:
       return self.stepper.logprobs(self.spec, params, batch)
     return self.packer.logprobs(self.spec, params, batch, micros)
@@ -247,40 +219,33 @@ class Trainer:
                         out_shardings=self.engine.state_shardings["opt_state"])(params)
     self.state = {"params": params, "opt_state": opt_state, "step": self.state["step"]}
 
-  def build_update_batch(self, roll: rollout.Rollout, rng: np.random.Generator,
-                         step: int = 0) -> tuple[list[update_batch.UpdateBatch], dict]:
-    """The step's update minibatches (rl/update_batch.py), each built on the host and placed in one transfer, and
-    the step's stats."""
-    minibatches, stats = update_batch.minibatches(self.config, roll, rng, self.replay, step, self.spec.use_old_logp)
-    # the token budget's plans and the padding metric read them on the host
-    self._row_lengths = [b.mask.sum(1) for b in minibatches]
-    self._prompt_lengths = [b.prompt_mask.sum(1) for b in minibatches]
-    if self.share_prompt:
-      self._prompt_keys = [prompt_share.prompt_keys(b) for b in minibatches]
-      minibatches = prompt_share.share_all(minibatches, self.spec.microbatches, prompt_share.max_distinct(self.config))
-    return [self.place(b) for b in minibatches], stats
+  def plan_update(self, roll: rollout.Rollout, rng: np.random.Generator, step: int = 0) -> update_plan.UpdatePlan:
+    """The rollout's update (loop/update_plan.py): minibatches built on the host, each placed in one transfer, with
+    the token budget's microbatches and the step's stats."""
+    return update_plan.build(self.config, roll, rng, self.replay, step, self.spec.use_old_logp, self.spec.microbatches,
+                             self.n_shards, self.place)
 
-  def add_logprobs(self, minibatches: list[update_batch.UpdateBatch]) -> tuple[list, list]:
-    """(minibatches with ref_logp and old_logp filled in on the devices, the current policy's log-probs of each
-    minibatch where a forward computed them, else None). old_logp comes from the policy that sampled, which is the
-    current one: every fresh row an update sees after the rollout's first update needs it; replayed rows keep the
-    behaviour log-probs stored with them (their current log-probs are the exposure's ratio numerator)."""
+  def add_logprobs(self, plan: update_plan.UpdatePlan) -> update_plan.UpdatePlan:
+    """The plan with ref_logp and old_logp filled in on the devices, and `current`: the current policy's log-probs
+    of each minibatch where a forward computed them, else None. old_logp comes from the policy that sampled, which
+    is the current one: every fresh row an update sees after the rollout's first update needs it; replayed rows
+    keep the behaviour log-probs stored with them (their current log-probs are the exposure's ratio numerator)."""
     later = self.config.grpo.num_iterations > 1
     sampled = self.config.grpo.old_logp == "sampler"  # fresh rows carry the sampler's: no forward for them
     out, current = [], []
-    for i, b in enumerate(minibatches):
+    for i, (b, micros) in enumerate(zip(plan.batches, plan.logp)):
       if self.spec.use_ref_logp:
-        b = b.replace(ref_logp=self.logprobs(self.ref_params, b, i))
+        b = b.replace(ref_logp=self.logprobs(self.ref_params, b, micros))
       logp = None
       if update_batch.needs_old_forward(b, i, later) and not (sampled and b.replayed is None):
-        logp = self.logprobs(self.state["params"], b, i)
+        logp = self.logprobs(self.state["params"], b, micros)
         if b.replayed is not None:  # replayed rows keep their stored behaviour log-probs
           b = b.replace(old_logp=jnp.where(b.replayed[:, None] > 0, b.old_logp, logp))
         else:  # every row: a later pass reads the on-policy rows' too
           b = b.replace(old_logp=logp)
       out.append(b)
       current.append(logp if b.replayed is not None else None)
-    return out, current
+    return plan.replace(batches=tuple(out), current=tuple(current))
 
   def next_rollout(self) -> rollout.Rollout:
     """Sample and score the next prompts of the training stream under the current policy."""
@@ -291,13 +256,6 @@ class Trainer:
     return rollout.sample_completions(self.model_cfg, self.state["params"], self.prompter, examples,
                                       c.rollout.num_generations, c.rollout.max_prompt_len, c.rollout.sampling(), key,
                                       self.task.reward)
-
-  def pass_batches(self, minibatches: list[update_batch.UpdateBatch], it: int) -> list[update_batch.UpdateBatch]:
-    """The minibatches of pass `it` over a rollout: on a later pass the first minibatch is off-policy too."""
-    if not (self.spec.use_old_logp and it > 0 and minibatches):
-      return minibatches
-    first = minibatches[0]
-    return [first.replace(on_policy=jnp.zeros_like(first.on_policy)), *minibatches[1:]]
 
   # --------------------------------------------------------------------------- loop
 
@@ -373,24 +331,22 @@ class Trainer:
     c = self.config
     t1, compiles_before = time.perf_counter(), self.compiles.compiled
     shuffle = np.random.default_rng([c.seed, step])
-    minibatches, stats = self.build_update_batch(roll, shuffle, step)
-    minibatches, current_logp = self.add_logprobs(minibatches)
-    specs = [self.spec] * len(minibatches)
-    plans = [self.budget_plan(i) for i in range(len(minibatches))]
-    alloc_rows, allocations, mem_batches, mem_logp = [], None, minibatches, current_logp
-    if self.memory is not None and minibatches:
+    plan = self.add_logprobs(self.plan_update(roll, shuffle, step))
+    specs, plans = [self.spec] * len(plan), plan.grad
+    alloc_rows, allocations, mem_batches, mem_logp = [], None, list(plan.batches), list(plan.current)
+    if self.memory is not None and len(plan):
       # what the memory manager plans for: the minibatches, or with the token budget their microbatches
-      mem_batches, mem_logp = self.memory_batches(minibatches, plans, current_logp)
+      mem_batches, mem_logp = plan.memory_batches(plan.batches, mem_logp)
       allocations = self.memory.step(self.state["params"], mem_batches, step, mem_logp, self.state["opt_state"])
     # hilore reallocates every later pass: its minibatches are off-policy, and the previous pass's log-probs (an
     # output of that pass's step, no extra forward) tell the exposure which tokens now clip
     per_pass = methods.REGISTRY[c.memory.policy].exposure
     step_metrics, peaks, token_logp = [], [], []
     for it in range(c.grpo.num_iterations):
-      batches = self.pass_batches(minibatches, it)
+      batches = plan.pass_batches(it, self.spec.use_old_logp)
       if allocations is not None:
         if it > 0 and per_pass:
-          allocations = self.memory.allocate(*self.memory_batches(batches, plans, token_logp))
+          allocations = self.memory.allocate(*plan.memory_batches(batches, token_logp))
         specs = [dataclasses.replace(self.spec, policies=a.policies) for a in allocations]
         if plans[0] is not None:  # one spec per microbatch, grouped by minibatch
           ends = np.cumsum([len(m) for m in plans])
@@ -412,13 +368,13 @@ class Trainer:
     t_update = time.perf_counter() - t1
     if self.memory is not None and self.memory.pending_setup:  # set-up measures on this step's own minibatches
       self._last_minibatches, self._last_logp = mem_batches, mem_logp
-    if self.memory is not None and minibatches:  # the measured guard: GC's time against the plans'
+    if self.memory is not None and len(plan):  # the measured guard: GC's time against the plans'
       clean = self.compiles.compiled == compiles_before and not any(r["time/plan_fit_s"] or r["alloc/deferred"]
                                                                     for r in alloc_rows)
       self.memory.observe(t_update / (len(mem_batches) * c.grpo.num_iterations), clean,
                           [m["grad_norm"] for m in step_metrics])  # ||g||: the drift sentinel's
     row = {"step": step + 1, "reward/mean": float(roll.rewards.mean()), "reward/std": float(roll.rewards.std()),
-           **stats, "completion_len/mean": float(roll.mask.sum(1).mean()), **metrics.completion_lengths(roll),
+           **plan.stats, "completion_len/mean": float(roll.mask.sum(1).mean()), **metrics.completion_lengths(roll),
            "prompts/truncated": roll.truncated_prompts, "data/position": self.data_position,
            "lr": float(self.engine.lr_schedule(max(int(self.state["step"]) - 1, 0))), "updates": len(step_metrics)}
     row.update(metrics.reduce_updates(step_metrics))
@@ -426,9 +382,9 @@ class Trainer:
       raise TrainingDiverged(f"non-finite loss or gradient at step {step + 1} (loss={row['loss']}, "
                              f"grad_norm={row['grad_norm']})")
     row.update(metrics.reduce_allocations(alloc_rows))
-    computed, tokens = (n * c.grpo.num_iterations for n in token_budget.step_tokens(minibatches, plans))
+    computed, tokens = (n * c.grpo.num_iterations for n in plan.tokens())
     row.update({"tokens/computed": computed, "tokens/unshared": tokens})
-    row.update(self.budget_metrics(minibatches, plans))
+    row.update(self.budget_metrics(plan))
     if peaks:
       row["memory/compiled_bytes"] = max(peaks)
     row.update({"time/update_s": t_update, "throughput/update_tokens_per_s": tokens / t_update if t_update > 0 else 0.0,
@@ -439,15 +395,12 @@ class Trainer:
       row["time/memory_setup_s"], self._setup_s = self._setup_s, 0.0
     return row
 
-  def budget_metrics(self, minibatches: list, plans: list) -> dict:
-    """budget/*: the update's padded share of the positions it computes (with the token budget on: its
-    microbatches, and the distinct microbatch shapes compiled so far)."""
-    real = sum(float(np.sum((n + p) * (n > 0))) for n, p in zip(self._row_lengths, self._prompt_lengths))
-    computed = sum(b.rows * (b.prompt_len + b.completion_len) if m is None else
-                   token_budget.positions(m, b.prompt_len) for b, m in zip(minibatches, plans))
-    out = {"budget/padding_frac": 1.0 - real / computed if computed else 0.0}
+  def budget_metrics(self, plan: update_plan.UpdatePlan) -> dict:
+    """budget/*: the update's padded share of the positions it holds (with the token budget on: its microbatches,
+    and the distinct microbatch shapes compiled so far)."""
+    out = {"budget/padding_frac": plan.padding_frac()}
     if self.packer is not None:
-      micro = sum(self.spec.microbatches if m is None else len(m) for m in plans)
+      micro = sum(self.spec.microbatches if m is None else len(m) for m in plan.grad)
       out.update({"budget/microbatches": micro * self.config.grpo.num_iterations,
                   "budget/compiled_shapes": len(self.packer.shapes)})
     return out

@@ -51,18 +51,20 @@ def test_replayed_rows_carry_their_behaviour_logprobs_into_the_ratio(trainer):
   # behaviour log-probs that differ from the current policy's by known offsets
   current0 = _current(t, params, roll0)
   roll0.sample_logprobs = (current0 + np.resize(OFFSETS, current0.shape)).astype(np.float32)
-  mbs0, stats0 = t.build_update_batch(roll0, np.random.default_rng(0), 0)
+  stats0 = t.plan_update(roll0, np.random.default_rng(0), 0).stats
   assert stats0["replay/frac"] == 0 and stats0["replay/size"] == 0
   assert t.replay.size == 8  # 3 groups with signal: every row has A != 0 (two 1s and two 0s, or 3:1)
   roll1 = _rollout(1, [0, 1, 0, 0, 1, 1, 0, 1, 0, 0, 0, 0])
-  mbs, stats = t.build_update_batch(roll1, np.random.default_rng(1), 1)
+  plan = t.plan_update(roll1, np.random.default_rng(1), 1)
+  mbs, stats = plan.batches, plan.stats
   ids, replayed = _rows(mbs, "tokens")[:, 0], _rows(mbs, "replayed").astype(bool)
   live = _rows(mbs, "mask").sum(1) > 0
   # fresh-anchored: every fresh row with signal (groups 0 and 1), then share 1.0 x 8 fresh = all 8 stored rows
   assert sorted(ids[live & ~replayed]) == list(range(20, 28))
   assert sorted(ids[live & replayed]) == [0, 1, 2, 3, 8, 9, 10, 11]  # distinct rows, none of this step's
   assert stats["replay/frac"] == 0.5 and stats["replay/age_max"] == 1 and stats["rows_updated"] == 16
-  placed, current = t.add_logprobs(mbs)
+  filled = t.add_logprobs(plan)
+  placed, current = filled.batches, filled.current
   old, on_policy = _rows(placed, "old_logp"), _rows(placed, "on_policy")
   cur = np.concatenate([np.asarray(c) for c in current])
   for r in np.flatnonzero(live & replayed):
@@ -85,8 +87,9 @@ def test_replayed_token_outside_the_clip_range_has_zero_exposure(trainer):
   roll0 = _rollout(2, [1, 0, 1, 0, 1, 1, 0, 0, 0, 1, 1, 1])
   current0 = _current(t, t.state["params"], roll0)
   roll0.sample_logprobs = (current0 + np.resize(OFFSETS, current0.shape)).astype(np.float32)
-  t.build_update_batch(roll0, np.random.default_rng(2), 2)
-  mbs, current = t.add_logprobs(t.build_update_batch(_rollout(3, [1, 0, 0, 0] * 3), np.random.default_rng(3), 3)[0])
+  t.plan_update(roll0, np.random.default_rng(2), 2)
+  plan = t.add_logprobs(t.plan_update(_rollout(3, [1, 0, 0, 0] * 3), np.random.default_rng(3), 3))
+  mbs, current = plan.batches, plan.current
   clipped_seen = kept_seen = 0
   for b, logp in zip(mbs, current):
     w = np.asarray(hooks.token_weights(None, b, ExposureSwitches(), logp))
@@ -118,7 +121,8 @@ def test_config_section_is_validated():
 
 def test_replay_off_keeps_the_batch_and_step_program(tmp_path):
   t = Trainer(tiny_config(tmp_path, "train.minibatch_size=0", "train.warmstart_steps=0"))
-  mbs, stats = t.build_update_batch(_rollout(0, [1, 0, 0, 1] * 3), np.random.default_rng(0), 0)
+  plan = t.plan_update(_rollout(0, [1, 0, 0, 1] * 3), np.random.default_rng(0), 0)
+  mbs, stats = plan.batches, plan.stats
   assert t.replay is None and not any(k.startswith("replay/") for k in stats)
   assert len(mbs) == 1 and [n for n, _, _ in mbs[0].signature()] == ["prompt_ids", "prompt_mask", "tokens", "mask",
                                                                      "adv"]

@@ -116,7 +116,7 @@ def test_a_run_with_budget_and_sharing_updates_as_one_with_both_off(tmp_path):
   # 6 rows at the cap (6 + 7 tokens), 8 at 4, 10 at 2: tables of 4 for the 3 prompts (the run's bound); the
   # log-prob passes 4 rows at the cap (unshared: a table of 4 is no smaller), 5 at 4, 6 at 2
   on, rows_on = _run(tmp_path / "on", "train.max_tokens_per_microbatch=80", "train.max_tokens_per_logprob_pass=52")
-  assert off.packer is None and not off.share_prompt and on.share_prompt
+  assert off.packer is None and not off.config.train.share_prompt and on.config.train.share_prompt
   differ = ("budget/", "completion_len/", "tokens/computed")
   for a, b in zip(stable(rows_off), stable(rows_on)):
     assert {k for k in a if not k.startswith(differ)} == {k for k in b if not k.startswith(differ)}

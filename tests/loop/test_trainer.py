@@ -48,14 +48,16 @@ def test_zero_std_filtering_and_minibatch_padding(tmp_path):
   rewards = np.array([1, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1], np.float32)  # group 2 has zero std
   roll = Rollout(np.ones((B, P), np.int32), np.ones((B, P), np.int32), np.ones((B, N), np.int32),
                  np.ones((B, N), np.int32), np.zeros((B, N)), [""] * B, rewards)
-  mbs, stats = t.build_update_batch(roll, np.random.default_rng(0))
+  plan = t.plan_update(roll, np.random.default_rng(0))
+  mbs, stats = plan.batches, plan.stats
   assert stats["frac_reward_zero_std"] == pytest.approx(1 / 3) and stats["rows_updated"] == 8
   assert len(mbs) == 2 and all(b.tokens.shape == (4, N) for b in mbs)
   t2 = Trainer(tiny_config(tmp_path / "nofilter", "train.minibatch_size=4", "grpo.filter_zero_std=false"))
-  mbs, stats = t2.build_update_batch(roll, np.random.default_rng(0))
+  plan = t2.plan_update(roll, np.random.default_rng(0))
+  mbs, stats = plan.batches, plan.stats
   assert stats["rows_updated"] == 12 and len(mbs) == 3
   t3 = Trainer(tiny_config(tmp_path / "pad", "train.minibatch_size=6"))
-  mbs, _ = t3.build_update_batch(roll, np.random.default_rng(0))  # 8 live rows -> 2 minibatches of 6, 4 padded
+  mbs = t3.plan_update(roll, np.random.default_rng(0)).batches  # 8 live rows -> 2 minibatches of 6, 4 padded
   live = sum(float(np.asarray(b.mask).sum()) for b in mbs)
   assert len(mbs) == 2 and live == 8 * N
 

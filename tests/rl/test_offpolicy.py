@@ -10,6 +10,7 @@ import pytest
 from trainer_util import tiny_config
 
 from hilore_jax import model
+from hilore_jax.loop import update_plan
 from hilore_jax.model import ModelConfig
 from hilore_jax.rl import grpo, rollout, train_step
 from hilore_jax.rl.config import GRPOConfig
@@ -128,8 +129,9 @@ def test_one_update_per_rollout_keeps_the_on_policy_step(tmp_path):
   assert t.updates_per_step == 1 and not t.spec.use_old_logp
   _, calls = _recording(t)
   minibatches = [t.place(_batch())]
-  filled, current = t.add_logprobs(minibatches)
-  assert filled[0] is minibatches[0] and current == [None] and calls == []  # no old_logp, no flag, no forward
+  plan = t.add_logprobs(update_plan.UpdatePlan.of(minibatches))
+  # no old_logp, no flag, no forward
+  assert plan.batches[0] is minibatches[0] and plan.current == (None,) and calls == []
 
 
 @pytest.mark.slow
