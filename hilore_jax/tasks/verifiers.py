@@ -7,6 +7,7 @@ raises on any completion string (a bad *reference* is a data error, raised when 
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import threading
 from decimal import Decimal, InvalidOperation
@@ -176,10 +177,26 @@ def _math_timeout_s() -> int | None:
   return MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
 
 
+@functools.lru_cache(maxsize=1)
+def _warm_math_verify() -> None:
+  """One untimed parse and verify: math-verify builds its parsers on first use (seconds on a busy CPU), which must
+  not count against the first real answer's timeout and turn a good reference into a 'does not parse' data error."""
+  from math_verify import parse, verify
+
+  quiet = logging.getLogger("math_verify")  # it warns that an untimed call could hang: this one is a constant
+  level = quiet.level
+  quiet.setLevel(logging.ERROR)
+  try:
+    verify(parse("$\\frac{1}{2}$", parsing_timeout=None), parse("$0.5$", parsing_timeout=None), timeout_seconds=None)
+  finally:
+    quiet.setLevel(level)
+
+
 def _math_parse(text: str, wrap: bool) -> list:
   """math-verify's reading of text's last boxed answer, else of the whole text ($-wrapped if wrap and not in math)."""
   from math_verify import parse
 
+  _warm_math_verify()
   boxed = last_boxed(text)
   if boxed is not None:  # only the last box counts (math-verify would read every box as a set) and \fbox too
     found = parse(f"$\\boxed{{{boxed}}}$", parsing_timeout=_math_timeout_s())

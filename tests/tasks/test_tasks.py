@@ -77,6 +77,22 @@ def test_math_verify_equivalence():
   assert verifiers.math_reward("Thus $\\boxed{\\frac{14}{5}}$", "14/3") == 0.0
 
 
+def test_math_verify_is_warmed_once_untimed_before_any_timed_parse(monkeypatch):
+  import math_verify
+
+  calls = []
+  real = math_verify.parse
+  monkeypatch.setattr(math_verify, "parse", lambda *a, **k: calls.append(k.get("parsing_timeout")) or real(*a, **k))
+  verifiers._warm_math_verify.cache_clear()
+  verifiers._math_gold.cache_clear()
+  assert verifiers.math_reward("Thus $\\boxed{\\frac{7}{3}}$", "7/3") == 1.0
+  # a cold first parse (building math-verify's parsers) never runs under the 2 s timeout of a real answer
+  assert calls[0] is None and calls[1] is None and set(calls[2:]) == {verifiers.MATH_VERIFY_TIMEOUT_S}
+  calls.clear()
+  verifiers.math_reward("$\\frac{7}{3}$", "7/3")
+  assert None not in calls  # once per process
+
+
 def test_arithmetic_task_is_seeded_and_disjoint():
   spec = ArithmeticSpec(seed=3, max_value=20, num_terms=3, ops=("+", "-"), num_test=17)
   a, b = tasks.arithmetic_task(spec), tasks.arithmetic_task(spec)
