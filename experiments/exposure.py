@@ -130,15 +130,16 @@ def measure_held_out(hooks, mc, held: list[Record], units, progress=print):
   records allow, units at memory.calib_layers' layers measured and the rest interpolated over depth."""
   layers = calibration.probed_layers(hooks.model_cfg.num_hidden_layers, mc.calib_layers)
   kept, refs, errs = [], [], []
+  instrumented = mc.calib_decompose and calibration.additive(units, (mc.risk_metric,))  # one backward each
   for i, r in enumerate(held):
     ref = calibration.reference(hooks, calibration.UpdateContext(r.params, r.opt_state), r.batch, mc.risk_metric,
-                                mc.lowp_format, mc.group_size)
+                                mc.lowp_format, mc.group_size, instrumented)
     if ref.grad_norm == 0:  # no gradient (every advantage zero, no KL yet): no error to measure
       continue
     kept.append(r)
     refs.append(ref)
     errs.append(calibration.measure_unit_errors(hooks, r.params, r.batch, units, mc.group_size, mc.lowp_format,
-                                                ref, layers, ref.available()))
+                                                ref, layers, ref.available(), mc.calib_decompose))
     if (i + 1) % 5 == 0:
       progress(f"measured {i + 1}/{len(held)} held-out minibatches")
   err = np.stack(errs)  # [M, U, metrics]
@@ -166,7 +167,7 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
   spec = dataclasses.replace(trainer.spec, use_old_logp=True)
   hooks = step_hooks.memory_hooks(trainer.stepper, spec, cfg.optimizer.max_grad_norm)
   L = trainer.model_cfg.num_hidden_layers
-  units = calibration.lowp_units(L)
+  units = calibration.lowp_units(L, cfg.memory.lowp_kinds)
   mc, tol, metric = cfg.memory, cfg.memory.grad_err_tolerance, cfg.memory.risk_metric
   calib_mm = MemoryManager(dataclasses.replace(mc.at_budget(None, "hilore"), gate=ALWAYS), hooks)
   # the bench gives cotangent_forward the forward's errors (token_err below), and refits predictors on one measurement
@@ -185,7 +186,10 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
   # per-token errors of the forward the step runs anyway: the old-log-prob forward at the rollout's first params
   start = {r.step: r for r in records if r.pass_ == 0 and r.index == 0}
   fwd = jax.jit(lambda p, b: calibration.token_errors(hooks, p, b, units, mc.group_size, mc.lowp_format))
-  token_err = [fwd(start[r.step].params, r.batch) for r in held]
+  seen: dict = {}  # a row set's two passes are one batch at one rollout's params: one forward for both
+  key = lambda r: (r.step, np.asarray(r.batch.tokens).tobytes(), np.asarray(r.batch.prompt_ids).tobytes())
+  token_err = [seen[key(r)] if key(r) in seen else seen.setdefault(key(r), fwd(start[r.step].params, r.batch))
+               for r in held]
 
   progress("risk prediction on the held-out minibatches")
   scores = exposure_risk.predictor_scores(calib_mm, held, token_err)
@@ -214,8 +218,11 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
     m.setup(cal[0].params, [r.batch for r in cal], 0, calibration_state=cal_state)
   on = managers["hilore_exposure_on"]
   m0 = measured
-  all_l = [float(calibration.set_errors(hooks, c.params, b, units, [list(range(len(units)))], mc.group_size,
-                                        mc.lowp_format, r)[0]) for c, b, r in zip(m0.contexts, m0.batches, m0.refs)]
+  every = [list(range(len(units)))]
+  all_l = ([float(calibration.set_error_of(e, every)[0]) for e in m0.err]  # measured unit by unit: exact, no probe
+           if mc.calib_decompose and calibration.additive(units, (metric,)) else
+           [float(calibration.set_errors(hooks, c.params, b, units, every, mc.group_size, mc.lowp_format, r)[0])
+            for c, b, r in zip(m0.contexts, m0.batches, m0.refs)])
   gc_peak = hooks.compile_peak(model.uniform(L, model.FULL_REMAT), cal[0].batch)
   none_peak = hooks.compile_peak(model.uniform(L, model.NO_REMAT), cal[0].batch)
   regime = {"gc_peak_bytes": gc_peak, "none_peak_bytes": none_peak, "none_over_gc": none_peak / gc_peak,
@@ -228,12 +235,16 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
   if be.arms:
     cache: dict = {}
 
-    def realised(i: int, lset: tuple) -> dict:  # every metric of minibatch i's gradient with lset L (one probe)
+    # sets of WEIGHT_READS units measured at every layer: their errors from the units' own (exact, no probe)
+    exact_units = mc.calib_decompose and calibration.additive(units, refs[0].available())
+
+    def realised(i: int, lset: tuple) -> dict:  # every metric of minibatch i's gradient with lset L
       if (i, lset) not in cache:
-        r = held[i]
-        cache[(i, lset)] = dict(zip(refs[i].available(), calibration.set_errors(
-            hooks, r.params, r.batch, units, [list(lset)], mc.group_size, mc.lowp_format, refs[i],
-            refs[i].available())[0]))
+        r, ms = held[i], refs[i].available()
+        cache[(i, lset)] = dict(zip(ms, calibration.set_error_of(np.stack([err_by[m][i] for m in ms], 1),
+                                                                 [list(lset)])[0] if exact_units else
+                                    calibration.set_errors(hooks, r.params, r.batch, units, [list(lset)],
+                                                           mc.group_size, mc.lowp_format, refs[i], ms)[0]))
       return cache[(i, lset)]
 
     per_arm = {a: [] for a in ARMS}

@@ -14,6 +14,7 @@ WINGS = ("model", "memory", "rl", "tasks", "optim")  # the wings with settings; 
 # the root config composes the wings' sections; a wing's config imports only leaf constants and checks
 CONFIG_MAY_IMPORT = {"hilore_jax.errors", "hilore_jax.model.config"} | {f"hilore_jax.{w}.config" for w in WINGS}
 WING_CONFIG_MAY_IMPORT = {"hilore_jax.errors", "hilore_jax.config", "hilore_jax.rl.grpo", "hilore_jax.model.codec",
+                          "hilore_jax.model.units",
                           "hilore_jax.memory.config"}
 ARRAY_LIBRARIES = ("jax", "jaxlib", "optax", "flax", "chex", "orbax")
 # what the lab may import from memory/: the wing's public API (the package: MemoryManager, ManagerState, ...), the

@@ -280,7 +280,10 @@ class Trainer:
         log.info("warm-start loss %.3f -> %.3f", self.warmstart_losses[0], self.warmstart_losses[-1])
       if c.grpo.beta > 0:
         self.ref_params = jax.tree_util.tree_map(jnp.copy, self.state["params"])
-      if c.eval.at_start:
+      if c.eval.at_start:  # minutes at length on a CPU: say what runs before the first step's bar appears
+        log.info("eval before GRPO: greedy on %d held-out problems, up to %d new tokens%s",
+                 min(c.eval.num_examples, len(self.task.test_examples)), c.rollout.max_new_tokens,
+                 f", and pass@{c.eval.pass_k}" if c.eval.pass_k else "")
         self.eval_before = self.evaluate(self.state["params"], jax.random.PRNGKey(c.seed + 1))
         log.info("eval before GRPO: %s", {k: v for k, v in self.eval_before.items() if k != "eval/correct"})
       self.save(0)

@@ -13,8 +13,9 @@ import jax
 import numpy as np
 
 from hilore_jax.memory import drift, gate, methods, risk
-from hilore_jax.memory.calibration import (UpdateContext, calibration_rows, error_profile, exact_gradient,
-                                           measure_unit_errors, norm, probed_layers, reference, set_errors)
+from hilore_jax.memory.calibration import (UpdateContext, additive, calibration_rows, error_profile, exact_gradient,
+                                           measure_unit_errors, norm, probed_layers, reference, set_error_of,
+                                           set_errors)
 from hilore_jax.memory.riskfit import fit_coherence, fit_susceptibility, random_sets, risk_metrics, set_fit
 from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.memory.hooks import StepHooks
@@ -31,11 +32,13 @@ SINGLE_BATCH_MARGIN = 2.0
 
 def calibrate_delta(hooks: StepHooks, params: Sequence, batches: Sequence, units, risk_U: np.ndarray,
                     tolerance: float, group_size: int, fmt: str = "int8", max_halvings: int = 8,
-                    exact=None, row_scale=None) -> tuple[float, float]:
+                    exact=None, row_scale=None, unit_err=None) -> tuple[float, float]:
   """Largest risk budget delta (from the tolerance, halving) whose lowest-risk L set (risk_U: each unit's predicted
   error, coherence included) measures under the tolerance on every calibration batch, each at its own params (one
   per batch) against its reference (exact, one per batch), its error times the batch's row_scale (rows_factor: what
-  it is on the full minibatch). Returns (delta, its measured error)."""
+  it is on the full minibatch). unit_err [K, U]: each unit's measured error alone (row-scaled), from which a set of
+  WEIGHT_READS units' error follows without a probe (calibration.set_error_of). Returns (delta, its measured
+  error)."""
   risk_U = np.asarray(risk_U, float)
   exact = exact or [None] * len(batches)
   row_scale = [1.0] * len(batches) if row_scale is None else list(row_scale)
@@ -49,8 +52,11 @@ def calibrate_delta(hooks: StepHooks, params: Sequence, batches: Sequence, units
       total += risk_U[i]
     if not chosen:
       return delta, 0.0
-    err = max(f * float(set_errors(hooks, p, b, units, [chosen], group_size, fmt, ex)[0])
-              for p, b, ex, f in zip(params, batches, exact, row_scale))
+    if unit_err is not None and additive([units[i] for i in chosen], (getattr(exact[0], "metric", "relative"),)):
+      err = float(max(set_error_of(e, [chosen])[0] for e in np.asarray(unit_err)))
+    else:
+      err = max(f * float(set_errors(hooks, p, b, units, [chosen], group_size, fmt, ex)[0])
+                for p, b, ex, f in zip(params, batches, exact, row_scale))
     if err <= tolerance:
       return delta, err
     delta /= 2
@@ -102,7 +108,10 @@ def measure(hooks: StepHooks, mc: MemoryConfig, units, batches: Sequence, contex
   contexts = [c if c.logp is None else dataclasses.replace(c, logp=calibration_rows(c.logp, mc.calib_rows))
               for c in contexts]
   layers = probed_layers(hooks.model_cfg.num_hidden_layers, mc.calib_layers)
-  refs = [reference(hooks, c, b, mc.risk_metric, mc.lowp_format, mc.group_size) for c, b in zip(contexts, batches)]
+  # units all weight-read ones (memory.lowp_kinds): each reference's backward measures them too (no probe at all)
+  instrumented = mc.calib_decompose and additive(units, (mc.risk_metric,))
+  refs = [reference(hooks, c, b, mc.risk_metric, mc.lowp_format, mc.group_size, instrumented)
+          for c, b in zip(contexts, batches)]
   live = [i for i, r in enumerate(refs) if r.grad_norm > 0]
   if live and len(live) < len(batches):
     if log is not None:
@@ -142,7 +151,7 @@ def fit(hooks: StepHooks, mc: MemoryConfig, units, m: Measured, raw_KU: np.ndarr
   risk_U = static if methods.REGISTRY[mc.policy].exposure and not record["on"] else pred.mean(0)
   delta, measured = calibrate_delta(hooks, [c.params for c in m.contexts], m.batches, units, kappa * risk_U,
                                     mc.grad_err_tolerance, mc.group_size, mc.lowp_format, exact=m.refs,
-                                    row_scale=m.row_scale)
+                                    row_scale=m.row_scale, unit_err=m.err if mc.calib_decompose else None)
   total = pred.sum(1)
   score_max = pred.max(0)
   if len(m.batches) == 1:

@@ -40,9 +40,10 @@ def measuring():
   return jax.default_matmul_precision(PRECISION)
 
 
-def lowp_units(num_layers: int) -> list[tuple[int, str]]:
-  """(layer, kind) of every unit that can be L (the probe's mix order within a layer is units.UNITS)."""
-  return [(layer, kind) for layer in range(num_layers) for kind in U.LOWP_UNITS]
+def lowp_units(num_layers: int, kinds: Sequence[str] = ()) -> list[tuple[int, str]]:
+  """(layer, kind) of every unit that can be L, of `kinds` only where given (memory.lowp_kinds; the probe's mix
+  order within a layer is units.UNITS)."""
+  return [(layer, kind) for layer in range(num_layers) for kind in U.LOWP_UNITS if not kinds or kind in kinds]
 
 
 def token_errors(hooks: StepHooks, params, batch, units: Sequence[tuple[int, str]], group_size: int,
@@ -123,12 +124,20 @@ class UpdateContext:
 
 
 def reference(hooks: StepHooks, ctx: UpdateContext, batch, metric: str = "relative", fmt: str = "int8",
-              group_size: int = 64) -> risk.Reference:
+              group_size: int = 64, weight_errors: bool = False) -> risk.Reference:
   """The minibatch's exact gradient at ctx (exact_gradient, in the program of the probes at fmt and group_size) and
-  what `metric` needs (the optimizer where the hooks give it)."""
-  g = exact_gradient(hooks, ctx.params, batch, fmt, group_size)
+  what `metric` needs (the optimizer where the hooks give it). weight_errors (where the hooks give probe_errors):
+  the gradient and every weight-read unit's error from one instrumented backward, for a calibration whose units are
+  all weight-read ones (then no probe compares against this program's gradient)."""
+  dg = None
+  if weight_errors and hooks.probe_errors is not None:
+    with measuring():
+      g, dg = hooks.probe_errors(ctx.params, batch, fmt, group_size)
+    dg = np.asarray(dg)
+  else:
+    g = exact_gradient(hooks, ctx.params, batch, fmt, group_size)
   return risk.Reference(g, float(norm(g)), metric, hooks.max_grad_norm, hooks.optimizer_update, ctx.opt_state,
-                        ctx.params)
+                        ctx.params, dg)
 
 
 def gradient_error(hooks: StepHooks, params, batch, policies, exact=None) -> float:
@@ -147,12 +156,33 @@ def probe_mix(num_layers: int, units, chosen) -> np.ndarray:
   return mix
 
 
+def additive(units, metrics: Sequence[str]) -> bool:
+  """Whether a set's error of `metrics` follows from its units' errors alone (set_error_of): every unit a
+  WEIGHT_READS one and no optimizer update among the metrics (Adam's update of a sum is not the sum)."""
+  return decomposable(units) and "update" not in metrics
+
+
+def set_error_of(unit_err, sets) -> np.ndarray:
+  """[len(sets), ...] each set's error from its units' errors alone (unit_err [U, ...], relative or clipped, one
+  reference). For WEIGHT_READS units only: each one's L error lands on its own projections' weight gradients and
+  nowhere else, so a set's error vector is its units' side by side, and its norm the root sum of their squares."""
+  e = np.asarray(unit_err, np.float64)
+  return np.stack([np.sqrt(np.sum(np.square(e[list(s)]), axis=0)) if len(s) else np.zeros(e.shape[1:])
+                   for s in sets])
+
+
 def set_errors(hooks: StepHooks, params, batch, units, sets, group_size: int, fmt: str = "int8",
-               exact=None, metrics: Sequence[str] | None = None) -> np.ndarray:
+               exact=None, metrics: Sequence[str] | None = None, combine: bool = True) -> np.ndarray:
   """[len(sets)] error with exactly each set (indices into units) L, measured, of the reference's metric (exact: a
-  risk.Reference, or a bare gradient for the relative error); with metrics, [len(sets), len(metrics)]."""
+  risk.Reference, or a bare gradient for the relative error); with metrics, [len(sets), len(metrics)]. Sets of
+  WEIGHT_READS units only (and combine) take one decomposed probe for all of them (set_error_of), not one each."""
   ref = risk.as_reference(exact_gradient(hooks, params, batch, fmt, group_size) if exact is None else exact)
   n = hooks.model_cfg.num_hidden_layers
+  union = sorted({int(i) for s in sets for i in s})
+  if combine and union and additive([units[i] for i in union], metrics or (ref.metric,)):
+    per = decomposed_unit_errors(hooks, params, batch, [units[i] for i in union], group_size, fmt, ref, metrics)
+    at = {u: j for j, u in enumerate(union)}
+    return set_error_of(per, [[at[int(i)] for i in s] for s in sets])
   out = []
   with measuring():
     for s in sets:
@@ -216,11 +246,14 @@ def decomposed_unit_errors(hooks: StepHooks, params, batch, units, group_size: i
                      f"one probe each (measure_unit_errors)")
   ref = risk.as_reference(exact_gradient(hooks, params, batch, fmt, group_size) if exact is None else exact)
   n = hooks.model_cfg.num_hidden_layers
-  with measuring():
-    g_all = hooks.probe_gradient(params, batch, probe_mix(n, units, range(len(units))), fmt, group_size)
-    dg_LK = np.asarray(_leaf_norms(g_all, ref.grad))
   kinds = list(WEIGHT_READS)
   metrics_ = (ref.metric,) if metrics is None else tuple(metrics)
+  if ref.weight_errors is not None and "update" not in metrics_:  # the reference's own backward measured them
+    dg_LK = ref.weight_errors
+  else:
+    with measuring():
+      g_all = hooks.probe_gradient(params, batch, probe_mix(n, units, range(len(units))), fmt, group_size)
+      dg_LK = np.asarray(_leaf_norms(g_all, ref.grad))
   out = []
   for layer, kind in units:
     dg = float(dg_LK[layer, kinds.index(kind)])

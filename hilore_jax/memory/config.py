@@ -6,6 +6,7 @@ import dataclasses
 
 from hilore_jax.errors import ConfigError, check_choice, check_positive
 from hilore_jax.model.codec import FORMATS
+from hilore_jax.model.units import LOWP_UNITS
 
 # memory.policy: none keeps every activation, gc recomputes every layer, hilore plans H/L/R(/O) per unit by
 # exposure; the rest are the benchmark's baselines (memory/methods.py implements one planner per name)
@@ -91,6 +92,10 @@ class MemoryConfig:
   refresh_every: int = 0  # recalibrate every N steps (0: only at the start)
   group_size: int = 64  # L codes: one scale per group along the last axis
   lowp_format: str = "int8"  # L codes: int8 | fp8_e4m3 | int4 | bf16
+  # the unit kinds that may be L (empty: every kind model.LOWP_UNITS allows). The projection inputs only their weight
+  # gradients read (attn_norm, attn_ctx, mlp_norm, mlp_down_in) keep an L error out of every other gradient, and
+  # calibration measures them exactly at every layer with one probe gradient (calibration.WEIGHT_READS)
+  lowp_kinds: tuple[str, ...] = ()
   # K: minibatches the risk calibration measures, gathered (memory.warmup=gc) over the first calib_rollouts
   # rollouts while full checkpointing runs; each unit's calibrated error is its calib_quantile over them (hilore's
   # static risk: memory/gate.py); fewer minibatches than rollouts gather from only as many rollouts
@@ -143,6 +148,12 @@ class MemoryConfig:
   def __post_init__(self):
     check_policy("memory.policy", self.policy)
     check_choice("memory.lowp_format", self.lowp_format, FORMATS)
+    bad = [k for k in self.lowp_kinds if k not in LOWP_UNITS]
+    if bad:
+      raise ConfigError(f"memory.lowp_kinds: {bad} cannot be low-precision units; choose from {list(LOWP_UNITS)}")
+    if self.lowp_kinds and self.policy.startswith(("uniform_", "greedy_bits")):
+      raise ConfigError(f"memory.lowp_kinds restricts the solved plans (hilore, hilore_static); memory.policy "
+                        f"{self.policy!r} codes every unit of a layer by definition")
     check_choice("memory.risk_metric", self.risk_metric, RISK_METRICS)
     check_positive("memory.calib_batches", self.calib_batches)
     check_positive("memory.calib_rollouts", self.calib_rollouts)

@@ -32,6 +32,9 @@ class StepHooks:
     activations reach a completion log-prob: the prompt's but its last, then the N that predict the completion
     tokens (for per-token reconstruction errors).
   op_profile(model_cfg, rows, seq, group_size): the op times the cost model prices plans with (default: measured).
+  probe_errors(params, batch, format, group size): (the exact gradient, [layers, len(WEIGHT_READS)] the norm of each
+    weight-read unit's L error on its projections' weight gradients), both from one backward: the probe program at
+    zero mix with an error channel per such unit (model/lowp.py).
   logprobs(params, batch): the current policy's log-probs of the completion tokens [B, N] (a forward pass).
   optimizer_update(grads, opt_state, params) -> (updates, opt_state): the optimizer (optax), for the update risk
     metric; max_grad_norm: its global-norm clip (0: none), for the clipped one.
@@ -53,6 +56,7 @@ class StepHooks:
   # profile.profile_ops returns); None measures them on this machine. Given times make a plan independent of the
   # machine's speed (a test, a compile-only capacity search)
   op_profile: Callable[[ModelConfig, int, int, int], dict] | None = None
+  probe_errors: Callable[[Any, Any, str, int], tuple[Any, jax.Array]] | None = None
 
   @property
   def calibrates(self) -> bool:

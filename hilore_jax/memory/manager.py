@@ -65,7 +65,7 @@ class MemoryManager:
     self._plans: dict[tuple, methods.Plan] = {}  # solved plans by (method, risks, allowance, delta, solver)
     self._floor_fit: budgets.Fit | None = None  # the risk-free subset's own fit to the budget (RISK_FREE_SUBSET)
     self._shape: tuple[int, int] | None = None
-    self.lowp_ids = calibration.lowp_units(self.num_layers)
+    self.lowp_ids = calibration.lowp_units(self.num_layers, mc.lowp_kinds)
     if mc.offload:
       methods.require_offload("memory.offload=true")
     self._scorer = predictors.Scorer(hooks)
@@ -173,7 +173,7 @@ class MemoryManager:
     shape = self.hooks.batch_shape(batch)
     if shape not in self._units:
       self._units[shape] = profile.enumerate_units(self.hooks.model_cfg, *shape, self.mc.group_size,
-                                                   self.state.profile, self.mc.lowp_format)
+                                                   self.state.profile, self.mc.lowp_format, self.mc.lowp_kinds)
     self._shape = shape
     return self._units[shape]
 

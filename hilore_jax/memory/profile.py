@@ -7,7 +7,7 @@ import dataclasses
 import hashlib
 import json
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -112,8 +112,9 @@ def profile_ops(cfg: model.ModelConfig, batch: int, seq: int, group_size: int = 
 
 
 def enumerate_units(cfg: model.ModelConfig, batch: int, seq: int, group_size: int = 64, profile: dict | None = None,
-                    fmt: str = "int8") -> list[Unit]:
-  """Every layer's units with bytes as H (compute dtype) and as L (codes + scales in `fmt`), and measured times."""
+                    fmt: str = "int8", lowp_kinds: Sequence[str] = ()) -> list[Unit]:
+  """Every layer's units with bytes as H (compute dtype) and as L (codes + scales in `fmt`; only lowp_kinds where
+  given: memory.lowp_kinds), and measured times."""
   sizes = U.dims(cfg, batch, seq)
   itemsize = jnp.dtype(cfg.compute_dtype).itemsize
   ops = (profile or {}).get("ops", {})
@@ -123,7 +124,7 @@ def enumerate_units(cfg: model.ModelConfig, batch: int, seq: int, group_size: in
   for layer in range(cfg.num_hidden_layers):
     for kind in U.UNITS:
       shape = U.shape(kind, sizes)
-      lowp = kind in U.LOWP_UNITS
+      lowp = kind in U.LOWP_UNITS and (not lowp_kinds or kind in lowp_kinds)
       units.append(Unit(layer, kind, shape, U.numel(kind, sizes) * itemsize,
                         codec.code_bytes(shape, group_size, fmt) if lowp else None,
                         ops.get(U.BY_NAME[kind].producer, 0.0), codecs.get(kind, {}).get(fmt, 0.0) if lowp else 0.0,

@@ -89,6 +89,9 @@ class Reference:
   update: Callable | None = None  # the optimizer's update function (optax)
   opt_state: Any = None
   params: Any = None
+  # [layers, len(WEIGHT_READS)] each weight-read unit's ||dg_u|| from the program that computed grad
+  # (StepHooks.probe_errors), or None: measured by a probe where asked (calibration.decomposed_unit_errors)
+  weight_errors: Any = None
 
   def __post_init__(self):
     if self.metric not in RISK_METRICS:

@@ -48,12 +48,21 @@ def _encode(x, k: Keep):
   return (checkpoint_name(codes, cname), checkpoint_name(scale, sname)) + ((x,) if k.probe else ())
 
 
+def _decoded(res, k: Keep):
+  return codec.decode(res[0], res[1], res[0].shape[:-2] + (k.size,), jnp.dtype(k.dtype), k.fmt)
+
+
 def _decode(res, k: Keep, mix):
-  x_hat = codec.decode(res[0], res[1], res[0].shape[:-2] + (k.size,), jnp.dtype(k.dtype), k.fmt)
+  x_hat = _decoded(res, k)
   if k.probe:  # mix 0: the exact tensor, 1: its decoded code
     x = res[2]
-    x_hat = x + mix.astype(x.dtype) * (x_hat - x)
+    x_hat = x + _mix_of(mix).astype(x.dtype) * (x_hat - x)
   return x_hat
+
+
+def _mix_of(mix):
+  """A probe's mix weight: the mix itself, or the first of (mix, error channel) (probe_errors)."""
+  return mix[0] if isinstance(mix, tuple) else mix
 
 
 def _fwd_res(args, keeps):
@@ -65,7 +74,23 @@ def _bwd_args(res, keeps, mixes):
 
 
 def _zero_mixes(mixes):
-  return tuple(None if m is None else jnp.zeros_like(m) for m in mixes)
+  return tuple(None if m is None else jax.tree_util.tree_map(jnp.zeros_like, m) for m in mixes)
+
+
+def _error_channels(fn, res, keeps, mixes, args, ct) -> tuple:
+  """The mixes' cotangents: zero, but where a probe's mix is (mix, channel), the channel's cotangent is what the
+  other arguments' cotangents would be were this input its L error alone (decoded - exact, at any mix): for a
+  projection, the error its code puts into the weight gradients, e^T ct (fn is linear in it)."""
+  out = []
+  for i, (r, k, m) in enumerate(zip(res, keeps, mixes)):
+    if not isinstance(m, tuple):
+      out.append(None if m is None else jnp.zeros_like(m))
+      continue
+    e = _decoded(r, k) - r[2]
+    _, vjp = jax.vjp(fn, *args[:i], e, *args[i + 1:])
+    cts = vjp(ct)
+    out.append((jnp.zeros_like(m[0]), tuple(c.astype(w.dtype) for c, w in zip(cts[:i] + cts[i + 1:], m[1]))))
+  return tuple(out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -80,8 +105,9 @@ def _apply_fwd(fn, keeps, args, mixes):
 
 def _apply_bwd(fn, keeps, res, ct):
   res, mixes = res
-  _, vjp = jax.vjp(fn, *_bwd_args(res, keeps, mixes))
-  return tuple(vjp(ct)), _zero_mixes(mixes)
+  args = _bwd_args(res, keeps, mixes)
+  _, vjp = jax.vjp(fn, *args)
+  return tuple(vjp(ct)), _error_channels(fn, res, keeps, mixes, args, ct)
 
 
 apply.defvjp(_apply_fwd, _apply_bwd)
@@ -137,7 +163,11 @@ def keeper(policy, probe):
   def keep(unit: str, size: int, dtype):
     if probe is not None:
       fmt, group_size, mix_U = probe
-      return Keep(unit, fmt, group_size, size, jnp.dtype(dtype).name, True), mix_U[UNITS.index(unit)]
+      k = Keep(unit, fmt, group_size, size, jnp.dtype(dtype).name, True)
+      if isinstance(mix_U, dict):  # {"mix": [len(UNITS)], "channels": {unit: zeros like its weights}}
+        m = mix_U["mix"][UNITS.index(unit)]
+        return k, ((m, mix_U["channels"][unit]) if unit in mix_U["channels"] else m)
+      return k, mix_U[UNITS.index(unit)]
     if policy is not None and unit in policy.lowp:
       return Keep(unit, policy.format_of(unit), policy.group_size, size, jnp.dtype(dtype).name), None
     return None, None

@@ -101,12 +101,13 @@ def loss_and_stats(params, batch: UpdateBatch, spec: StepSpec, num_seqs, num_tok
   return loss, stats
 
 
-def grads_and_stats(params, batch: UpdateBatch, spec: StepSpec, probe_mix=None, norm=None):
+def grads_and_stats(params, batch: UpdateBatch, spec: StepSpec, probe_mix=None, norm=None, wrt_probe: bool = False):
   """Gradient of the minibatch loss, accumulated over spec.microbatches slices (normalisers are global); probe_mix
   [L, units] (with spec.lowp_probe) is per layer, not per row: every microbatch reads all of it. norm: the
-  (num_seqs, num_tokens) normalisers of the minibatch batch is part of (default: batch's own)."""
+  (num_seqs, num_tokens) normalisers of the minibatch batch is part of (default: batch's own). wrt_probe: the
+  gradient is (params', probe_mix's): a probe_mix with error channels (model/lowp.py) returns each one's error."""
   num_seqs, num_tokens = grpo.normalisers(batch.mask) if norm is None else norm
-  grad_fn = jax.grad(loss_and_stats, has_aux=True)
+  grad_fn = jax.grad(loss_and_stats, argnums=(0, 5) if wrt_probe else 0, has_aux=True)
   if spec.microbatches == 1:
     return grad_fn(params, batch, spec, num_seqs, num_tokens, probe_mix)
   split = batch.split(spec.microbatches)

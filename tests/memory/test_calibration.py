@@ -297,3 +297,70 @@ def test_one_probe_decomposes_every_weight_read_unit_as_its_own_probe_would(tiny
   assert both < np.sum(once[:, 0]) and both > np.max(once[:, 0])
   with pytest.raises(ValueError, match="measure them with one probe each"):
     calibration.decomposed_unit_errors(hooks, p, batch, [(0, model.ATTN_PROBS)], 8, exact=exact)
+
+
+def test_sets_of_weight_read_units_take_one_probe_and_equal_their_own_probes(tiny_cfg):
+  # a set of weight-read units' error is its units' side by side: one decomposed probe gives every set's error as
+  # one probe per set does, under both norm metrics; a set holding any other unit is probed as before
+  p = model.init_params(tiny_cfg, jax.random.PRNGKey(2), init_std=0.3)
+  spec = train_step.StepSpec(tiny_cfg, GRPOConfig(beta=0.02), model.uniform(tiny_cfg.num_hidden_layers, model.NO_REMAT),
+                             use_old_logp=True, use_ref_logp=True)
+  hooks = step_hooks.memory_hooks(None, spec, max_grad_norm=1e-3)
+  calls = []
+  probe = hooks.probe_gradient
+  hooks = dataclasses.replace(hooks, probe_gradient=lambda *a: calls.append(1) or probe(*a))
+  units = calibration.lowp_units(tiny_cfg.num_hidden_layers, tuple(decoder.WEIGHT_READS))
+  rng = np.random.default_rng(5)
+  batch = synthetic.grpo_batch(tiny_cfg, p, rng, 8, 5, 7, group=4, zero_adv_frac=0.25)
+  ref = calibration.reference(hooks, calibration.UpdateContext(p), batch, "clipped", group_size=8)
+  sets = [list(rng.choice(len(units), size=k, replace=False)) for k in (1, 2, 3, 5, len(units))]
+  metrics = ("relative", "clipped")
+  calls.clear()
+  combined = calibration.set_errors(hooks, p, batch, units, sets, 8, exact=ref, metrics=metrics)
+  assert len(calls) == 1
+  probed = calibration.set_errors(hooks, p, batch, units, sets, 8, exact=ref, metrics=metrics, combine=False)
+  assert len(calls) == 1 + len(sets) and np.all(probed > 0)
+  np.testing.assert_allclose(combined, probed, rtol=1e-4)
+  per = calibration.decomposed_unit_errors(hooks, p, batch, units, 8, exact=ref, metrics=metrics)
+  np.testing.assert_allclose(calibration.set_error_of(per, sets), probed, rtol=1e-4)
+  np.testing.assert_allclose(calibration.set_error_of(per, [[3]]), per[[3]])  # one unit: its own error
+  mixed = units + [(0, model.Q)]
+  calls.clear()
+  calibration.set_errors(hooks, p, batch, mixed, [[0, len(units)], [1]], 8, exact=ref)
+  assert len(calls) == 2  # q's error reaches the attention's backward: probed, set by set
+  # the risk budget's search reads its sets' errors off the measured unit errors: no probe, the same delta
+  err = calibration.measure_unit_errors(hooks, p, batch, units, 8, exact=ref, decompose=True)[None]
+  risk_U = err[0] * rng.uniform(0.5, 2.0, len(units))
+  calls.clear()
+  fast = calibrate.calibrate_delta(hooks, [p], [batch], units, risk_U, 0.5 * err.sum(), 8, exact=[ref], unit_err=err)
+  assert not calls
+  slow = calibrate.calibrate_delta(hooks, [p], [batch], units, risk_U, 0.5 * err.sum(), 8, exact=[ref])
+  assert calls and fast[0] == slow[0] and fast[1] == pytest.approx(slow[1], rel=1e-4) and fast[1] > 0
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_one_instrumented_backward_gives_the_gradient_and_every_weight_read_units_error(tiny_cfg, microbatches):
+  # the reference's own backward carries an error channel per weight-read unit: its gradient is the probe's at zero
+  # mix and each unit's error is the decomposed probe's, with no probe run (over microbatches the channels add as
+  # the gradients do); without the channels the reference holds no errors and a probe is needed
+  p = model.init_params(tiny_cfg, jax.random.PRNGKey(4), init_std=0.3)
+  spec = train_step.StepSpec(tiny_cfg, GRPOConfig(beta=0.02), model.uniform(tiny_cfg.num_hidden_layers, model.NO_REMAT),
+                             use_old_logp=True, use_ref_logp=True, microbatches=microbatches)
+  hooks = step_hooks.memory_hooks(None, spec, max_grad_norm=1e-3)
+  calls = []
+  probe = hooks.probe_gradient
+  hooks = dataclasses.replace(hooks, probe_gradient=lambda *a: calls.append(1) or probe(*a))
+  units = calibration.lowp_units(tiny_cfg.num_hidden_layers, tuple(decoder.WEIGHT_READS))
+  batch = synthetic.grpo_batch(tiny_cfg, p, np.random.default_rng(6), 8, 5, 7, group=4, zero_adv_frac=0.25)
+  ctx, metrics = calibration.UpdateContext(p), ("relative", "clipped")
+  plain = calibration.reference(hooks, ctx, batch, "clipped", group_size=8)
+  assert plain.weight_errors is None and len(calls) == 1
+  probed = calibration.decomposed_unit_errors(hooks, p, batch, units, 8, exact=plain, metrics=metrics)
+  calls.clear()
+  ref = calibration.reference(hooks, ctx, batch, "clipped", group_size=8, weight_errors=True)
+  assert ref.weight_errors.shape == (tiny_cfg.num_hidden_layers, len(decoder.WEIGHT_READS))
+  assert ref.grad_norm == pytest.approx(plain.grad_norm, rel=1e-6)
+  once = calibration.decomposed_unit_errors(hooks, p, batch, units, 8, exact=ref, metrics=metrics)
+  sets = calibration.set_errors(hooks, p, batch, units, [[0, 3], list(range(len(units)))], 8, exact=ref)
+  assert not calls and np.all(once > 0) and np.all(sets > 0)
+  np.testing.assert_allclose(once, probed, rtol=1e-4)

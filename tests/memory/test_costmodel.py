@@ -99,3 +99,26 @@ def test_plan_bytes_are_exactly_what_backward_keeps(tiny_cfg):
     plan = methods.Plan(c.choice, tuple("int8" if x == L else None for x in c.choice), c.bytes, 0.0, 0.0)
     (pol,) = methods.policies(plan, us, 1, group)
     assert kept(pol) - base == c.bytes, c.choice
+
+
+def test_lowp_kinds_keep_l_to_the_kinds_named(tiny_cfg):
+  # memory.lowp_kinds: only those kinds get an L option in any layer choice the solvers pick from; with every kind
+  # allowed the choices code others too
+  ops = {op: 1.0 for op in U.PRODUCERS}
+  prof = {"ops": ops, "codec": {k: {"int8": 0.01} for k in model.LOWP_UNITS}}
+  kinds = (model.ATTN_NORM, model.MLP_DOWN_IN)
+
+  def coded(lowp_kinds):
+    us = units.enumerate_units(tiny_cfg, 2, 9, 8, prof, lowp_kinds=lowp_kinds)
+    return us, {k for c in costmodel.candidates([u for u in us if u.layer == 0], ops) for k in c.lowp}
+
+  us, chosen = coded(kinds)
+  assert {u.kind for u in us if u.bytes_l is not None} == set(kinds)
+  assert chosen == set(kinds)
+  assert coded(())[1] == set(model.LOWP_UNITS)
+  from hilore_jax.errors import ConfigError
+  from hilore_jax.memory.config import MemoryConfig
+  with pytest.raises(ConfigError, match="memory.lowp_kinds: \\['attn_out'\\] cannot be low-precision"):
+    MemoryConfig(lowp_kinds=("attn_out",))
+  with pytest.raises(ConfigError, match="uniform_int8.*codes every unit"):
+    MemoryConfig(policy="uniform_int8", lowp_kinds=kinds)
