@@ -27,7 +27,8 @@ from hilore_jax import model, stats
 from hilore_jax.loop import step_hooks
 from experiments import exposure_e1, exposure_risk, exposure_sweep, spill
 from experiments.config import ExposureBenchConfig
-from experiments.exposure_report import compare_arms, plot, plot_sweep, report, spearman_summary, where_it_varies
+from experiments.exposure_report import (compare_arms, e1_markdown, plot, plot_sweep, report, spearman_summary,
+                                         where_it_varies)
 from experiments.exposure_timing import time_plans
 from hilore_jax.config import Config
 from hilore_jax.errors import ConfigError
@@ -325,6 +326,8 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
   plot(result, os.path.join(out_dir, "exposure.png"))
   plot_sweep(result, os.path.join(out_dir, "exposure_sweep.png"))
   if be.e1_json:  # issue 36's E1 summary: P1-P4 with cluster CIs over row sets, and the gate's decision
-    exposure_e1.write(be, metric, cal, held, err_by, units, mu, table, chosen, sweep, cal_state, tol)
+    e1 = exposure_e1.write(be, metric, cal, held, err_by, units, mu, table, chosen, sweep, cal_state, tol)
+    with open(os.path.join(out_dir, "exposure_e1.md"), "w") as f:
+      f.write(e1_markdown(e1))
   shutil.rmtree(spill_dir, ignore_errors=True)
   return result

@@ -214,3 +214,46 @@ def plot_sweep(res: dict, path: str):
     ax.set_ylabel("recompute removed (% of GC's extra matmul FLOPs)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+
+
+def e1_markdown(s: dict) -> str:
+  """Issue 36's E1 summary (exposure_e1.summary) as the tables docs/exposure.md carries: the regime check, P1-P4
+  each with its 95% cluster-bootstrap interval, target and verdict, P4's table beside the paper's, the gate."""
+  f = lambda x: "nan" if x is None or not np.isfinite(float(x)) else f"{float(x):.3g}"
+  verdict = lambda m: {True: "met", False: "MISSED", None: "not run"}[m]
+  ci = lambda c: f"{f(c['value'])} [{f(c['ci_low'])}, {f(c['ci_high'])}]" if "ci_low" in c else c.get("note", "n/a")
+  rg = s.get("regime") or {}
+  out = [f"Config `{s['config']}`; {s['held_out']['minibatches']} held-out minibatches in "
+         f"{s['held_out']['clusters']} row sets (n_eff); command `{s['command']}`.", "",
+         f"Regime check on the calibration rollout: second-pass clipfrac {f(rg.get('clipfrac_second_pass'))}, "
+         f"completion length p90/p10 {f(rg.get('length_p90_p10'))}: {verdict(rg.get('met'))}.", "",
+         "| criterion | value [95% CI] | target | verdict |", "|---|---|---|---|"]
+  p1, p2, p3, p4 = (s[k] for k in ("P1", "P2", "P3", "P4"))
+  out.append(f"| P1 variation, median within-unit p90/p10 ({p1.get('metric')}) | {ci(p1)} | >= {f(p1.get('target'))} "
+             f"(<= {f(p1.get('null'))}: nothing to predict) | {verdict(p1.get('met'))}: {p1.get('verdict')} |")
+  for m, v in (p1.get("per_metric") or {}).items():
+    out.append(f"| P1, {m}: within / between rollouts | {f(v['value'])}: {f(v['within_rollouts'])} / "
+               f"{f(v['between_rollouts'])} | | |")
+  out.append(f"| P2 headroom, oracle - static (points of recompute removed) | {ci(p2)} | >= {f(p2.get('target'))} | "
+             f"{verdict(p2.get('met'))} |")
+  if "periodic" in p2:
+    out.append(f"| P2, oracle - periodic static | {ci(p2['periodic'])} | >= {f(p2['periodic'].get('target'))} | "
+               f"{verdict(p2['periodic'].get('met'))} |")
+  out.append(f"| P3 prediction, within-unit rho | {ci(p3)} | >= {f(p3.get('target'))}, CI low >= "
+             f"{f(p3.get('ci_low_target'))}, headroom share {f(p3.get('headroom_share'))} >= "
+             f"{f(p3.get('headroom_share_target'))} | {verdict(p3.get('met'))} |")
+  out.append(f"| P4 cross-unit rho of the {p4.get('score')} | {ci(p4)} | paper {f(p4.get('target'))} | "
+             f"{verdict(p4.get('met'))} |")
+  paper = p4.get("paper", {})
+  out += ["", "| score (P4) | rho avg / pooled | top-10% recall avg / pooled | AUROC avg / pooled |",
+          "|---|---|---|---|",
+          f"| the paper | {f(paper.get('spearman'))} | {f(paper.get('top10_recall'))} | {f(paper.get('auroc'))} |"]
+  for name, t in (p4.get("table") or {}).items():
+    cell = lambda k: f"{f(t['averaged'][k])} / {f(t['pooled'][k])}"
+    name = name.replace("|", "\\|")  # sum |A|: a pipe would end the cell
+    out.append(f"| {name} | {cell('spearman')} | {cell('top10_recall')} | {cell('auroc')} |")
+  g = s.get("gate_decision") or {}
+  out += ["", f"Exposure gate for this recipe: spread {f(g.get('spread'))} (>= {f(g.get('spread_min'))}), unclipped "
+              f"share {f(g.get('unclipped_share'))} (>= {f(g.get('unclipped_min'))}), leave-one-out rho "
+              f"{f(g.get('loo_rho'))} (>= {f(g.get('rho_min'))}): {'on' if g.get('on') else 'off'}."]
+  return "\n".join(out) + "\n"

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments import exposure_e1
+from experiments import exposure_e1, exposure_report
 from experiments.config import E1Criteria
 
 R, S, U = 3, 2, 7  # rollouts, row sets per rollout, units; each row set seen by 2 passes: M = 12 minibatches
@@ -65,6 +65,14 @@ def test_summary_by_hand_and_as_json(tmp_path):
   back = json.loads(path.read_text())
   for k in ("P1", "P2", "P3", "P4"):
     assert {"value", "ci_low", "ci_high", "target", "met"} <= set(back[k])
+  # the tables docs/exposure.md carries, from the same record: each criterion's row with its verdict
+  md = exposure_report.e1_markdown(back).splitlines()
+  row = lambda start: next(line for line in md if line.startswith(start))
+  assert row("| P2 headroom").endswith("| met |") and f"{2 * 30 - 2 * 20:.3g} [" in row("| P2 headroom")
+  assert row("| P2, oracle - periodic").endswith("| not run |")
+  assert row("| P3 prediction").endswith("| met |") and row("| P4 cross-unit").endswith("| met |")
+  assert row("| the paper |") == "| the paper | 0.78 | 0.81 | 0.89 |"
+  assert md[-1].endswith(": on.")
 
 
 def test_low_spread_is_nothing_to_predict():
