@@ -133,8 +133,11 @@ def measure_held_out(hooks, mc, held: list[Record], units, progress=print):
   kept, refs, errs = [], [], []
   instrumented = mc.calib_decompose and calibration.additive(units, (mc.risk_metric,))  # one backward each
   for i, r in enumerate(held):
+    # with an optimizer state every metric includes the update's, which needs probes: they compare against the
+    # probe program's own gradient, never the instrumented one's
     ref = calibration.reference(hooks, calibration.UpdateContext(r.params, r.opt_state), r.batch, mc.risk_metric,
-                                mc.lowp_format, mc.group_size, instrumented)
+                                mc.lowp_format, mc.group_size,
+                                instrumented and (r.opt_state is None or hooks.optimizer_update is None))
     if ref.grad_norm == 0:  # no gradient (every advantage zero, no KL yet): no error to measure
       continue
     kept.append(r)
@@ -220,7 +223,8 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
   on = managers["hilore_exposure_on"]
   m0 = measured
   every = [list(range(len(units)))]
-  all_l = ([float(calibration.set_error_of(e, every)[0]) for e in m0.err]  # measured unit by unit: exact, no probe
+  unscaled = np.ones(len(m0.err)) if m0.row_scale is None else np.asarray(m0.row_scale)  # as the probes measure
+  all_l = ([float(calibration.set_error_of(e, every)[0]) / s for e, s in zip(m0.err, unscaled)]  # exact, no probe
            if mc.calib_decompose and calibration.additive(units, (metric,)) else
            [float(calibration.set_errors(hooks, c.params, b, units, every, mc.group_size, mc.lowp_format, r)[0])
             for c, b, r in zip(m0.contexts, m0.batches, m0.refs)])

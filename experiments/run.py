@@ -166,7 +166,7 @@ def run(cfg: Config, bc: BenchConfig, out_dir: str, progress=print) -> dict:
 
   # before timing: the timed steps donate (and so delete) the parameters they are given
   t1 = time.perf_counter()
-  mc, units = cfg.memory, calibration.lowp_units(mcfg.num_hidden_layers)
+  mc, units = cfg.memory, calibration.lowp_units(mcfg.num_hidden_layers, cfg.memory.lowp_kinds)
   all_l = calibration.lowp_policies(mcfg.num_hidden_layers, units, mc.group_size, mc.lowp_format)
   by = {e.method: e for e in entries}
   regime = {"tolerance": mc.grad_err_tolerance, "lowp_format": mc.lowp_format,
@@ -247,7 +247,7 @@ def _diagnostics(cfg, bc, hooks, params, calib, cal_batches, risk_batches, exact
   risk_rows, risk_fit = {}, {}
   if not risk_batches or calib is None:
     return risk_rows, risk_fit
-  mc, units = cfg.memory, calibration.lowp_units(hooks.model_cfg.num_hidden_layers)
+  mc, units = cfg.memory, calibration.lowp_units(hooks.model_cfg.num_hidden_layers, cfg.memory.lowp_kinds)
   if bc.risk_sets:
     # the set-risk model as the allocator uses it: calibration's per-unit errors and coherence, predicting the
     # measured error of random L sets on held-out batches

@@ -51,7 +51,8 @@ def memory_store(c: Config) -> stores.JsonStore | None:
     d["model_files"] = stores.files_digest([os.path.join(model_dir, f) for f in os.listdir(model_dir)
                                             if os.path.isfile(os.path.join(model_dir, f))])
     d["model"] = {k: v for k, v in d["model"].items() if k != "path"}  # the files say which model it is
-  d["code"] = stores.source_digest(os.path.dirname(os.path.abspath(__file__)))
+  # the whole package: a change in memory/ or model/ may measure other errors or compile other peaks
+  d["code"] = stores.source_digest(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   devs = jax.devices()
   d["jax"] = [jax.__version__, devs[0].platform, devs[0].device_kind, len(devs), jax.process_count(),
               os.environ.get("XLA_FLAGS", "")]

@@ -204,7 +204,8 @@ def measure_unit_errors(hooks: StepHooks, params, batch, units, group_size: int,
   width = 1 if metrics is None else len(metrics)
   measured = {}
   if chosen:
-    errs = set_errors(hooks, params, batch, units, [[i] for i in chosen], group_size, fmt, ref, metrics)
+    errs = set_errors(hooks, params, batch, units, [[i] for i in chosen], group_size, fmt, ref, metrics,
+                      combine=False)  # one probe per unit, as asked (decompose: the shortcut)
     measured.update(zip(chosen, errs.reshape(len(chosen), width)))
   if split:
     errs = decomposed_unit_errors(hooks, params, batch, [units[i] for i in split], group_size, fmt, ref, metrics)

@@ -103,6 +103,9 @@ class MemoryManager:
       K = mc.calib_batches
       logp = [None] * len(batches) if logp is None else logp
       contexts = contexts or [calibration.UpdateContext(params, opt_state, lp) for lp in logp]
+      if calibration_state is not None and len(calibration_state.predicted_error) != len(self.lowp_ids):
+        raise ValueError(f"a calibration of {len(calibration_state.predicted_error)} units given to a manager of "
+                         f"{len(self.lowp_ids)} L units (memory.lowp_kinds differ)")
       st.calibration = calibration_state or self._calibrate(batches[:K], contexts[:K])
     self.load_state(st, f"set up at step {step}")
     self.persist()
@@ -395,6 +398,11 @@ class MemoryManager:
     if other:
       log.warning("memory: the checkpoint's calibration is of %s / %s, this run's of %s / %s: recalibrating",
                   cal.risk_metric, cal.predictor, mc.risk_metric, mc.exposure.predictor)
+    if cal is not None and not other and len(cal.predicted_error) != len(self.lowp_ids):
+      # another memory.lowp_kinds: its per-unit risks would land on other units
+      log.warning("memory: the checkpoint's calibration covers %d units, this run's L units are %d "
+                  "(memory.lowp_kinds): recalibrating", len(cal.predicted_error), len(self.lowp_ids))
+      other = True
     due = mc.refresh_every and self.state is not None and step - self.state.calibrated_at >= mc.refresh_every
     self._drift_values, drifted = {}, []
     if cal is not None and self.record.calibrated and not (stale or other or due):

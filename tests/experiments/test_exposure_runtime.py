@@ -123,6 +123,23 @@ def test_split_holds_out_whole_later_rollouts():
 
 
 @pytest.mark.slow
+def test_a_calibration_of_other_units_is_never_read_against_these(setup, caplog):
+  # memory.lowp_kinds changes the L units: a calibration of every kind is refused when given, and a resumed state
+  # carrying one recalibrates on the run's own units
+  hooks, params, on, mc, rng, adv = setup
+  kinds = (U.ATTN_NORM, U.MLP_DOWN_IN)
+  few = MemoryManager(dataclasses.replace(mc, lowp_kinds=kinds), hooks)
+  assert few.lowp_ids == calibration.lowp_units(hooks.model_cfg.num_hidden_layers, kinds)
+  with pytest.raises(ValueError, match="memory.lowp_kinds differ"):
+    few.setup(params, [manager_util.batch(rng, adv)], 0, calibration_state=on.state.calibration)
+  few.load_state(on.state, "a checkpoint of every kind")
+  with caplog.at_level("WARNING"):
+    few.step(params, [manager_util.batch(rng, adv) for _ in range(2)], 5)
+  assert any("recalibrating" in r.getMessage() and "lowp_kinds" in r.getMessage() for r in caplog.records)
+  assert len(few.state.calibration.predicted_error) == len(few.lowp_ids) == 2 * hooks.model_cfg.num_hidden_layers
+
+
+@pytest.mark.slow
 def test_manager_state_round_trips_and_converts_the_scalar_bucket_version(setup):
   from hilore_jax.errors import CheckpointError
   from hilore_jax.memory.state import ManagerState

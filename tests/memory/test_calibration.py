@@ -293,8 +293,9 @@ def test_one_probe_decomposes_every_weight_read_unit_as_its_own_probe_would(tiny
     np.testing.assert_allclose(once, one_each, rtol=1e-5)  # the same weights' gradients: equal here bitwise
   # with all of them L the probe's total error is not a sum of its parts' (they meet in the norm), so the
   # decomposition is not the set's error; and a unit read by the attention's backward has no such shortcut
-  (both,) = calibration.set_errors(hooks, p, batch, units, [range(len(units))], 8, exact=exact)
+  (both,) = calibration.set_errors(hooks, p, batch, units, [range(len(units))], 8, exact=exact, combine=False)
   assert both < np.sum(once[:, 0]) and both > np.max(once[:, 0])
+  assert both == pytest.approx(np.sqrt(np.sum(np.square(once[:, 0]))), rel=1e-4)  # side by side: root sum of squares
   with pytest.raises(ValueError, match="measure them with one probe each"):
     calibration.decomposed_unit_errors(hooks, p, batch, [(0, model.ATTN_PROBS)], 8, exact=exact)
 

@@ -48,6 +48,13 @@ def test_key_follows_what_set_up_measures_and_nothing_else(tmp_path, monkeypatch
   for other in ("memory.budget_ratio=1.2", "rollout.max_new_tokens=4", "seed=1", "memory.group_size=16"):
     assert key(other) != base, other
   assert memory_store(tiny_config(tmp_path, *RUN, "memory.cache=false")) is None
+  assert key("memory.lowp_kinds=[attn_norm]") != base
+  # the code part hashes the whole package (memory/ and model/ measure and compile what is cached), not loop/ alone
+  import hilore_jax
+  hashed = []
+  monkeypatch.setattr(stores, "source_digest", lambda d: hashed.append(os.path.abspath(d)) or "code")
+  key()
+  assert hashed == [os.path.dirname(os.path.abspath(hilore_jax.__file__))]
 
 
 @pytest.mark.slow
