@@ -77,7 +77,9 @@ def run(config_path: str | None, base: list[str], a: Arm, b: Arm, rollouts: int,
     log.info("rollout %d: %.1f s, completion length p50 %d max %d", r, time.perf_counter() - t0,
              np.median(lens), lens.max())
   out: dict = {"config": config_path, "base": base, "a": dataclasses.asdict(a), "b": dataclasses.asdict(b),
-               "rollouts": rollouts, "reps": reps, "update_s": {a.name: [], b.name: []}, "rows": {}}
+               "rollouts": rollouts, "reps": reps, "update_s": {a.name: [], b.name: []}, "rows": {},
+               # the regime the times are of: each rollout's completion lengths (a token budget pays below the cap)
+               "completion_len": [lengths(r.mask) for r in rolls]}
   for arm in (a, b):  # compile (not timed)
     t = arms[arm.name]
     t.state = _copy(start)
@@ -115,6 +117,13 @@ def run(config_path: str | None, base: list[str], a: Arm, b: Arm, rollouts: int,
   return out
 
 
+def lengths(mask_BN) -> dict:
+  """p50 / p90 / max completion tokens of a rollout and its cap (the mask's columns)."""
+  n = np.asarray(mask_BN).sum(1)
+  return {"p50": float(np.median(n)), "p90": float(np.quantile(n, 0.9)), "max": int(n.max()),
+          "cap": int(np.asarray(mask_BN).shape[1])}
+
+
 def table(out: dict) -> str:
   """The paired figures as text."""
   a, b = out["a"]["name"], out["b"]["name"]
@@ -122,6 +131,8 @@ def table(out: dict) -> str:
   lines = [f"update seconds, median: {a} {u['median_a_s']:.2f}, {b} {u['median_b_s']:.2f}",
            f"update {b} / {a}: {u['mean']:.3f} [{u['ci_low']:.3f}, {u['ci_high']:.3f}] (95% bootstrap CI, "
            f"n = {u['n']} pairs: {out['rollouts']} rollouts x {out['reps']} reps)"]
+  for i, c in enumerate(out.get("completion_len", [])):
+    lines.append(f"rollout {i}: completion length p50 {c['p50']:g}, p90 {c['p90']:g}, max {c['max']} of {c['cap']}")
   for name in (a, b):
     if out["rows"].get(name):
       lines.append(f"{name}: " + ", ".join(f"{k} {v:g}" for k, v in out["rows"][name].items()))

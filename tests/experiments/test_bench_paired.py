@@ -21,6 +21,10 @@ def test_paired_bench_times_both_arms_on_the_same_rollouts(tmp_path):
   assert len(out["sampler_s"]["shared"]) == len(out["sampler_s"]["repeated"]) == 4
   assert json.load(open(tmp_path / "paired.json"))["b"]["overrides"] == ["model.attention=blockwise"]
   assert "update blockwise / xla" in paired.table(out)
+  # the regime: each rollout's completion lengths, the cap its mask's columns
+  (c0, c1) = out["completion_len"]
+  assert c0["cap"] == c1["cap"] and 0 < c0["p50"] <= c0["p90"] <= c0["max"] <= c0["cap"]
+  assert "rollout 1: completion length p50" in paired.table(out)
 
 
 def test_paired_bench_refuses_an_arm_with_nothing_to_time(tmp_path):
