@@ -141,9 +141,13 @@ def measure_held_out(hooks, mc, held: list[Record], units, progress=print):
     if ref.grad_norm == 0:  # no gradient (every advantage zero, no KL yet): no error to measure
       continue
     kept.append(r)
-    refs.append(ref)
     errs.append(calibration.measure_unit_errors(hooks, r.params, r.batch, units, mc.group_size, mc.lowp_format,
                                                 ref, layers, ref.available(), mc.calib_decompose))
+    if ref.weight_errors is not None and calibration.additive(units, ref.available()):
+      # every later error is read off the unit errors: the exact gradient (0.5 GB for SmolLM2, 64 of them past host
+      # memory) is not kept
+      ref = dataclasses.replace(ref, grad=None)
+    refs.append(ref)
     if (i + 1) % 5 == 0:
       progress(f"measured {i + 1}/{len(held)} held-out minibatches")
   err = np.stack(errs)  # [M, U, metrics]

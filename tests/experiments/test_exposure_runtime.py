@@ -342,3 +342,20 @@ def test_a_later_pass_is_scored_with_the_log_probs_at_its_own_params(tmp_path):
   # the old value, the log-probs before minibatch 0's own pass-0 update, are the rollout's: ratio 1
   stale = np.asarray(t.stepper.logprobs(t.spec, records[0].params, jax.device_put(records[2].batch)))
   assert np.abs(stale - records[2].logp)[records[2].batch.mask > 0].max() > 1e-3
+
+
+def test_held_out_weight_read_units_keep_their_errors_not_their_gradients(setup):
+  # with weight-read units only, a held-out minibatch's errors come from one instrumented backward and its exact
+  # gradient is dropped (SmolLM2's 64 would not fit in host memory); the errors are the probe path's
+  hooks, params, _, mc, rng, adv = setup
+  mc = dataclasses.replace(mc, risk_metric="clipped", lowp_kinds=tuple(model.decoder.WEIGHT_READS))
+  units = calibration.lowp_units(hooks.model_cfg.num_hidden_layers, mc.lowp_kinds)
+  held = [bench_exposure.Record(1, 0, j, params, manager_util.batch(rng, adv), {}) for j in range(2)]
+  kept, refs, err_by, layers = bench_exposure.measure_held_out(hooks, mc, held, units, progress=lambda s: None)
+  assert len(kept) == 2 and layers is None and all(r.grad is None and r.weight_errors is not None for r in refs)
+  for r, ref, e in zip(held, refs, err_by["clipped"]):
+    plain = calibration.reference(hooks, calibration.UpdateContext(params), r.batch, "clipped", mc.lowp_format,
+                                  mc.group_size)
+    assert ref.grad_norm == pytest.approx(plain.grad_norm, rel=1e-5)
+    probed = calibration.decomposed_unit_errors(hooks, params, r.batch, units, mc.group_size, exact=plain)
+    np.testing.assert_allclose(e, probed, rtol=1e-4)
