@@ -360,7 +360,7 @@ def test_one_instrumented_backward_gives_the_gradient_and_every_weight_read_unit
   calls.clear()
   ref = calibration.reference(hooks, ctx, batch, "clipped", group_size=8, weight_errors=True)
   assert ref.weight_errors.shape == (tiny_cfg.num_hidden_layers, len(decoder.WEIGHT_READS))
-  assert ref.grad_norm == pytest.approx(plain.grad_norm, rel=1e-6)
+  assert ref.grad_norm == pytest.approx(plain.grad_norm, rel=1e-5)  # two programs: float32 summation order
   once = calibration.decomposed_unit_errors(hooks, p, batch, units, 8, exact=ref, metrics=metrics)
   sets = calibration.set_errors(hooks, p, batch, units, [[0, 3], list(range(len(units)))], 8, exact=ref)
   assert not calls and np.all(once > 0) and np.all(sets > 0)
