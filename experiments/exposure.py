@@ -59,6 +59,24 @@ class Record:
   opt_state = property(lambda self: spill.load(self.kept_opt))
 
 
+@dataclasses.dataclass(frozen=True)
+class KeptContext:
+  """A calibration.UpdateContext read from its record on each use: a calibration keeps its contexts, and a real
+  model's params copies (0.5 GB each for SmolLM2) stay on disk rather than pinned in host memory."""
+
+  record: Record
+  logp: Any = None
+  params = property(lambda self: self.record.params)
+  opt_state = property(lambda self: self.record.opt_state)
+
+
+def without_gradients(refs: list, units) -> list:
+  """The references, each without its exact gradient where every error it serves is read off its weight-read unit
+  errors (calibration.set_error_of): 0.5 GB each for SmolLM2, and a bench holds dozens."""
+  return [dataclasses.replace(r, grad=None)
+          if r.weight_errors is not None and calibration.additive(units, r.available()) else r for r in refs]
+
+
 def collect(trainer, steps: int, progress=print, opt_state: bool = True, spill_dir: str | None = None) -> list[Record]:
   """Warm-start (if set), then `steps` rollouts, each trained for grpo.num_iterations passes under the run's own
   step, recording every minibatch with the params (and optimizer state) its update saw: on disk under spill_dir."""
@@ -122,7 +140,7 @@ def arm_managers(cfg: Config, be: ExposureBenchConfig, hooks) -> dict[str, Memor
 
 def calibrate_on(manager: MemoryManager, cal: list[Record]):
   """Calibrate on the records, each measured at the params and optimizer state its own update saw."""
-  contexts = [calibration.UpdateContext(r.params, r.opt_state, r.logp) for r in cal]
+  contexts = [KeptContext(r, r.logp) for r in cal]
   manager.setup(cal[0].params, [r.batch for r in cal], 0, contexts=contexts)
 
 
@@ -143,11 +161,7 @@ def measure_held_out(hooks, mc, held: list[Record], units, progress=print):
     kept.append(r)
     errs.append(calibration.measure_unit_errors(hooks, r.params, r.batch, units, mc.group_size, mc.lowp_format,
                                                 ref, layers, ref.available(), mc.calib_decompose))
-    if ref.weight_errors is not None and calibration.additive(units, ref.available()):
-      # every later error is read off the unit errors: the exact gradient (0.5 GB for SmolLM2, 64 of them past host
-      # memory) is not kept
-      ref = dataclasses.replace(ref, grad=None)
-    refs.append(ref)
+    refs += without_gradients([ref], units)  # every later error is read off the unit errors
     if (i + 1) % 5 == 0:
       progress(f"measured {i + 1}/{len(held)} held-out minibatches")
   err = np.stack(errs)  # [M, U, metrics]
@@ -183,6 +197,7 @@ def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> d
   probe.keep_measurements(calib_mm)
   calibrate_on(calib_mm, cal)
   measured = probe.measurements(calib_mm)
+  measured.refs = without_gradients(measured.refs, units)  # kept for the predictors' fits, which read only norms
   if not any(r.grad_norm > 0 for r in measured.refs):
     raise ConfigError("no calibration minibatch has a gradient (rewards all equal, no KL yet): choose a task or "
                       "temperature with mixed rewards, or raise bench_exposure.calib_minibatches")

@@ -142,11 +142,12 @@ def periodic_sweep(mc, be, hooks, records, held, allowance: int, realised, plan_
   every held-out minibatch (P2 reads only those after that rollout)."""
   import dataclasses
 
-  from hilore_jax.memory import MemoryManager, calibration
+  from experiments.exposure import KeptContext  # exposure imports this module
+  from hilore_jax.memory import MemoryManager
 
   m = MemoryManager(dataclasses.replace(mc.at_budget(None, "hilore"), buckets=1), hooks)
   records = [r for r in records if r.step == be.recalibrate_rollout]
-  contexts = [calibration.UpdateContext(r.params, r.opt_state, r.logp) for r in records]
+  contexts = [KeptContext(r, r.logp) for r in records]
   m.setup(records[0].params, [r.batch for r in records], 0, contexts=contexts)
   m.allocate([held[0].batch])  # its one bucket, fitted to the budget
   points = sweep_arm(lambda b, d: m.plan_at(b, d, allowance), [0] * len(held), be.sweep, m.state.calibration.delta,

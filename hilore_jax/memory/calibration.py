@@ -136,8 +136,11 @@ def reference(hooks: StepHooks, ctx: UpdateContext, batch, metric: str = "relati
     dg = np.asarray(dg)
   else:
     g = exact_gradient(hooks, ctx.params, batch, fmt, group_size)
+  # the params only serve the optimizer's update: without one a reference would pin a params copy per minibatch
+  # (0.5 GB each for SmolLM2; a bench that reads them back from disk holds dozens of references)
+  upd = hooks.optimizer_update is not None and ctx.opt_state is not None
   return risk.Reference(g, float(norm(g)), metric, hooks.max_grad_norm, hooks.optimizer_update, ctx.opt_state,
-                        ctx.params, dg)
+                        ctx.params if upd else None, dg)
 
 
 def gradient_error(hooks: StepHooks, params, batch, policies, exact=None) -> float:
