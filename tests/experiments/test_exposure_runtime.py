@@ -352,10 +352,37 @@ def test_held_out_weight_read_units_keep_their_errors_not_their_gradients(setup)
   units = calibration.lowp_units(hooks.model_cfg.num_hidden_layers, mc.lowp_kinds)
   held = [bench_exposure.Record(1, 0, j, params, manager_util.batch(rng, adv), {}) for j in range(2)]
   kept, refs, err_by, layers = bench_exposure.measure_held_out(hooks, mc, held, units, progress=lambda s: None)
-  assert len(kept) == 2 and layers is None and all(r.grad is None and r.weight_errors is not None for r in refs)
+  # nor its params: without an optimizer state nothing reads them, and each held-out record's are read back apart
+  assert len(kept) == 2 and layers is None and all(r.grad is None and r.params is None and r.weight_errors is not None
+                                                   for r in refs)
   for r, ref, e in zip(held, refs, err_by["clipped"]):
     plain = calibration.reference(hooks, calibration.UpdateContext(params), r.batch, "clipped", mc.lowp_format,
                                   mc.group_size)
     assert ref.grad_norm == pytest.approx(plain.grad_norm, rel=1e-5)
     probed = calibration.decomposed_unit_errors(hooks, params, r.batch, units, mc.group_size, exact=plain)
     np.testing.assert_allclose(e, probed, rtol=1e-4)
+
+
+def test_a_calibration_on_spilled_records_keeps_their_params_on_disk(setup, tmp_path):
+  # the bench's calibration keeps its measurements for the predictors' fits: its contexts read each record's
+  # params back from disk, and its references keep neither params nor (weight-read units only) gradients, so 8
+  # SmolLM2 minibatches pin no 0.5 GB copies; the calibration equals one on params held in memory
+  from experiments import spill
+
+  hooks, params, _, mc, rng, adv = setup
+  mc = dataclasses.replace(mc, policy="hilore", risk_metric="clipped", lowp_kinds=tuple(model.decoder.WEIGHT_READS))
+  units = calibration.lowp_units(hooks.model_cfg.num_hidden_layers, mc.lowp_kinds)
+  batches = [manager_util.batch(rng, adv) for _ in range(2)]
+  cals = {}
+  for where in ("memory", "disk"):
+    records = [bench_exposure.Record(0, 0, j, spill.keep(params, str(tmp_path / f"{j}") if where == "disk" else None),
+                                     b, {}) for j, b in enumerate(batches)]
+    m = MemoryManager(mc, hooks)
+    probe.keep_measurements(m)
+    bench_exposure.calibrate_on(m, records)
+    measured = probe.measurements(m)
+    measured.refs = bench_exposure.without_gradients(measured.refs, units)
+    assert all(isinstance(c, bench_exposure.KeptContext) for c in measured.contexts)
+    assert all(r.grad is None and r.params is None for r in measured.refs)
+    cals[where] = np.asarray(m.state.calibration.unit_errors)
+  np.testing.assert_allclose(cals["disk"], cals["memory"], rtol=1e-6)
