@@ -154,3 +154,14 @@ def test_the_manager_runs_exposure_buckets_only_where_the_gate_passes(tiny):
     assert other.state.calibration.gate["on"] is on and other.exposure_on is on
     allocs = other.allocate(batches[:2])
     assert all(bool(other.state.buckets[a.bucket]) is on for a in allocs)  # a level vector, or the static bucket
+
+
+def test_the_measured_smollm2_recipe_leaves_the_gate_off():
+  # E1's measured gate inputs (docs/data/exposure_e1.json, SmolLM2 arithmetic at 256 tokens) under the default
+  # thresholds: the recipe runs static calibrated risk
+  import json
+  import pathlib
+
+  rec = json.loads((pathlib.Path(__file__).parents[2] / "docs/data/exposure_e1.json").read_text())["gate_decision"]
+  again = gate.decide(rec["spread"], rec["unclipped_share"], rec["loo_rho"], GateConfig())
+  assert not again["on"] and again["on"] == rec["on"]
