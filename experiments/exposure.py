@@ -59,17 +59,6 @@ class Record:
   opt_state = property(lambda self: spill.load(self.kept_opt))
 
 
-@dataclasses.dataclass(frozen=True)
-class KeptContext:
-  """A calibration.UpdateContext read from its record on each use: a calibration keeps its contexts, and a real
-  model's params copies (0.5 GB each for SmolLM2) stay on disk rather than pinned in host memory."""
-
-  record: Record
-  logp: Any = None
-  params = property(lambda self: self.record.params)
-  opt_state = property(lambda self: self.record.opt_state)
-
-
 def without_gradients(refs: list, units) -> list:
   """The references, each without its exact gradient where every error it serves is read off its weight-read unit
   errors (calibration.set_error_of): 0.5 GB each for SmolLM2, and a bench holds dozens."""
@@ -140,7 +129,7 @@ def arm_managers(cfg: Config, be: ExposureBenchConfig, hooks) -> dict[str, Memor
 
 def calibrate_on(manager: MemoryManager, cal: list[Record]):
   """Calibrate on the records, each measured at the params and optimizer state its own update saw."""
-  contexts = [KeptContext(r, r.logp) for r in cal]
+  contexts = [spill.KeptContext(r, r.logp) for r in cal]
   manager.setup(cal[0].params, [r.batch for r in cal], 0, contexts=contexts)
 
 

@@ -142,7 +142,7 @@ def periodic_sweep(mc, be, hooks, records, held, allowance: int, realised, plan_
   every held-out minibatch (P2 reads only those after that rollout)."""
   import dataclasses
 
-  from experiments.exposure import KeptContext  # exposure imports this module
+  from experiments.spill import KeptContext
   from hilore_jax.memory import MemoryManager
 
   m = MemoryManager(dataclasses.replace(mc.at_budget(None, "hilore"), buckets=1), hooks)

@@ -3,6 +3,7 @@ each, and a run records dozens) would not fit in host memory."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -42,3 +43,14 @@ def keep(tree, directory: str | None) -> Any:
 def load(kept) -> Any:
   """What keep() returned, as a pytree."""
   return kept.load() if isinstance(kept, Spilled) else kept
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptContext:
+  """A calibration.UpdateContext read from its record (params and opt_state properties) on each use: a calibration
+  keeps its contexts, and a real model's params copies (0.5 GB each for SmolLM2) stay on disk, not in host memory."""
+
+  record: Any
+  logp: Any = None
+  params = property(lambda self: self.record.params)
+  opt_state = property(lambda self: self.record.opt_state)

@@ -382,7 +382,7 @@ def test_a_calibration_on_spilled_records_keeps_their_params_on_disk(setup, tmp_
     bench_exposure.calibrate_on(m, records)
     measured = probe.measurements(m)
     measured.refs = bench_exposure.without_gradients(measured.refs, units)
-    assert all(isinstance(c, bench_exposure.KeptContext) for c in measured.contexts)
+    assert all(isinstance(c, spill.KeptContext) for c in measured.contexts)
     assert all(r.grad is None and r.params is None for r in measured.refs)
     cals[where] = np.asarray(m.state.calibration.unit_errors)
   np.testing.assert_allclose(cals["disk"], cals["memory"], rtol=1e-6)
