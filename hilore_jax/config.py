@@ -162,6 +162,9 @@ class Config:
       raise ConfigError(f"grpo.old_logp=sampler needs the sampler's distribution to be the policy's: rollout.top_k "
                         f"must be 0 and rollout.top_p 1.0 (got {self.rollout.top_k} and {self.rollout.top_p}); or "
                         f"use grpo.old_logp=forward")
+    if self.grpo.old_logp == "sampler" and self.rollout.dtype not in ("", self.model.dtype):
+      raise ConfigError(f"grpo.old_logp=sampler needs the sampler's log-probs at the model's precision: rollout.dtype "
+                        f"is {self.rollout.dtype}, model.dtype {self.model.dtype}; or use grpo.old_logp=forward")
     if not self.grpo.max_completion_len:  # Dr.GRPO's normaliser defaults to the generation budget
       object.__setattr__(self, "grpo", dataclasses.replace(self.grpo,
                                                            max_completion_len=self.rollout.max_new_tokens))

@@ -15,7 +15,7 @@ from hilore_jax.loop import checkpointing, engine, preflight
 from hilore_jax import config as config_lib
 from hilore_jax.config import Config
 from hilore_jax.errors import CheckpointError
-from hilore_jax.rl import rollout
+from hilore_jax.rl import rollout, rollout_engine
 from hilore_jax.rl.config import SamplingConfig
 from hilore_jax.tasks import Example, prompts
 from hilore_jax.tasks.prompts import Prompter
@@ -23,22 +23,24 @@ from hilore_jax.tasks.prompts import Prompter
 
 def evaluate(cfg, params, prompter: Prompter, examples: Sequence[Example], reward_fn, *, max_prompt_len: int,
              max_new_tokens: int, pass_k: int = 4, temperature: float = 1.0, batch_size: int = 128,
-             rng: jax.Array | None = None) -> dict:
+             rng: jax.Array | None = None, sampler=None) -> dict:
   """{'eval/accuracy': greedy accuracy, 'eval/accuracy_ci95': its Wilson interval across examples,
   'eval/correct': '0'/'1' per example (for paired comparisons), 'eval/completion_len': mean greedy completion tokens
-  (stop token included), 'eval/pass@k': any of k samples correct, 'eval/n': examples}."""
+  (stop token included), 'eval/pass@k': any of k samples correct, 'eval/n': examples}; sampled by sampler (a
+  rollout engine, rl/rollout_engine.py; default: the JAX engine)."""
   rng = jax.random.PRNGKey(0) if rng is None else rng
   greedy = SamplingConfig(max_new_tokens=max_new_tokens, greedy=True)
   sampled = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature)
   correct, passed, lens = [], [], []
   for i in range(0, len(examples), batch_size):
     chunk = list(examples[i:i + batch_size])
-    r = rollout.sample_completions(cfg, params, prompter, chunk, 1, max_prompt_len, greedy, rng, reward_fn)
+    r = rollout.sample_completions(cfg, params, prompter, chunk, 1, max_prompt_len, greedy, rng, reward_fn, sampler)
     correct.extend(r.rewards >= 1.0)
     lens.extend(r.mask.sum(1))
     if pass_k > 0:
       rng, key = jax.random.split(rng)
-      r = rollout.sample_completions(cfg, params, prompter, chunk, pass_k, max_prompt_len, sampled, key, reward_fn)
+      r = rollout.sample_completions(cfg, params, prompter, chunk, pass_k, max_prompt_len, sampled, key, reward_fn,
+                                     sampler)
       passed.extend((r.rewards.reshape(len(chunk), pass_k) >= 1.0).any(axis=1))
   out = {"eval/accuracy": float(np.mean(correct)),
          "eval/accuracy_ci95": stats.wilson_ci(int(np.sum(correct)), len(correct)),
@@ -117,5 +119,6 @@ def evaluate_checkpoint(config: Config, checkpoint: str) -> dict:
   out = evaluate(cfg, params, prompter, task.test_examples[:c.eval.num_examples], task.reward,
                  max_prompt_len=c.rollout.max_prompt_len, max_new_tokens=c.rollout.max_new_tokens,
                  pass_k=c.eval.pass_k, temperature=c.eval.temperature, batch_size=c.eval.batch_size,
-                 rng=jax.random.PRNGKey(c.seed + 1))
+                 rng=jax.random.PRNGKey(c.seed + 1),
+                 sampler=rollout_engine.build(cfg, c.rollout, prompter.stop_ids, prompter.tokenizer.pad_token_id))
   return {"checkpoint": checkpoint, "task": task.name, **out}

@@ -24,7 +24,7 @@ from hilore_jax.memory import MemoryManager, methods
 from hilore_jax.memory import store as stores
 from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.model import hf
-from hilore_jax.rl import prompt_share, replay, rollout, sft, token_budget, train_step, update_batch
+from hilore_jax.rl import prompt_share, replay, rollout, rollout_engine, sft, token_budget, train_step, update_batch
 from hilore_jax.loop.shaped_memory import ShapedMemory
 from hilore_jax.tasks import prompts
 
@@ -84,6 +84,8 @@ class Trainer:
                         f"{self.model_cfg.vocab_size}")
     self.task = tasks.build_task(c.task)
     self.prompter = prompts.build_prompter(self.tokenizer, c.task, c.tokenizer_path, c.model.path)
+    self.sampler = rollout_engine.build(self.model_cfg, c.rollout, self.prompter.stop_ids,
+                                        self.tokenizer.pad_token_id)  # rollout.engine: rollouts and evaluation
     self.last_rollout: rollout.Rollout | None = None
     mb = c.minibatch_size
     micro = c.train.microbatch_size or mb
@@ -207,7 +209,8 @@ class Trainer:
     return evaluation.evaluate(self.model_cfg, params, self.prompter, self.task.test_examples[:c.eval.num_examples],
                                self.task.reward, max_prompt_len=c.rollout.max_prompt_len,
                                max_new_tokens=c.rollout.max_new_tokens, pass_k=c.eval.pass_k,
-                               temperature=c.eval.temperature, batch_size=c.eval.batch_size, rng=rng)
+                               temperature=c.eval.temperature, batch_size=c.eval.batch_size, rng=rng,
+                               sampler=self.sampler)
 
   def warmstart(self, progress=None):
     c = self.config
@@ -256,7 +259,7 @@ class Trainer:
     self.rng, key = jax.random.split(self.rng)
     return rollout.sample_completions(self.model_cfg, self.state["params"], self.prompter, examples,
                                       c.rollout.num_generations, c.rollout.max_prompt_len, c.rollout.sampling(), key,
-                                      self.task.reward)
+                                      self.task.reward, self.sampler)
 
   # --------------------------------------------------------------------------- loop
 

@@ -4,7 +4,7 @@ It imports nothing from the rest of the package: memory policies arrive as `Laye
 """
 
 from hilore_jax.model.config import ModelConfig
-from hilore_jax.model.cache import forward_cached, init_cache
+from hilore_jax.model.cache import decode_step, filled_attention, forward_cached, init_cache
 from hilore_jax.model.decoder import (OPS, LayerCtx, apply_rope, attention_context, attention_probs, default_positions,
                                       embed, forward, head_logits, hidden_states, layer_ctx,
                                       init_params, layer_params, layer_residuals, lm_head_weight, logits, num_layers,

@@ -1,14 +1,18 @@
-"""Incremental decoding: per-layer KV buffers and a forward pass over cached keys and values."""
+"""Incremental decoding: the prompt's KV cache (prefill, `forward_cached`) and the one-token decode step
+(`decode_step`), which writes the layers' keys and values into a stacked cache in place and attends only to the
+cache's filled chunks, so a token's cost follows the sequence so far, not the cache's allocated length."""
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from hilore_jax.model import units as U
 from hilore_jax.model.config import ModelConfig
-from hilore_jax.model.decoder import decoder_layer, embed, layer_ctx, logits, rms_norm, stack_layers
+from hilore_jax.model.decoder import OPS, decoder_layer, embed, layer_ctx, logits, rms_norm, rope_cos_sin, stack_layers
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> tuple:
@@ -20,7 +24,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) ->
 
 def forward_cached(cfg: ModelConfig, params: dict, input_ids_BT, positions_BT, key_mask_BS, cache: tuple,
                    cache_index) -> tuple[jax.Array, tuple]:
-  """Logits [B, T, V] for tokens placed at cache slots cache_index..+T, attending to valid earlier slots."""
+  """Logits [B, T, V] for tokens placed at cache slots cache_index..+T, attending to valid earlier slots (the
+  prefill: the layer scan returns each layer's cache as a new stacked buffer, a copy a decode step avoids)."""
   ctx = layer_ctx(cfg, positions_BT, key_mask_BS, cache_index)
   x = embed(cfg, params, input_ids_BT)
 
@@ -34,3 +39,71 @@ def forward_cached(cfg: ModelConfig, params: dict, input_ids_BT, positions_BT, k
   x, new_cache = jax.lax.scan(body, x, (stacked, cache))
   h = rms_norm(x, params["final_norm_D"], cfg.rms_norm_eps)
   return logits(cfg, params, h), new_cache
+
+
+class _Rope(NamedTuple):
+  """What the decoder's q and k producer ops read of a layer context: RoPE tables [R, 1, H]."""
+
+  cos_BTH: jax.Array
+  sin_BTH: jax.Array
+
+
+def filled_attention(q_RNH: jax.Array, k_LRSKH: jax.Array, v_LRSKH: jax.Array, layer, filled, key_start_R,
+                     chunk: int) -> jax.Array:
+  """One query per row [R, N, H] over layer `layer`'s cached keys at slots key_start_r..filled-1, read `chunk`
+  slots at a time up to the filled length only (a loop of dynamic length, online softmax in float32): the cost of
+  a step grows with the filled slots, never with the cache's allocated length. Output in q's dtype."""
+  R, N, H = q_RNH.shape
+  KV = k_LRSKH.shape[3]
+  q = q_RNH.reshape(R, KV, N // KV, H).astype(jnp.float32) * (1.0 / math.sqrt(H))
+
+  def block(c, carry):
+    m, l, acc = carry
+    start = (layer, 0, c * chunk, 0, 0)
+    k = jax.lax.dynamic_slice(k_LRSKH, start, (1, R, chunk, KV, H))[0].astype(jnp.float32)
+    v = jax.lax.dynamic_slice(v_LRSKH, start, (1, R, chunk, KV, H))[0].astype(jnp.float32)
+    s = jnp.einsum("rkgh,rskh->rkgs", q, k)
+    slot = c * chunk + jnp.arange(chunk)
+    valid = ((slot[None, :] >= key_start_R[:, None]) & (slot[None, :] < filled))[:, None, None, :]
+    m_new = jnp.maximum(m, jnp.max(jnp.where(valid, s, -jnp.inf), axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with no valid key in the chunks so far
+    p = jnp.where(valid, jnp.exp(s - m_safe[..., None]), 0.0)
+    alpha = jnp.exp(m - m_safe)
+    return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + jnp.einsum("rkgs,rskh->rkgh", p, v)
+
+  shape = q.shape[:-1]
+  init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(q.shape, jnp.float32))
+  _, l, acc = jax.lax.fori_loop(0, (filled + chunk - 1) // chunk, block, init)
+  out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+  return out.reshape(R, N, H).astype(q_RNH.dtype)
+
+
+def decode_step(cfg: ModelConfig, params: dict, tok_R: jax.Array, pos_R: jax.Array, cache: tuple, slot,
+                key_start_R: jax.Array, chunk: int) -> tuple[jax.Array, tuple]:
+  """Logits [R, V] (float32) of one token per row placed at cache slot `slot` (the same for every row) with RoPE
+  position pos_R; each row attends to its own slots key_start_r..slot. params["layers"] is stacked; cache is the
+  stacked (k, v) [L, R, S, K, H], a carry of the layer scan written in place (one [R, 1, K, H] slot per layer),
+  never copied. The layer computes the decoder's own producer ops (decoder.OPS), attention aside."""
+  cos, sin = rope_cos_sin(cfg, pos_R[:, None])
+  rope = _Rope(cos, sin)
+  x = embed(cfg, params, tok_R[:, None])
+
+  def layer(carry, xs):
+    x, k_all, v_all = carry
+    p, i = xs
+    t = {U.LAYER_INPUT: x}
+    t[U.ATTN_NORM] = OPS["attn_norm_op"](cfg, p, t, rope)
+    q, k, v = (OPS[op](cfg, p, t, rope) for op in ("q_proj", "k_proj", "v_proj"))
+    k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), (i, 0, slot, 0, 0))
+    v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), (i, 0, slot, 0, 0))
+    t[U.ATTN_CTX] = filled_attention(q[:, 0], k_all, v_all, i, slot + 1, key_start_R, chunk)[:, None]
+    t[U.MLP_INPUT] = OPS["o_proj"](cfg, p, t, rope)
+    t[U.MLP_NORM] = OPS["mlp_norm_op"](cfg, p, t, rope)
+    t[U.MLP_GATE], t[U.MLP_UP] = OPS["gate_proj"](cfg, p, t, rope), OPS["up_proj"](cfg, p, t, rope)
+    t[U.MLP_DOWN_IN] = OPS["act"](cfg, p, t, rope)
+    return (t[U.MLP_INPUT] + OPS["down_proj"](cfg, p, t, rope), k_all, v_all), None
+
+  n = cfg.num_hidden_layers
+  (x, k_all, v_all), _ = jax.lax.scan(layer, (x, *cache), (params["layers"], jnp.arange(n, dtype=jnp.int32)))
+  h = rms_norm(x, params["final_norm_D"], cfg.rms_norm_eps)
+  return logits(cfg, params, h)[:, 0], (k_all, v_all)

@@ -9,6 +9,7 @@ from hilore_jax.errors import ConfigError, check_choice, check_positive, check_r
 from hilore_jax.rl import grpo
 
 REPLAY_MODES = ("fresh_anchored", "naive")
+ROLLOUT_DTYPES = ("", "float32", "bfloat16")  # "": the model's compute dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,15 +35,46 @@ class SamplingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """How the JAX rollout engine runs its decode loop (rl/sampler.py; static: a change recompiles its programs)."""
+
+  dtype: str = ""  # compute dtype of the decode: "" the model's, float32 or bfloat16 (params cast once per call)
+  segment: int = 32  # tokens decoded on the device between host checks (finished rows leave at each check)
+  cache_bucket: int = 128  # completion tokens the first KV cache holds; it doubles when full, up to max_new_tokens
+  attention_chunk: int = 128  # cache slots a decode step's attention reads at a time, up to the filled ones
+  compact: bool = True  # finished rows leave the batch at each check (into the smallest row bucket that holds it)
+
+  def __post_init__(self):
+    check_choice("rollout.dtype", self.dtype, ROLLOUT_DTYPES)
+    check_positive("rollout.decode_segment", self.segment)
+    check_positive("rollout.cache_bucket", self.cache_bucket)
+    check_positive("rollout.attention_chunk", self.attention_chunk)
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutConfig(SamplingConfig):
-  """Rollouts: prompts per step, G completions each, prompt length, and the decoding settings."""
+  """Rollouts: prompts per step, G completions each, prompt length, the decoding settings, and the engine that
+  samples (rl/rollout_engine.py) with its decode settings."""
 
   num_prompts: int = 16
   num_generations: int = 8  # G
   max_prompt_len: int = 16
+  engine: str = "jax"  # a registered rollout engine (rl/rollout_engine.py): jax, the in-process KV-cache sampler
+  dtype: str = DecodeConfig.dtype
+  decode_segment: int = DecodeConfig.segment
+  cache_bucket: int = DecodeConfig.cache_bucket
+  attention_chunk: int = DecodeConfig.attention_chunk
+  compact_rows: bool = DecodeConfig.compact
+
+  def decoding(self) -> DecodeConfig:
+    """The JAX engine's decode settings."""
+    return DecodeConfig(self.dtype, self.decode_segment, self.cache_bucket, self.attention_chunk, self.compact_rows)
 
   def __post_init__(self):
     super().__post_init__()
+    self.decoding()  # validated at the boundary
+    if not self.engine or not isinstance(self.engine, str):
+      raise ConfigError(f"rollout.engine must name a rollout engine (jax), got {self.engine!r}")
     check_positive("rollout.num_prompts", self.num_prompts)
     if self.num_generations < 2:
       raise ConfigError(f"rollout.num_generations must be > 1, got {self.num_generations}")

@@ -1,4 +1,5 @@
-"""Rollouts: encode prompts (prompts.py), sample G completions each, decode, and score them with the verifier."""
+"""Rollouts: encode prompts (prompts.py), sample G completions each with the rollout engine (rollout_engine.py),
+decode, and score them with the verifier."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax
 import numpy as np
 
 from hilore_jax.model import ModelConfig
-from hilore_jax.rl import sampler
+from hilore_jax.rl import rollout_engine
 from hilore_jax.rl.config import SamplingConfig
 from hilore_jax.tasks import Example
 from hilore_jax.tasks.prompts import Prompter
@@ -29,6 +30,7 @@ class Rollout:
   truncated_prompts: int = 0
   # [B] bool: completions the cap cut (max_new_tokens reached with no stop id); None: those at the cap
   cut_at_cap: np.ndarray | None = None
+  trace: tuple = ()  # the engine's record of the decode (the JAX engine's segments: rows decoded, cache length)
 
   @property
   def lengths(self) -> np.ndarray:
@@ -43,18 +45,24 @@ def sample_rows(prompter: Prompter, roll: Rollout, rows: Sequence[int]) -> list[
            "reward": float(roll.rewards[i])} for i in rows]
 
 
+def default_engine(cfg: ModelConfig, prompter: Prompter) -> rollout_engine.RolloutEngine:
+  """The JAX engine at its default decode settings, for the prompter's stop and pad ids."""
+  return rollout_engine.JaxEngine(cfg, tuple(prompter.stop_ids), prompter.tokenizer.pad_token_id)
+
+
 def sample_completions(cfg: ModelConfig, params, prompter: Prompter, examples: Sequence[Example],
                        num_generations: int, max_prompt_len: int, sc: SamplingConfig, rng: jax.Array,
-                       reward_fn) -> Rollout:
-  """G completions for every example, scored by reward_fn(completion_text, reference)."""
+                       reward_fn, engine: rollout_engine.RolloutEngine | None = None) -> Rollout:
+  """G completions for every example by engine (default: the JAX engine), scored by
+  reward_fn(completion_text, reference)."""
   ids, mask, truncated = prompter.encode(examples, max_prompt_len)
-  # the distinct prompts: the sampler prefills each once and copies its cache to the group's G rows
-  out = jax.device_get(sampler.generate(cfg, params, ids, mask, rng, sc, prompter.stop_ids,
-                                        prompter.tokenizer.pad_token_id, num_generations=num_generations))
-  texts = prompter.decode(out["tokens"], out["mask"])
+  engine = engine or default_engine(cfg, prompter)
+  # the distinct prompts: the engine prefills each once and copies its cache to the group's G rows
+  out = engine.generate(params, ids, mask, rng, sc, num_generations)
+  texts = prompter.decode(out.tokens, out.mask)
   refs = [e.reference for e in examples for _ in range(num_generations)]
   rewards = np.array([reward_fn(t, r) for t, r in zip(texts, refs)], np.float32)
-  tokens, mask = np.asarray(out["tokens"]), np.asarray(out["mask"])
+  tokens, mask = np.asarray(out.tokens), np.asarray(out.mask)
   cut = (mask.sum(1) == sc.max_new_tokens) & ~np.isin(tokens[:, -1], prompter.stop_ids)
-  return Rollout(np.asarray(out["prompt_ids"]), np.asarray(out["prompt_mask"]), tokens, mask,
-                 np.asarray(out["logprobs"]), texts, rewards, truncated, cut)
+  return Rollout(np.asarray(out.prompt_ids), np.asarray(out.prompt_mask), tokens, mask, np.asarray(out.logprobs),
+                 texts, rewards, truncated, cut, out.trace)
