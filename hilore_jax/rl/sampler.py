@@ -12,6 +12,7 @@ token's index: a row's tokens do not depend on which rows share its batch, compa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import NamedTuple
@@ -28,7 +29,8 @@ from hilore_jax.rl.config import DecodeConfig, SamplingConfig
 CHUNK_ALIGN = 8  # a short sequence's attention chunk is its length rounded up to this
 
 
-class Segment(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Segment:
   """One decode program's run between two host checks."""
 
   start: int  # completion tokens drawn before it

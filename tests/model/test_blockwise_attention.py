@@ -168,9 +168,12 @@ def test_the_sampler_decodes_the_same_tokens(tiny_cfg):
   np.testing.assert_array_equal(out["tokens"], want["tokens"])
   np.testing.assert_array_equal(out["mask"], want["mask"])
   assert rel_err(out["logprobs"], want["logprobs"]) <= 1e-5
-  # the prefill's [B, K, G, P-1, P] scores (it fills a prompt-length cache) are blocks under blockwise
+  # the prefill's [B, K, G, P-1, P] scores (it fills a prompt-length cache) are blocks under blockwise (the decode
+  # steps attend over the filled cache chunks whatever the kernel: model.decode_step)
   P = S = ids.shape[1]
-  trace = lambda cfg: jax.make_jaxpr(lambda p: sampler.generate(cfg, p, ids, mask, jax.random.PRNGKey(0), sc, 1, 0))
+  keys = jax.random.split(jax.random.PRNGKey(0), ids.shape[0])
+  trace = lambda cfg: jax.make_jaxpr(lambda p: sampler.start(cfg, sc, sampler.decode_params(cfg, p), ids, mask, keys,
+                                                             jnp.array([1]), 1, P + 9))
   has = lambda cfg: any(s[-2:] == (P - 1, S) for s in _shapes(trace(cfg)(params).jaxpr) if len(s) == 5)
   assert has(xla) and not has(blk)
 
