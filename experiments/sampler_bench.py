@@ -110,9 +110,7 @@ def step_costs(cfg: ModelConfig, rows: int, prompt_len: int, new_tokens: int, de
   weight_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
   slot_bytes = 2 * L * rows * cfg.num_key_value_heads * H * jnp.dtype(cfg.compute_dtype).itemsize
   out = []
-  for t in positions:
-    if t >= new_tokens:
-      break
+  for t in sorted({p for p in positions if p < new_tokens} | {new_tokens - 1}):
     filled = prompt_len + t + 1
     read = -(-filled // chunk) * chunk
     whole = prompt_len + new_tokens

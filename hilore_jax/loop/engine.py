@@ -3,7 +3,7 @@
 Where programs are compiled: `Stepper` compiles (ahead of time, with explicit shardings and donation), counts and
 logs the train step (a gradient and an update program per StepSpec and batch signature, the memory manager's probe
 compiles included) and the log-prob forward (old and reference log-probs). Besides it: `memory_hooks`' gradient
-program (calibration's exact and probe gradients), the sampler's decode loop (rl/sampler.py), the warm-start step
+program (calibration's exact and probe gradients), the sampler's programs (rl/sampler.py), the warm-start step
 (rl/sft.py) and the memory manager's exposure scorer (memory/manager.py).
 """
 
