@@ -39,7 +39,7 @@ class DecodeConfig:
   """How the JAX rollout engine runs its decode loop (rl/sampler.py; static: a change recompiles its programs)."""
 
   dtype: str = ""  # compute dtype of the decode: "" the model's, float32 or bfloat16 (params cast once per call)
-  segment: int = 32  # tokens decoded on the device between host checks (finished rows leave at each check)
+  segment: int = 16  # tokens decoded on the device between host checks (finished rows leave at each check)
   cache_bucket: int = 128  # completion tokens the first KV cache holds; it doubles when full, up to max_new_tokens
   attention_chunk: int = 128  # cache slots a decode step's attention reads at a time, up to the filled ones
   compact: bool = True  # finished rows leave the batch at each check (into the smallest row bucket that holds it)

@@ -311,8 +311,8 @@ def test_finished_rows_leave_the_batch(calm_setup, compact):
 
 
 def test_row_and_cache_buckets():
-  assert sampler.row_buckets(32) == [32, 16, 8, 4, 2, 1]
-  assert sampler.row_buckets(15) == [15, 8, 4, 2, 1] and sampler.row_buckets(1) == [1]
+  assert sampler.row_buckets(32) == [32, 24, 16, 12, 8, 6, 4, 3, 2, 1]
+  assert sampler.row_buckets(15) == [15, 12, 8, 6, 4, 3, 2, 1] and sampler.row_buckets(1) == [1]
   d = DecodeConfig(cache_bucket=128, attention_chunk=128)
   assert sampler.cache_lengths(96, 256, d) == [256, 384]  # 96 + 128, 96 + 256, in whole chunks
   assert sampler.cache_lengths(96, 1024, d) == [256, 384, 640, 1152]
