@@ -3,9 +3,9 @@
 The decode runs in segments: each is one compiled while loop of up to `decode.segment` tokens on the device
 (sampling fused in), and between two the host reads which rows finished. At each check the finished rows leave the
 batch (the rest is gathered into the smallest row bucket that holds it: the batch size, and the powers of two and
-their 1.5x below it), and a full cache grows into the next length bucket (completion capacity `cache_bucket`, doubling, up to
-max_new_tokens). One program is compiled per (row bucket, cache length) pair, so a run compiles a handful. A decode
-step writes its keys and values into the cache in place and attends to the filled chunks only
+their 1.5x below it), and a full cache grows into the next length bucket (completion capacity `cache_bucket`,
+doubling, up to max_new_tokens). One program is compiled per (row bucket, cache length) pair met, so a run compiles
+a handful. A decode step writes its keys and values into the cache in place and attends to the filled chunks only
 (model.decode_step). Each row draws from its own key (`jax.random.split(rng, B)`, or `row_keys`), folded with the
 token's index: a row's tokens do not depend on which rows share its batch, compaction included.
 """
@@ -200,8 +200,8 @@ def generate(cfg: ModelConfig, params: dict, prompt_ids_BpP, prompt_mask_BpP, rn
       state, S = resize(state, jnp.asarray(idx), jnp.asarray(pad), grown), grown
       slots, done = np.where(pad, -1, slots[idx]), done[idx] | pad
     t0 = time.perf_counter()
-    state, toks, lps, alive, n = decode_segment(dcfg, sc, params, state, t, min(N - 1, S - P), stop_S, steps, chunk, P,
-                                          pad_id)
+    state, toks, lps, alive, n = decode_segment(dcfg, sc, params, state, t, min(N - 1, S - P), stop_S, steps,
+                                                chunk, P, pad_id)
     toks, lps, alive, n, done = jax.device_get((toks, lps, alive, n, state.done_R))
     real = slots >= 0
     tokens[slots[real], t + 1:t + 1 + n] = toks[real, :n]
