@@ -57,14 +57,15 @@ class ShapedMemory:
   def pending_fits(self) -> bool:
     return any(m.pending_fits for m in self.managers.values())
 
-  def finish_step(self, params, batches: list | None, step: int, logp=None, opt_state=None) -> dict[str, float]:
+  def finish_step(self, params, batches: list | None, step: int, logp=None, opt_state=None,
+                  last: bool = False) -> dict[str, float]:
     """Each shape's finish_step on that shape's microbatches of the step; the seconds taken, summed per metric."""
     groups, total = self._groups(batches or []), {}
     for key, m in self.managers.items():
       idx = groups.get(key, [])
       if idx or m.pending_fits:
         took = m.finish_step(params, [batches[i] for i in idx], step,
-                             None if logp is None else [logp[i] for i in idx], opt_state)
+                             None if logp is None else [logp[i] for i in idx], opt_state, last)
         for k, v in took.items():
           total[k] = total.get(k, 0.0) + v
     return total

@@ -297,10 +297,10 @@ class Trainer:
       for step in bar:
         row = self.run_step(step)
         writer.write(row)
-        # after the row, off the step's clock; after the last step nothing is left to plan for
-        if self.memory is not None and self._last_minibatches is not None and step + 1 < c.train.steps:
+        if self.memory is not None and self._last_minibatches is not None:  # after the row, off the step's clock
           self._after_step_s = self.memory.finish_step(self.state["params"], self._last_minibatches, step,
-                                                       self._last_logp, self.state["opt_state"])
+                                                       self._last_logp, self.state["opt_state"],
+                                                       last=step + 1 == c.train.steps)
           self._last_minibatches = self._last_logp = None
           if self._after_step_s:
             runtime.release_host_memory()  # calibration's gradients and probe programs' temporaries, freed

@@ -71,8 +71,10 @@ def follow(ref: float | None, value: float) -> float:
 
 
 def restart(st, step: int):
-  """A state taken over by another run (the set-up cache): its references and its check cadence start again here."""
+  """A state taken over by another run (the set-up cache): its references, its check cadence and its counts start
+  again here."""
   st.drift_ref, st.drift_grad_norms, st.drift_checked_at = {}, [], step
+  st.calibrations = st.recalibrations = 0
 
 
 class Sentinels:

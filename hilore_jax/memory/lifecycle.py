@@ -50,10 +50,12 @@ class Lifecycle:
       self.ready_at = step
     return allocations
 
-  def finish_step(self, params, minibatches: list, step: int, logp=None, opt_state=None) -> dict[str, float]:
+  def finish_step(self, params, minibatches: list, step: int, logp=None, opt_state=None,
+                  last: bool = False) -> dict[str, float]:
     """After a step, off its clock: set-up's next phase and the fit of the step's buckets once set up; the drift
-    sentinels and any recalibration; the buckets the step deferred. Returns the seconds each took, as the next row's
-    time/memory_setup_s and time/recalibrate_s."""
+    sentinels and any recalibration (not after the run's last step: nothing is left for them to protect); the
+    buckets the step deferred (also after the last: the set-up cache keeps them for the next run). Returns the
+    seconds each took, as the next row's time/memory_setup_s and time/recalibrate_s."""
     out, t0 = {}, time.perf_counter()
     if self.pending_setup and minibatches:
       if self._advance_setup(params, minibatches, step, logp, opt_state):
@@ -61,7 +63,7 @@ class Lifecycle:
         log.info("memory (%s): set up in %.1fs after step %d; its plans take over from step %d", self.method,
                  time.perf_counter() - t0, step + 1, step + 2 + self.guard.sample_due(self.state))
       out["time/memory_setup_s"] = time.perf_counter() - t0
-    elif minibatches and self.state is not None and self.state.calibration is not None and self.record.calibrated:
+    elif not last and minibatches and self.state is not None and self.state.calibration is not None:
       if self._after_step(params, minibatches, step, logp, opt_state):
         out["time/recalibrate_s"] = time.perf_counter() - t0
     pending, self.pending_fits, t1 = self.pending_fits, {}, time.perf_counter()
@@ -117,8 +119,9 @@ class Lifecycle:
     st = self.state
     if st.guard == "gc" or st.calibration is None:
       return ()
+    units = self._unit_list(batch)  # first: a restored state has no unit list yet
     plans = [self._cache.get(b) for b in st.verified if b not in st.fallback_gc]
-    return recalibrate.held_in_l(self._unit_list(batch), plans, self.lowp_ids)
+    return recalibrate.held_in_l(units, plans, self.lowp_ids)
 
   def _recalibrate(self, params, minibatches: list, step: int, lset, logp=None, opt_state=None):
     """The calibration measured again at params on this step's minibatches (lset: those L units alone, on its
@@ -131,8 +134,8 @@ class Lifecycle:
       cal = self._calibrate(minibatches[:self.mc.calib_batches], contexts, st.calibration.kinds)
     else:
       cal = recalibrate.remeasure(self.hooks, self.mc, self.lowp_ids, lset, st.calibration, contexts[0], batch)
-      self.calibrations += 1
-    self.recalibrations += 1
+      st.calibrations += 1
+    st.recalibrations += 1
     st.calibration, st.calibrated_at = cal, step
     self._plans.clear()
     self._cache.invalidate("recalibrated")
@@ -143,7 +146,8 @@ class Lifecycle:
 
   def _metrics(self, values: dict, recalibrated: bool) -> dict:
     cal = self.state.calibration if self.state is not None else None
-    return drift.step_metrics(self.calibrations, self.recalibrations, cal, values, recalibrated)
+    st = self.state
+    return {} if st is None else drift.step_metrics(st.calibrations, st.recalibrations, cal, values, recalibrated)
 
   def observe(self, update_s_per_minibatch: float, clean: bool, grad_norms=None):
     """The trainer's measured update seconds per minibatch of the step just run (clean: no compile and no plan fit

@@ -84,7 +84,6 @@ class MemoryManager(Lifecycle):
     self.collector = warmup.Collector(mc.calib_batches, mc.calib_rollouts, mc.risk_metric == "update")
     self.sentinels = drift.Sentinels(mc, hooks)
     self.step_metrics: dict = {}  # memory/drift/*, memory/gate/*, counts: added to every allocation of a step
-    self.calibrations = self.recalibrations = 0  # run by this process (set-up's and drift's; of which drift's)
 
   @property
   def pending_setup(self) -> bool:
@@ -122,8 +121,9 @@ class MemoryManager(Lifecycle):
     ops = (self.hooks.op_profile(cfg, rows, seq, mc.group_size) if self.hooks.op_profile else
            profile.profile_ops(cfg, rows, seq, mc.group_size, formats=(mc.lowp_format,)))
     st = ManagerState(gc_bytes, budget, ops, calibrated_at=step, drift_checked_at=step)
-    if self.state is not None:  # a refresh keeps what was measured
+    if self.state is not None:  # a refresh keeps what was measured, and counts on
       st.timings, st.guard, st.warmup_steps = self.state.timings, self.state.guard, self.state.warmup_steps
+      st.calibrations, st.recalibrations = self.state.calibrations, self.state.recalibrations
     else:
       st.timings, st.warmup_steps = self.guard.handover()
     self.load_state(st, f"set up at step {step}")
@@ -178,7 +178,7 @@ class MemoryManager(Lifecycle):
     units = calibration.lowp_units(self.num_layers, kinds)
     m = calibrate.measure(self.hooks, self.mc, units, batches, contexts, log)
     self._measured = m if self._keep_measured else None
-    self.calibrations += 1
+    self.state.calibrations += 1
     return dataclasses.replace(self.fit_calibration(m), kinds=list(kinds))
 
   def fit_calibration(self, m: calibrate.Measured, sw=None) -> Calibration:
@@ -199,6 +199,7 @@ class MemoryManager(Lifecycle):
     self._plans.clear()
     self._floor_fit = None
     self._cache.invalidate(reason)
+    self.step_metrics = self._metrics({}, False)  # a restored run's first rows carry the keys the run's did
 
   @property
   def exposure_on(self) -> bool:

@@ -70,6 +70,10 @@ class ManagerState:
   drift_grad_norms: list[float] = dataclasses.field(default_factory=list)
   drift_checked_at: int = 0
   drift_ref: dict = dataclasses.field(default_factory=dict)
+  # this run's calibrations (set-up's and drift's) and recalibrations (drift's) so far: a resumed run goes on
+  # counting, a run that takes a cached state starts again at 0
+  calibrations: int = 0
+  recalibrations: int = 0
   # whether calibrating L can change the plan, decided before any risk is measured (memory/lgain.py): the risk-free
   # fit, the fit with every L unit free of risk, L's predicted gain against the measured noise, and the kinds
   lgain: dict = dataclasses.field(default_factory=dict)

@@ -62,7 +62,7 @@ def test_a_jump_recalibrates_the_l_units_after_the_step_and_a_steady_or_slow_dri
   m.step(params, batches, 0)
   cal = m.state.calibration
   lset = m._running_lset(batches[0])
-  assert cal is not None and lset and m.calibrations == 1 and m.recalibrations == 0
+  assert cal is not None and lset and m.state.calibrations == 1 and m.state.recalibrations == 0
   steady = list(cal.grad_norms)
   for step in range(4):  # the same gradients, params and minibatches; then a slow drift, 1.4x a step
     took = _after(m, params, batches, step, [g * 1.4 ** max(step - 1, 0) for g in steady])
@@ -96,12 +96,12 @@ def test_a_plan_without_l_never_recalibrates(tiny):
   # L predicted to save under 99% of GC's recompute: not worth calibrating, the risk-free plan runs
   m = MemoryManager(dataclasses.replace(mc, warmup="none", min_l_gain=0.99), hooks)
   m.step(params, batches, 0)
-  assert m.state.calibration is None and not m.state.lgain["calibrate"] and m.calibrations == 0
+  assert m.state.calibration is None and not m.state.lgain["calibrate"] and m.state.calibrations == 0
   for step, scale in enumerate((1.0, 10.0, 0.01)):  # jumps either way
     assert _after(m, params, batches, step, [scale] * 4) == {}  # nothing ran after the step
     metrics = m.step(params, batches, step + 1)[0].metrics
     assert metrics["memory/recalibrations"] == 0.0 and metrics["alloc/frac_L"] == 0.0
-  assert m.calibrations == 0 and m.state.calibration is None
+  assert m.state.calibrations == 0 and m.state.calibration is None
 
 
 @pytest.mark.usefixtures("fixed_op_times")

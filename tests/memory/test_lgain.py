@@ -79,7 +79,7 @@ def test_calibration_runs_only_where_l_can_change_the_plan_and_only_for_its_kind
   # L predicted to save under 99% of GC's recompute: the risk-free fit runs, nothing is measured
   off = MemoryManager(dataclasses.replace(mc, min_l_gain=0.99), hooks)
   (alloc,) = off.step(params, batches[:1], 0)
-  assert not measured and off.state.calibration is None and off.calibrations == 0
+  assert not measured and off.state.calibration is None and off.state.calibrations == 0
   assert not off.state.lgain["calibrate"] and "below memory.min_l_gain" in off.state.lgain["reason"]
   assert alloc.metrics["alloc/frac_L"] == 0.0 and off.state.risk_free == [0] and not off.exposure_on
   floor = methods.plan("optimal_hr", off._unit_list(batches[0]), off.state.profile["ops"],
@@ -94,7 +94,7 @@ def test_calibration_runs_only_where_l_can_change_the_plan_and_only_for_its_kind
   assert kinds == lgain.lowp_kinds(zero_risk, on._unit_list(batches[0]))
   assert measured == [[(layer, k) for layer in range(2) for k in U.LOWP_UNITS if k in kinds]]
   assert on.state.calibration.kinds == kinds and on.lowp_ids == measured[0]
-  assert len(on.state.calibration.static_risk) == len(measured[0]) and on.calibrations == 1
+  assert len(on.state.calibration.static_risk) == len(measured[0]) and on.state.calibrations == 1
   # no kind outside them is L in any of its plans
   plan = on._cache.get(0)
   assert {u.kind for u, c in zip(on._unit_list(batches[0]), plan.choice) if c == "L"} <= set(kinds)

@@ -114,7 +114,7 @@ def test_a_second_run_of_the_recipe_stays_warm_with_l_in_its_plan(tmp_path, monk
   assert len(rows) == 6 and not calibrations and all(r["compile/probes"] == 0 for r in rows)
   assert all(r["alloc/warmup"] == 0 and r["alloc/frac_L"] > 0 for r in rows)  # on its plans from the first step
   assert rows[-1]["memory/calibrations"] == 0 and rows[-1]["memory/recalibrations"] == 0
-  assert second.memory.calibrations == 0 and any("time/recalibrate_s" in r for r in rows)  # the sentinels ran
+  assert second.memory.state.calibrations == 0 and any("time/recalibrate_s" in r for r in rows)  # the sentinels ran
 
 
 @pytest.mark.slow
