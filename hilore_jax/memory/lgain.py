@@ -2,13 +2,14 @@
 
 Two plans bound what a calibration can do. The risk-free (H/R) plan needs none. The plan the cost model picks were
 every L unit free of risk is the most any calibrated plan can gain, since measured risks only constrain its L set
-further. L's predicted gain is the second's predicted seconds saved against the first's, as a share of full
-checkpointing's recompute seconds: first at its best over the allowances a budget fit can reach (the cost model
-alone, no compile), then between the two plans fitted to the budget on the compiled step (the risk-free fit is the
-run's plan anyway, and its allowance is the L fit's first try). Calibration runs only where the gain is above the
-measured noise (NOISE_SIGMAS standard errors of that difference, from the op profile's repetitions) and at least
-memory.min_l_gain, and it measures only the unit kinds the fitted L plan holds in L. Otherwise the run keeps the
-risk-free fit: no calibration, no L, nothing to recalibrate."""
+further. L's predicted gain is the second's predicted seconds saved against the first's, as a share of the update step
+full checkpointing predicts (update_s: what the measured guard later compares): first at its best over the
+allowances a budget fit can reach (the cost model alone, no compile), then between the two plans fitted to the
+budget on the compiled step (the risk-free fit is the run's plan anyway, and its allowance is the L fit's first
+try). Calibration runs only where the gain is above the measured noise (NOISE_SIGMAS standard errors of that
+difference, from the op profile's repetitions) and at least memory.min_l_gain, and it measures only the unit kinds
+the fitted L plan holds in L. Otherwise the run keeps the risk-free fit: no calibration, no L, nothing to
+recalibrate."""
 
 from __future__ import annotations
 
@@ -58,59 +59,62 @@ def noise_s(a: Plan, b: Plan, unit_list, profile: dict, fmt: str = "int8") -> fl
   return math.sqrt(var)
 
 
+def update_s(gc: Plan, op_s: dict, num_layers: int) -> float:
+  """The update step's predicted seconds under full checkpointing: the layers' forward, its recompute (gc's time),
+  and a backward of twice the forward (a matmul's two gradient matmuls to its one)."""
+  return 3 * num_layers * sum(op_s.get(op, 0.0) for op in U.PRODUCERS) + gc.time_s
+
+
 def lowp_kinds(plan: Plan | None, unit_list) -> list[str]:
   """The kinds the plan holds in L anywhere, in units.LOWP_UNITS order."""
   kinds = set() if plan is None else {u.kind for u, c in zip(unit_list, plan.choice) if c == L}
   return [k for k in U.LOWP_UNITS if k in kinds]
 
 
-def gain(risk_free: Plan | None, lowp: Plan | None, gc_s: float) -> float:
-  """L's predicted seconds saved against the risk-free plan, as a share of full checkpointing's recompute seconds
-  (-inf where no L plan fitted; the whole L plan's time where no risk-free plan did)."""
-  if lowp is None:
-    return -math.inf
-  base = risk_free.time_s if risk_free is not None else gc_s
-  return (base - lowp.time_s) / max(gc_s, 1e-12)
+def gain(risk_free: Plan, lowp: Plan | None, step_s: float) -> float:
+  """L's predicted seconds saved against the risk-free plan, as a share of the update step's step_s (-inf where no
+  L plan fitted)."""
+  return -math.inf if lowp is None else (risk_free.time_s - lowp.time_s) / max(step_s, 1e-12)
 
 
-def decide(stage: str, risk_free: Plan | None, lowp: Plan | None, gc_s: float, noise: float, min_gain: float,
+def decide(stage: str, risk_free: Plan, lowp: Plan | None, step_s: float, noise: float, min_gain: float,
            unit_list: Sequence) -> dict:
   """The decision's record (ManagerState.lgain): at `stage` ("cost model": the best over ALLOWANCE_GRID; "fitted":
-  the two budget fits) L's gain and the noise (shares of GC's recompute seconds), whether to calibrate, the kinds
-  to calibrate, and why in words."""
-  g = gain(risk_free, lowp, gc_s)
-  noise_share = NOISE_SIGMAS * noise / max(gc_s, 1e-12)
+  the two budget fits) L's gain and the noise (shares of the update step's predicted step_s), whether to
+  calibrate, the kinds to calibrate, and why in words."""
+  g = gain(risk_free, lowp, step_s)
+  noise_share = NOISE_SIGMAS * noise / max(step_s, 1e-12)
   kinds = lowp_kinds(lowp, unit_list)
   calibrate = bool(kinds) and g > noise_share and g >= min_gain
   where = "at its best over the allowances a fit can reach" if stage == "cost model" else "fitted to the budget"
   if lowp is None or not kinds:
     reason = f"no plan with L units fits the budget ({stage})"
   elif calibrate:
-    reason = (f"L's predicted gain over the risk-free plan, {where}, is {100 * g:.1f}% of GC's recompute (noise "
+    reason = (f"L's predicted gain over the risk-free plan, {where}, is {100 * g:.1f}% of the update step (noise "
               f"{100 * noise_share:.1f}%, memory.min_l_gain {100 * min_gain:.1f}%): calibrating {', '.join(kinds)}")
   else:
     why = (f"inside the measured noise ({100 * noise_share:.1f}%)" if g <= noise_share else
            f"below memory.min_l_gain ({100 * min_gain:.1f}%)")
-    reason = f"L's predicted gain over the risk-free plan, {where}, is {100 * g:.1f}% of GC's recompute, {why}"
+    reason = f"L's predicted gain over the risk-free plan, {where}, is {100 * g:.1f}% of the update step, {why}"
   return {"stage": stage, "gain": float(g) if math.isfinite(g) else None, "noise": float(noise_share),
-          "min_l_gain": float(min_gain), "gc_s": float(gc_s),
-          "risk_free_s": None if risk_free is None else float(risk_free.time_s),
+          "min_l_gain": float(min_gain), "update_s": float(step_s), "risk_free_s": float(risk_free.time_s),
           "lowp_s": None if lowp is None else float(lowp.time_s), "kinds": kinds if calibrate else [],
           "calibrate": calibrate, "reason": reason}
 
 
-def assess(gc_s: float, pair_at: Callable[[float], tuple[Plan, Plan]], fit_floor: Callable[[], Fit],
+def assess(gc: Plan, step_s: float, pair_at: Callable[[float], tuple[Plan, Plan]], fit_floor: Callable[[], Fit],
            fit_lowp: Callable[[int | None], Fit], noise: Callable[[Plan, Plan], float], min_gain: float,
            unit_list) -> tuple[dict, Fit]:
   """(the decision's record, the risk-free fit): the cost model's best gain over ALLOWANCE_GRID (pair_at(f): the
   risk-free and the risk-free-L plans at f x the nominal allowance); where it calibrates, both fitted to the budget
-  (fit_lowp(reuse): the L plan's fit, first at the risk-free fit's allowance) and decided again on the fitted plans."""
-  rf, lp = max((pair_at(f) for f in ALLOWANCE_GRID), key=lambda p: gain(*p, gc_s))
-  rec = decide("cost model", rf, lp, gc_s, noise(rf, lp), min_gain, unit_list)
+  (fit_lowp(reuse): the L plan's fit, first at the risk-free fit's allowance; gc: the run's plan where no risk-free
+  plan fits) and decided again on the fitted plans. step_s: the update step's predicted seconds (update_s)."""
+  rf, lp = max((pair_at(f) for f in ALLOWANCE_GRID), key=lambda p: gain(*p, step_s))
+  rec = decide("cost model", rf, lp, step_s, noise(rf, lp), min_gain, unit_list)
   floor = fit_floor()
   if rec["calibrate"]:
     fit = fit_lowp(floor.allowance if floor.plan is not None else None)
-    rf = floor.plan
-    rec = {**decide("fitted", rf, fit.plan, gc_s, noise(rf, fit.plan) if rf and fit.plan else 0.0, min_gain,
-                    unit_list), "lowp_allowance": fit.allowance}
+    rf = floor.plan or gc
+    rec = {**decide("fitted", rf, fit.plan, step_s, noise(rf, fit.plan) if fit.plan else 0.0, min_gain, unit_list),
+           "lowp_allowance": fit.allowance}
   return {**rec, "risk_free_allowance": floor.allowance if floor.plan is not None else None}, floor

@@ -138,7 +138,9 @@ class MemoryManager(Lifecycle):
     pair_at = lambda f: (self._plan(0, int(f * nominal), method=subset), self._plan(0, int(f * nominal),
                                                                                    zero_risk=True))
     fit_lowp = lambda reuse: self._fit_to_budget(lambda a: self._plan(0, a, zero_risk=True), batch, reuse)
-    st.lgain, floor = lgain.assess(self.gc_plan().time_s, pair_at, lambda: self._floor(batch), fit_lowp,
+    gc = self.gc_plan()
+    st.lgain, floor = lgain.assess(gc, lgain.update_s(gc, st.profile["ops"], self.num_layers), pair_at,
+                                   lambda: self._floor(batch), fit_lowp,
                                    lambda a, b: lgain.noise_s(a, b, units, st.profile, mc.lowp_format),
                                    mc.min_l_gain, units)
     log.info("memory (%s): %s", self.method, st.lgain["reason"])

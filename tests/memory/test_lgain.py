@@ -39,6 +39,8 @@ def test_noise_of_a_predicted_difference_by_hand(tiny_cfg):
   assert lgain.noise_s(lowp, keep, us, prof) == pytest.approx(3 * 2e-4 * 0.5 * math.sqrt(n_lowp))
   assert lgain.noise_s(gc, keep, us, {"ops": prof["ops"]}) == 0.0  # a profile without errors (given times)
   assert lgain.lowp_kinds(lowp, us) == [k for k in U.LOWP_UNITS]
+  # the update step GC predicts: forward (every producer once a layer), its recompute, a backward of twice the forward
+  assert lgain.update_s(gc, prof["ops"], 3) == pytest.approx(3 * 3 * len(U.PRODUCERS) * 1e-3 + gc.time_s)
 
 
 def test_the_decision_by_hand(tiny_cfg):
