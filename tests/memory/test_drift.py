@@ -55,6 +55,7 @@ def _after(m, params, batches, step, grad_norms):
   return m.finish_step(params, batches, step)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("fixed_op_times")
 def test_a_jump_recalibrates_the_l_units_after_the_step_and_a_steady_or_slow_drift_does_not(tiny):
   hooks, params, batches, mc = tiny
