@@ -110,6 +110,7 @@ class Lifecycle:
                   ", ".join(f"{k} {values[k]:.3g}" for k in fired), len(lset))
     if fired or due:
       self._recalibrate(params, minibatches, step + 1, None if due else lset, logp, opt_state)
+    st.drift_ref["last"] = {**values, "recalibrated": float(bool(fired or due))}  # a resumed run's next row's
     self.step_metrics = self._metrics(values, bool(fired or due))
     return bool(fired or due or "recon_ratio" in values or "exact_err" in values)
 

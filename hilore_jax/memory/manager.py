@@ -201,7 +201,8 @@ class MemoryManager(Lifecycle):
     self._plans.clear()
     self._floor_fit = None
     self._cache.invalidate(reason)
-    self.step_metrics = self._metrics({}, False)  # a restored run's first rows carry the keys the run's did
+    last = self.state.drift_ref.get("last", {})  # a restored run's next rows carry what the run's did
+    self.step_metrics = self._metrics(last, bool(last.get("recalibrated")))
 
   @property
   def exposure_on(self) -> bool:
