@@ -186,7 +186,7 @@ def test_a_bucket_met_mid_step_is_fitted_after_the_step_not_on_its_clock(tmp_pat
   # exposure on: buckets are vectors of unit levels; from step 4 on the scores are raised 4x a step (each unit 4
   # levels up), so every later step meets a bucket no fitted one covers, whatever the rollouts were
   t = Trainer(tiny_config(tmp_path, *RUN, "memory.cache=false", "memory.buckets=3", "train.steps=5",
-                          "memory.budget_ratio=1.5", "memory.gate.mode=always"))
+                          "memory.budget_ratio=1.5", "memory.gate.mode=always", "memory.min_l_gain=0"))
   seen, finish, scores, step_now = [], t.memory.finish_step, t.memory.unit_scores, [0]
   run_step = t.run_step
 
