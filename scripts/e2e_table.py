@@ -24,13 +24,13 @@ def f(x, spec=".1f"):
 
 def main(out: str):
   print("| run | step s | rollout s | update s | first step done s | wall s | peak RSS MiB | schedule s/step "
-        "| set-up s | plans from step | guard |")
-  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+        "| set-up s | recalibrate s | calibrations | probe compiles | plans from step | guard |")
+  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
   rows = {}
   for key, name in RUNS:
     path = os.path.join(out, key, "summary.json")
     if not os.path.exists(path):
-      print(f"| {name} | (no summary) |||||||||")
+      print(f"| {name} | (no summary) ||||||||||||")
       continue
     with open(path) as fh:
       s = json.load(fh)
@@ -49,11 +49,15 @@ def main(out: str):
     r = {"step": med([st["step_s"] for st in body]), "rollout": med([st["rollout_s"] for st in body]),
          "update": med([st["update_s"] for st in body]), "first": first, "wall": s["wall_s"]["total"],
          "rss": s["peak_rss_mib"], "schedule": med([st.get("time/schedule_s") for st in body]),
-         "setup": sum(st.get("time/memory_setup_s") or 0 for st in steps), "warm": warm}
+         "setup": sum(st.get("time/memory_setup_s") or 0 for st in steps), "warm": warm,
+         "recal": sum(st.get("time/recalibrate_s") or 0 for st in steps),
+         # this run's calibrations (set-up's and drift's) and probe compiles, as its last row counts them
+         "cals": steps[-1].get("memory/calibrations"), "probes": steps[-1].get("compile/probes")}
     rows[key] = r
     print(f"| {name} | {f(r['step'])} | {f(r['rollout'])} | {f(r['update'])} | {f(r['first'], '.0f')} | "
           f"{f(r['wall'], '.0f')} | {f(r['rss'], '.0f')} | {f(r['schedule'], '.3f')} | {f(r['setup'], '.0f')} | "
-          f"{f(plans_from, 'd')} | {guard} |")
+          f"{f(r['recal'], '.0f')} | {f(r['cals'], '.0f')} | {f(r['probes'], '.0f')} | {f(plans_from, 'd')} | "
+          f"{guard} |")
   trl = rows.get("trl")
   if trl:
     print("\nAgainst TRL (ratio of medians; < 1 is faster than TRL):")

@@ -57,14 +57,17 @@ class ShapedMemory:
   def pending_fits(self) -> bool:
     return any(m.pending_fits for m in self.managers.values())
 
-  def finish_step(self, params, batches: list | None, step: int, logp=None, opt_state=None) -> float:
-    """Each shape's finish_step on that shape's microbatches of the step; the seconds taken, summed."""
-    groups, total = self._groups(batches or []), 0.0
+  def finish_step(self, params, batches: list | None, step: int, logp=None, opt_state=None,
+                  last: bool = False) -> dict[str, float]:
+    """Each shape's finish_step on that shape's microbatches of the step; the seconds taken, summed per metric."""
+    groups, total = self._groups(batches or []), {}
     for key, m in self.managers.items():
-      if m.pending_setup or m.pending_fits:
-        idx = groups.get(key, [])
-        total += m.finish_step(params, [batches[i] for i in idx], step,
-                               None if logp is None else [logp[i] for i in idx], opt_state)
+      idx = groups.get(key, [])
+      if idx or m.pending_fits:
+        took = m.finish_step(params, [batches[i] for i in idx], step,
+                             None if logp is None else [logp[i] for i in idx], opt_state, last)
+        for k, v in took.items():
+          total[k] = total.get(k, 0.0) + v
     return total
 
   def observe(self, update_s_per_microbatch: float, clean: bool, grad_norms=None):

@@ -114,9 +114,9 @@ class Trainer:
         self.memory = MemoryManager(c.memory, hooks, memory_store(c))
         self.memory.defer_fits = True  # a bucket met mid-step is fitted after it, not on the step's clock
     self.compiles = runtime.compile_stats()
-    # the memory manager's work after a step (set-up after a warm-up step, buckets the step deferred), reported in the
-    # next step's row; the minibatches set-up measures on
-    self._setup_s, self._last_minibatches, self._last_logp = 0.0, None, None
+    # the memory manager's work after a step (set-up after a warm-up step, drift checks and recalibration, buckets the
+    # step deferred), its seconds reported in the next step's row; the step's minibatches it works on
+    self._after_step_s, self._last_minibatches, self._last_logp = {}, None, None
     self.checkpointer = checkpointing.Checkpointer(os.path.join(self.out_dir, "checkpoints"), c.checkpoint.keep)
     self.ref_params = None
     self.start_step = 0
@@ -300,11 +300,13 @@ class Trainer:
       for step in bar:
         row = self.run_step(step)
         writer.write(row)
-        if self.memory is not None and (self.memory.pending_setup or self.memory.pending_fits):  # after the row
-          self._setup_s = self.memory.finish_step(self.state["params"], self._last_minibatches, step,
-                                                  self._last_logp, self.state["opt_state"])
+        if self.memory is not None and self._last_minibatches is not None:  # after the row, off the step's clock
+          self._after_step_s = self.memory.finish_step(self.state["params"], self._last_minibatches, step,
+                                                       self._last_logp, self.state["opt_state"],
+                                                       last=step + 1 == c.train.steps)
           self._last_minibatches = self._last_logp = None
-          runtime.release_host_memory()  # calibration's gradients and probe programs' temporaries, freed
+          if self._after_step_s:
+            runtime.release_host_memory()  # calibration's gradients and probe programs' temporaries, freed
         if c.logging.samples_every and (step + 1) % c.logging.samples_every == 0:  # the first prompt's group
           writer.write_samples(step + 1, rollout.sample_rows(self.prompter, self.last_rollout,
                                                              range(c.rollout.num_generations)))
@@ -373,7 +375,7 @@ class Trainer:
     # the next rollout needs these params anyway, so waiting here costs nothing and times the update honestly
     step_metrics = jax.device_get(step_metrics)
     t_update = time.perf_counter() - t1
-    if self.memory is not None and self.memory.pending_setup:  # set-up measures on this step's own minibatches
+    if self.memory is not None and len(plan):  # what the manager's work after the step reads
       self._last_minibatches, self._last_logp = mem_batches, mem_logp
     if self.memory is not None and len(plan):  # the measured guard: GC's time against the plans'
       clean = self.compiles.compiled == compiles_before and not any(r["time/plan_fit_s"] or r["alloc/deferred"]
@@ -398,8 +400,8 @@ class Trainer:
                 "memory/peak_bytes": peaks[-1] if peaks else 0, "compile/count": self.stepper.compile_count,
                 "compile/probes": self.stepper.probe_compiles, **self.compiles.metrics(), **runtime.host_memory_mib(),
                 "time/elapsed_s": time.time() - runtime.STARTED_AT})
-    if self._setup_s:
-      row["time/memory_setup_s"], self._setup_s = self._setup_s, 0.0
+    row.update(self._after_step_s)  # time/memory_setup_s, time/recalibrate_s: the previous step's
+    self._after_step_s = {}
     return row
 
   def budget_metrics(self, plan: update_plan.UpdatePlan) -> dict:

@@ -31,6 +31,33 @@ def level_risk(levels: Sequence[int], ref_U) -> np.ndarray:
   return np.where(lv == ZERO, 0.0, np.asarray(ref_U, float) * 2.0 ** (lv / 2))
 
 
+def bucket_for(st, levels: Sequence[int], time_of: Callable[[int], float]) -> int:
+  """The bucket (an index into st.buckets) of a minibatch with these unit levels: its own if known; else the fastest
+  (time_of) fitted bucket whose levels are at least these in every unit (its plan's L set stays within the risk
+  budget here too, so no new plan and no compile); else a new one, appended. Fewer plans than exact levels, at the
+  price of some minibatches running a more cautious plan than their own."""
+  key = list(levels)
+  if key in st.buckets:
+    return st.buckets.index(key)
+  # a minibatch with no exposure at all (no updated token) gets its own bucket: every unit may be L there
+  unexposed = all(k == ZERO for k in key)
+  cover = [b for b in st.verified if b < len(st.buckets) and len(st.buckets[b]) == len(key) and key
+           and not unexposed and all(x >= y for x, y in zip(st.buckets[b], key))]
+  if cover:
+    return min(cover, key=lambda b: (time_of(b), b))
+  st.buckets.append(key)
+  return len(st.buckets) - 1
+
+
+def bucket_risk(cal, levels: Sequence[int]) -> np.ndarray:
+  """[U] predicted error per unit (coherence included) a bucket's allocation must tolerate: its levels' upper edges;
+  the exposure-off bucket (no levels) takes each unit's calibrated error (its calib_quantile over calibration
+  minibatches; an older calibration: its largest calibration score)."""
+  risk = level_risk(levels, cal.predicted_error) if levels else np.asarray(
+      cal.static_risk or cal.score_max or cal.predicted_error)  # a given calibration may carry neither
+  return cal.coherence * risk
+
+
 class AllocationCache:
   """One allocation per bucket, solved on first use; every solve is counted and logged with its reason."""
 

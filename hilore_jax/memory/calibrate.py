@@ -14,12 +14,13 @@ import numpy as np
 
 from hilore_jax.memory import drift, gate, methods, risk
 from hilore_jax.memory.calibration import (UpdateContext, additive, calibration_rows, error_profile, exact_gradient,
-                                           measure_unit_errors, norm, probed_layers, reference, set_error_of,
-                                           set_errors)
+                                           lowp_units, measure_unit_errors, norm, probed_layers, reference,
+                                           set_error_of, set_errors)
 from hilore_jax.memory.riskfit import fit_coherence, fit_susceptibility, random_sets, risk_metrics, set_fit
 from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.memory.hooks import StepHooks
 from hilore_jax.memory.state import Calibration
+from hilore_jax.model.units import LOWP_UNITS
 
 log = logging.getLogger(__name__)
 # with one calibration minibatch the exposure-off bucket's risk (Calibration.static_risk, each unit's p90 over
@@ -78,6 +79,7 @@ class Measured:
   profile: np.ndarray  # [U, N]
   token_err: list  # per batch [U, B, P-1+N]
   row_scale: np.ndarray | None = None  # [K] rows_factor: err and set_err are already scaled by it (None: ones)
+  units: list | None = None  # the (layer, kind) units measured, in err's order (None: the manager's lowp_ids)
 
 
 def rows_factor(hooks: StepHooks, ctx: UpdateContext, full, sub, ref: risk.Reference) -> float:
@@ -132,7 +134,7 @@ def measure(hooks: StepHooks, mc: MemoryConfig, units, batches: Sequence, contex
   sets = random_sets(len(units), mc.calib_sets, np.random.default_rng(len(units)))
   set_err = np.stack([set_errors(hooks, c.params, b, units, sets, mc.group_size, mc.lowp_format, r)
                       for c, b, r in zip(contexts, batches, refs)]) * scale[:, None]
-  return Measured(batches, contexts, refs, err, sets, set_err, pprof, prof, token_err, scale)
+  return Measured(batches, contexts, refs, err, sets, set_err, pprof, prof, token_err, scale, list(units))
 
 
 def fit(hooks: StepHooks, mc: MemoryConfig, units, m: Measured, raw_KU: np.ndarray, grad_scale: float) -> Calibration:
@@ -166,3 +168,21 @@ def fit(hooks: StepHooks, mc: MemoryConfig, units, m: Measured, raw_KU: np.ndarr
                      m.profile.tolist(), score_max.tolist(), m.prompt_profile.tolist(), float(grad_scale),
                      mc.risk_metric, mc.exposure.predictor, static.tolist(), mc.calib_quantile, record, grad_norms,
                      drift.recon_rms(m.token_err, m.batches).tolist())
+
+
+def unusable(cal: Calibration | None, mc: MemoryConfig, exposure: bool, num_layers: int) -> str | None:
+  """Why a restored calibration (a checkpoint's, the set-up cache's) cannot serve this run's settings; None if it
+  can."""
+  if cal is None:
+    return None
+  if exposure and mc.buckets > 1 and not cal.profile:
+    return "the checkpoint's hilore calibration predates per-unit exposure"
+  if (cal.risk_metric, cal.predictor) != (mc.risk_metric, mc.exposure.predictor):
+    return (f"the checkpoint's calibration is of {cal.risk_metric} / {cal.predictor}, this run's of {mc.risk_metric} "
+            f"/ {mc.exposure.predictor}")
+  kinds = cal.kinds or mc.lowp_kinds
+  if set(kinds) - set(mc.lowp_kinds or LOWP_UNITS) or len(cal.predicted_error) != len(lowp_units(num_layers, kinds)):
+    # another memory.lowp_kinds: its per-unit risks would land on other units
+    return (f"the checkpoint's calibration covers {len(cal.predicted_error)} units, this run's L units are "
+            f"{len(lowp_units(num_layers, mc.lowp_kinds))} (memory.lowp_kinds)")
+  return None

@@ -71,9 +71,15 @@ class GateConfig:
   spread_min: float = 2.0  # median over units of the within-unit p90 / p10 of the measured error
   unclipped_min: float = 0.3  # share of calibration minibatches with ||g|| under the clip
   rho_min: float = 0.4  # the predictor's leave-one-out within-unit Spearman rho (median over units)
+  # calibration minibatches the gate needs to decide (a within-unit spread and a leave-one-out rank correlation
+  # over fewer are no measurement): with fewer it is undecided and exposure stays off
+  min_batches: int = 4
 
   def __post_init__(self):
     check_choice("memory.gate.mode", self.mode, ("auto", "always", "never"))
+    if self.min_batches < 3:
+      raise ConfigError(f"memory.gate.min_batches must be >= 3 (a leave-one-out rank correlation needs 3 points), "
+                        f"got {self.min_batches}")
     check_positive("memory.gate.spread_min", self.spread_min, allow_zero=True)
     if not 0.0 <= self.unclipped_min <= 1.0:
       raise ConfigError(f"memory.gate.unclipped_min must be a share in [0, 1], got {self.unclipped_min}")
@@ -87,9 +93,15 @@ class MemoryConfig:
   budget_ratio: float = 1.05  # memory budget as a multiple of the GC step's peak bytes
   budget_bytes: int | None = None  # absolute budget (overrides budget_ratio)
   grad_err_tolerance: float = 0.01  # error (of risk_metric) the risk budget is calibrated to
+  # calibration runs only where L can change the plan: where the plan the cost model picks with every L unit free
+  # of risk is predicted faster than the risk-free (H/R) plan, both fitted to the budget, by more than the op
+  # profile's measured noise and by at least this share of the update step (memory/lgain.py). 10%: one program's
+  # compilations vary by +/-8% on a 2-core CPU (docs/real_model.md), so a smaller gain is one the measured guard could
+  # not tell from a recompile
+  min_l_gain: float = 0.10
   risk_metric: str = "relative"  # relative | clipped | update (RISK_METRICS)
   buckets: int = 4  # hilore: exposure buckets, one allocation (and compiled step) each
-  refresh_every: int = 0  # recalibrate every N steps (0: only at the start)
+  refresh_every: int = 0  # recalibrate every N steps, after the step (0: only at the start and on drift)
   group_size: int = 64  # L codes: one scale per group along the last axis
   lowp_format: str = "int8"  # L codes: int8 | fp8_e4m3 | int4 | bf16
   # the unit kinds that may be L (empty: every kind model.LOWP_UNITS allows). The projection inputs only their weight
@@ -130,10 +142,11 @@ class MemoryConfig:
   verify_steps: int = 2
   exposure: ExposureSwitches = ExposureSwitches()
   gate: GateConfig = GateConfig()
-  # recalibration on drift (memory/drift.py), from sentinels: every step's ||g|| / c against calibration's (a ratio
-  # either way of drift_grad_ratio), and every drift_check_every steps (0: never) the per-unit int8 reconstruction
-  # RMS (median ratio either way of drift_recon_ratio) and one exact gradient: the running plan's realised error
-  # over the tolerance (>= drift_exact_ratio)
+  # recalibration on drift (memory/drift.py), only while the running plans hold L units and only of those, after
+  # a step: every step's ||g|| / c against the run's own moving average of it (a ratio either way of
+  # drift_grad_ratio), and every drift_check_every steps (0: never) the L units' int8 reconstruction RMS against its
+  # moving average (median ratio either way of drift_recon_ratio) and one exact gradient: the running plan's
+  # realised error over the tolerance (>= drift_exact_ratio)
   drift_check_every: int = 10
   drift_grad_ratio: float = 3.0  # a step's ||g|| varies ~1.5x around its trend: 2x would recalibrate on noise
   drift_recon_ratio: float = 1.5
@@ -179,6 +192,8 @@ class MemoryConfig:
     if self.budget_bytes is not None:
       check_positive("memory.budget_bytes", self.budget_bytes)
     check_positive("memory.grad_err_tolerance", self.grad_err_tolerance)
+    if not 0.0 <= self.min_l_gain < 1.0:
+      raise ConfigError(f"memory.min_l_gain must be a share of the update step in [0, 1), got {self.min_l_gain}")
     check_positive("memory.buckets", self.buckets)
     check_positive("memory.refresh_every", self.refresh_every, allow_zero=True)
     check_positive("memory.group_size", self.group_size)

@@ -7,7 +7,9 @@ switches exposure buckets on only where calibration measures all three (threshol
   spread     median over units of the within-unit p90 / p10 of the measured error   >= gate.spread_min (2x)
   unclipped  share of calibration minibatches with ||g|| < c (the clip)              >= gate.unclipped_min (30%)
   loo_rho    median over units of the leave-one-out within-unit Spearman rho of the
-             predictor's score against the measured error                           >= gate.rho_min (0.4)"""
+             predictor's score against the measured error                           >= gate.rho_min (0.4)
+On fewer than gate.min_batches (4) calibration minibatches the gate never decides: a p90 / p10 and a leave-one-out
+rank correlation over one or two samples measure nothing, so it is undecided and exposure stays off."""
 
 from __future__ import annotations
 
@@ -69,16 +71,32 @@ def loo_within_unit_rho(raw_KU: np.ndarray, err_KU: np.ndarray) -> float:
   return float(np.nanmedian(rho)) if np.isfinite(rho).any() else float("nan")
 
 
-def decide(spread: float, unclipped: float, loo_rho: float, gc: GateConfig, buckets: int = 2) -> dict:
+def decide(spread: float, unclipped: float, loo_rho: float, gc: GateConfig, buckets: int = 2,
+           batches: int | None = None) -> dict:
   """The gate's record: its inputs, thresholds, each test, what they decide (`measured_on`) and whether exposure
-  buckets run (`on`): mode always / never forces it (the benchmark's arms); buckets <= 1 keeps exposure off."""
+  buckets run (`on`): mode always / never forces it (the benchmark's arms); buckets <= 1 keeps exposure off. On
+  fewer than gc.min_batches calibration minibatches (`batches`) it is `undecided`, and auto keeps exposure off."""
   passed = {"spread": bool(spread >= gc.spread_min), "unclipped": bool(unclipped >= gc.unclipped_min),
             "loo_rho": bool(loo_rho >= gc.rho_min)}
-  measured = all(passed.values()) and buckets > 1
+  undecided = batches is not None and batches < gc.min_batches
+  measured = all(passed.values()) and buckets > 1 and not undecided
   on = {"auto": measured, "always": True, "never": False}[gc.mode] and buckets > 1
   return {"spread": float(spread), "unclipped_share": float(unclipped), "loo_rho": float(loo_rho),
           "spread_min": gc.spread_min, "unclipped_min": gc.unclipped_min, "rho_min": gc.rho_min, "mode": gc.mode,
-          "passed": passed, "measured_on": bool(measured), "on": bool(on)}
+          "passed": passed, "measured_on": bool(measured), "on": bool(on), "undecided": bool(undecided),
+          "batches": batches, "min_batches": gc.min_batches}
+
+
+def describe(record: dict) -> str:
+  """The gate's decision in one phrase: undecided with the count it has and needs, or its inputs against their
+  thresholds."""
+  if record.get("undecided"):
+    n = record["batches"]
+    return (f"gate {record['mode']}: undecided: {n} minibatch{'es' if n != 1 else ''}, it needs "
+            f"{record['min_batches']} (memory.calib_batches)")
+  return (f"gate {record['mode']}: within-unit p90/p10 {record['spread']:.2f}x vs {record['spread_min']:.2f}x, "
+          f"||g|| < c on {100 * record['unclipped_share']:.0f}% vs {100 * record['unclipped_min']:.0f}%, leave-one-out "
+          f"rho {record['loo_rho']:.2f} vs {record['rho_min']:.2f}")
 
 
 def gate_metrics(record: dict) -> dict[str, float]:
@@ -86,7 +104,8 @@ def gate_metrics(record: dict) -> dict[str, float]:
   if not record:
     return {}
   return {"memory/gate/spread": record["spread"], "memory/gate/unclipped_share": record["unclipped_share"],
-          "memory/gate/loo_rho": record["loo_rho"], "memory/gate/on": float(record["on"])}
+          "memory/gate/loo_rho": record["loo_rho"], "memory/gate/on": float(record["on"]),
+          "memory/gate/undecided": float(record.get("undecided", False))}
 
 
 def evaluate(err_KU: np.ndarray, raw_KU: np.ndarray, grad_norms: Sequence[float], max_grad_norm: float,
@@ -94,4 +113,4 @@ def evaluate(err_KU: np.ndarray, raw_KU: np.ndarray, grad_norms: Sequence[float]
   """The gate's record from calibration's arrays: measured unit errors [K, U], the predictor's raw scores [K, U]
   (without susceptibility) and each minibatch's ||g||."""
   return decide(within_unit_spread(err_KU), unclipped_share(grad_norms, max_grad_norm),
-                loo_within_unit_rho(raw_KU, err_KU), gc, buckets)
+                loo_within_unit_rho(raw_KU, err_KU), gc, buckets, len(np.atleast_2d(err_KU)))

@@ -4,7 +4,9 @@ plan fitted to the budget on the compiled step. It reaches the trainer only thro
 a gradient, read loss coefficients); its state is a typed, JSON-serialisable dataclass saved with every checkpoint.
 
 Over 320 lines on purpose: set-up, buckets, the budget fit and allocation all read and write one state and share its
-memoised plans; the warm-up and the measured guard live in warmup.py, the state's disk cache in store.py."""
+memoised plans; its life across a run's steps (set-up's phases after warm-up steps, drift and recalibration) lives
+in lifecycle.py, whether calibrating L can change the plan in lgain.py, the warm-up and the measured guard in
+warmup.py, the state's disk cache in store.py."""
 
 from __future__ import annotations
 
@@ -19,12 +21,13 @@ import numpy as np
 from hilore_jax import model
 from hilore_jax.memory import buckets as bucketing
 from hilore_jax.memory import budget as budgets
-from hilore_jax.memory import calibrate, calibration, drift, gate, methods, predictors, profile
+from hilore_jax.memory import calibrate, calibration, drift, gate, lgain, methods, predictors, profile
 from hilore_jax.memory import store as stores
 from hilore_jax.memory import warmup
 from hilore_jax.memory.buckets import AllocationCache
 from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.memory.hooks import StepHooks
+from hilore_jax.memory.lifecycle import Lifecycle
 from hilore_jax.memory.state import Calibration, ManagerState
 
 log = logging.getLogger(__name__)
@@ -41,16 +44,19 @@ class Allocation:
   active_constraint: str = "none"  # which budget binds the plan: memory | risk | both | none
 
 
-class MemoryManager:
+class MemoryManager(Lifecycle):
   """Chooses every minibatch's per-layer policies under the configured method and budget."""
 
   def __init__(self, mc: MemoryConfig, hooks: StepHooks, store: stores.JsonStore | None = None):
     self.mc, self.hooks, self.method = mc, hooks, mc.policy
     self.record = methods.REGISTRY[mc.policy]  # what the method needs: the manager never names one
-    # the state on disk between runs (memory.cache): loaded before the first step, written after every change
+    # the state on disk between runs (memory.cache): loaded before the first step, written once set up and after
+    # every change
     self.store = store
-    # memory.warmup=gc: set-up waits for the end of the first step, which runs full checkpointing meanwhile
-    self.pending_setup = False
+    # memory.warmup=gc: set-up runs after warm-up steps on full checkpointing, in phases: "plan" (nothing measured
+    # yet: budget, op profile and fits, and whether L is worth calibrating), "calibrate" (waiting for calibration
+    # minibatches); None once set up
+    self.phase: str | None = None
     self.ready_at: int | None = None  # the step whose allocation first came from the method's own plans
     # a bucket first met in a step is fitted after it (defer_fits: the trainer's way; a direct caller fits at once)
     self.defer_fits = False
@@ -65,7 +71,6 @@ class MemoryManager:
     self._plans: dict[tuple, methods.Plan] = {}  # solved plans by (method, risks, allowance, delta, solver)
     self._floor_fit: budgets.Fit | None = None  # the risk-free subset's own fit to the budget (RISK_FREE_SUBSET)
     self._shape: tuple[int, int] | None = None
-    self.lowp_ids = calibration.lowp_units(self.num_layers, mc.lowp_kinds)
     if mc.offload:
       methods.require_offload("memory.offload=true")
     self._scorer = predictors.Scorer(hooks)
@@ -77,85 +82,138 @@ class MemoryManager:
     self._keep_measured, self._measured, self._forward_errors = False, None, False
     # memory.warmup=gc: calibration minibatches gathered over the first rollouts; drift sentinels after set-up
     self.collector = warmup.Collector(mc.calib_batches, mc.calib_rollouts, mc.risk_metric == "update")
-    self.sentinels = drift.Sentinels(mc, hooks, self.lowp_ids)
-    self.step_metrics: dict = {}  # memory/drift/*, memory/gate/*: added to every allocation of a step
-    self._drift_values: dict = {}
+    self.sentinels = drift.Sentinels(mc, hooks)
+    self.step_metrics: dict = {}  # memory/drift/*, memory/gate/*, counts: added to every allocation of a step
+
+  @property
+  def pending_setup(self) -> bool:
+    return self.phase is not None
+
+  @property
+  def lowp_ids(self) -> list[tuple[int, str]]:
+    """(layer, kind) of every unit that may be L: the calibration's kinds (memory/lgain.py), else memory.lowp_kinds."""
+    cal = self.state.calibration if self.state is not None else None
+    return calibration.lowp_units(self.num_layers, cal.kinds if cal is not None and cal.kinds else self.mc.lowp_kinds)
 
   # ------------------------------------------------------------------ set-up
 
   def setup(self, params, batches: list, step: int, calibration_state: Calibration | None = None, logp=None,
-            opt_state=None, contexts: list | None = None):
+            opt_state=None, contexts: list | None = None, calibrate: str = "always"):
     """Budget from the GC step, unit profile, and (for calibrated methods) risk calibration on K batches (or a
     given calibration, another manager's, to compare methods on one calibration). Each calibration batch is
     measured at its own calibration.UpdateContext (contexts; default: params and opt_state for all, with logp[i]
-    the current log-probs as run-time scoring reads them)."""
-    mc, cfg, batch = self.mc, self.hooks.model_cfg, batches[0]
+    the current log-probs as run-time scoring reads them). calibrate "always" measures whatever the plans;
+    "auto" (the trainer's way) only where L can change the plan (memory/lgain.py)."""
+    self._begin(batches[0], step)
+    if self.record.calibrated and (calibrate == "always" or calibration_state is not None or self._worth_l(batches[0])):
+      logp = [None] * len(batches) if logp is None else logp
+      contexts = contexts or [calibration.UpdateContext(params, opt_state, lp) for lp in logp]
+      self._measure(batches, contexts, calibration_state)
+    self._finish_setup(step)
+
+  def _begin(self, batch, step: int):
+    """A new state: full checkpointing's compiled peak, the budget and the op profile (a refresh keeps the guard's
+    measurements)."""
+    mc, cfg = self.mc, self.hooks.model_cfg
     gc_bytes = self.hooks.compile_peak(model.uniform(self.num_layers, model.FULL_REMAT), batch)
     budget = budgets.budget_bytes(gc_bytes, mc.budget_ratio, mc.budget_bytes)
     rows, seq = self.hooks.batch_shape(batch)
-    ops = (self.hooks.op_profile or profile.profile_ops)(cfg, rows, seq, mc.group_size)
+    ops = (self.hooks.op_profile(cfg, rows, seq, mc.group_size) if self.hooks.op_profile else
+           profile.profile_ops(cfg, rows, seq, mc.group_size, formats=(mc.lowp_format,)))
     st = ManagerState(gc_bytes, budget, ops, calibrated_at=step, drift_checked_at=step)
-    if self.state is not None:  # a refresh keeps what was measured
+    if self.state is not None:  # a refresh keeps what was measured, and counts on
       st.timings, st.guard, st.warmup_steps = self.state.timings, self.state.guard, self.state.warmup_steps
+      st.calibrations, st.recalibrations = self.state.calibrations, self.state.recalibrations
     else:
       st.timings, st.warmup_steps = self.guard.handover()
-    if self.record.calibrated:
-      K = mc.calib_batches
-      logp = [None] * len(batches) if logp is None else logp
-      contexts = contexts or [calibration.UpdateContext(params, opt_state, lp) for lp in logp]
-      if calibration_state is not None and len(calibration_state.predicted_error) != len(self.lowp_ids):
-        raise ValueError(f"a calibration of {len(calibration_state.predicted_error)} units given to a manager of "
-                         f"{len(self.lowp_ids)} L units (memory.lowp_kinds differ)")
-      st.calibration = calibration_state or self._calibrate(batches[:K], contexts[:K])
     self.load_state(st, f"set up at step {step}")
+
+  def _worth_l(self, batch) -> bool:
+    """Whether calibrating L can change the plan (memory/lgain.py). Where it cannot, bucket 0 is the risk-free fit and
+    nothing is calibrated."""
+    if not self.record.risk_free_subset:  # no risk-free plan to keep instead (greedy_bits): always calibrated
+      return True
+    st, mc, units, subset = self.state, self.mc, self._unit_list(batch), self.record.risk_free_subset
+    nominal = st.budget_bytes - st.gc_bytes
+    pair_at = lambda f: (self._plan(0, int(f * nominal), method=subset), self._plan(0, int(f * nominal),
+                                                                                   zero_risk=True))
+    fit_lowp = lambda reuse: self._fit_to_budget(lambda a: self._plan(0, a, zero_risk=True), batch, reuse)
+    gc = self.gc_plan()
+    st.lgain, floor = lgain.assess(gc, lgain.update_s(gc, st.profile["ops"], self.num_layers), pair_at,
+                                   lambda: self._floor(batch), fit_lowp,
+                                   lambda a, b: lgain.noise_s(a, b, units, st.profile, mc.lowp_format),
+                                   mc.min_l_gain, units)
+    log.info("memory (%s): %s", self.method, st.lgain["reason"])
+    if not st.lgain["calibrate"]:  # the run keeps the risk-free fit: one bucket, no exposure to score
+      st.buckets = [[]]
+      self._record_fit(0, dataclasses.replace(floor, floor=True))
+    return st.lgain["calibrate"]
+
+  def _measure(self, batches: list, contexts: list, calibration_state: Calibration | None = None):
+    """The state's calibration: measured on the first memory.calib_batches of batches (only the kinds lgain chose),
+    or the one given."""
+    kinds = self.state.lgain.get("kinds") or list(self.mc.lowp_kinds)
+    if calibration_state is not None:
+      ids = calibration.lowp_units(self.num_layers, calibration_state.kinds or self.mc.lowp_kinds)
+      if len(calibration_state.predicted_error) != len(ids):
+        raise ValueError(f"a calibration of {len(calibration_state.predicted_error)} units given to a manager of "
+                         f"{len(ids)} L units (memory.lowp_kinds differ)")
+    K = self.mc.calib_batches
+    self.state.calibration = calibration_state or self._calibrate(batches[:K], contexts[:K], kinds)
+    self.load_state(self.state, "calibrated")  # the units' L kinds are the calibration's now
+
+  def _finish_setup(self, step: int):
+    self.phase = None
     self.persist()
-    cal = st.calibration
-    log.info("memory (%s): GC %d B, budget %d B%s", self.method, gc_bytes, budget, "" if cal is None else
+    self.step_metrics = self._metrics({}, False)
+    st, cal = self.state, self.state.calibration
+    log.info("memory (%s): GC %d B, budget %d B%s", self.method, st.gc_bytes, st.budget_bytes, "" if cal is None else
              f", calibration on {cal.calib_batches} minibatches: delta {cal.delta:.3g} (measured "
              f"{cal.calibration_error:.3g}), coherence {cal.coherence:.2f}, fit {cal.fit}")
     if cal is not None and cal.gate and self.record.exposure:
-      g = cal.gate
-      log.info("memory (hilore): exposure buckets %s (gate %s: within-unit p90/p10 %.2fx vs %.2fx, ||g|| < c on "
-               "%.0f%% vs %.0f%%, leave-one-out rho %.2f vs %.2f)", "on" if g["on"] else "off", g["mode"],
-               g["spread"], g["spread_min"], 100 * g["unclipped_share"], 100 * g["unclipped_min"], g["loo_rho"],
-               g["rho_min"])
+      log.info("memory (hilore): exposure buckets %s (%s)", "on" if cal.gate["on"] else "off", gate.describe(cal.gate))
 
-  def _calibrate(self, batches: list, contexts: list) -> Calibration:
+  def _calibrate(self, batches: list, contexts: list, kinds=()) -> Calibration:
     if not self.hooks.calibrates:
       raise ValueError(f"memory.policy={self.method} calibrates risk: StepHooks needs gradient, token_weights and "
                        "unit_tensors")
-    m = calibrate.measure(self.hooks, self.mc, self.lowp_ids, batches, contexts, log)
+    units = calibration.lowp_units(self.num_layers, kinds)
+    m = calibrate.measure(self.hooks, self.mc, units, batches, contexts, log)
     self._measured = m if self._keep_measured else None
-    return self.fit_calibration(m)
+    self.state.calibrations += 1
+    return dataclasses.replace(self.fit_calibration(m), kinds=list(kinds))
 
   def fit_calibration(self, m: calibrate.Measured, sw=None) -> Calibration:
     """A calibration of predictor sw (default memory.exposure) on measurements m: its scores of m's minibatches at
     the normalisation it runs with, the susceptibility fitted to them, coherence and delta."""
     sw = sw or self.mc.exposure
+    units = m.units if m.units is not None else self.lowp_ids
     logp = [c.logp for c in m.contexts]
     gamma = predictors.fit_grad_scale([r.grad_norm for r in m.refs], self._scorer.l1(m.batches, sw, logp))
-    inputs = predictors.ScoreInputs(m.prompt_profile, m.profile, np.ones(len(self.lowp_ids)), gamma)
+    inputs = predictors.ScoreInputs(m.prompt_profile, m.profile, np.ones(len(units)), gamma)
     token_err = m.token_err if self._forward_errors else None
     raw = self._scorer(m.batches, inputs, sw, self._normalisation, logp, token_err)
-    return calibrate.fit(self.hooks, dataclasses.replace(self.mc, exposure=sw), self.lowp_ids, m, raw, gamma)
+    return calibrate.fit(self.hooks, dataclasses.replace(self.mc, exposure=sw), units, m, raw, gamma)
 
   def load_state(self, state: ManagerState | dict, reason: str = "restored from checkpoint"):
     self.state = state if isinstance(state, ManagerState) else ManagerState.from_json(state)
-    self._units.clear()  # their measured times come from this profile
+    self._units.clear()  # their measured times come from this profile, their L kinds from its calibration
     self._plans.clear()
     self._floor_fit = None
     self._cache.invalidate(reason)
+    last = self.state.drift_ref.get("last", {})  # a restored run's next rows carry what the run's did
+    self.step_metrics = self._metrics(last, bool(last.get("recalibrated")))
 
   @property
   def exposure_on(self) -> bool:
     """hilore runs exposure buckets: more than one configured and the calibration's gate on, or memory.gate.mode always
     (a calibration without a gate record, an older one: on)."""
-    if not self.record.exposure or self.mc.buckets <= 1 or self.state is None:
+    cal = self.state.calibration if self.state is not None else None
+    if not self.record.exposure or self.mc.buckets <= 1 or cal is None:  # no calibration: no L, nothing to score
       return False
     if self.mc.gate.mode != "auto":  # forced, whatever a given calibration's gate measured
       return self.mc.gate.mode == "always"
-    cal = self.state.calibration
-    return bool(cal.gate["on"]) if cal is not None and cal.gate else True
+    return bool(cal.gate["on"]) if cal.gate else True
 
   # ------------------------------------------------------------------ per step
 
@@ -175,8 +233,10 @@ class MemoryManager:
   def _unit_list(self, batch: dict) -> list[profile.Unit]:
     shape = self.hooks.batch_shape(batch)
     if shape not in self._units:
+      cal = self.state.calibration
+      kinds = cal.kinds if cal is not None and cal.kinds else self.mc.lowp_kinds  # no other kind is L in its plans
       self._units[shape] = profile.enumerate_units(self.hooks.model_cfg, *shape, self.mc.group_size,
-                                                   self.state.profile, self.mc.lowp_format, self.mc.lowp_kinds)
+                                                   self.state.profile, self.mc.lowp_format, kinds)
     self._shape = shape
     return self._units[shape]
 
@@ -188,31 +248,12 @@ class MemoryManager:
     return [bucketing.unit_levels(s, ref, self.mc.buckets) for s in scores_MU]
 
   def bucket_for(self, levels: tuple[int, ...]) -> int:
-    """The bucket of a minibatch with these unit levels: its own if known; else the fastest fitted bucket whose
-    levels are at least these in every unit (its plan's L set stays within the risk budget here too, so no new
-    plan and no compile); else a new one. Fewer plans than exact levels, at the price of some minibatches running
-    a more cautious plan than their own."""
-    st, key = self.state, list(levels)
-    if key in st.buckets:
-      return st.buckets.index(key)
-    # a minibatch with no exposure at all (no updated token) gets its own bucket: every unit may be L there
-    unexposed = all(k == bucketing.ZERO for k in key)
-    cover = [b for b in st.verified if b < len(st.buckets) and len(st.buckets[b]) == len(key) and key
-             and not unexposed and all(x >= y for x, y in zip(st.buckets[b], key))]
-    if cover:
-      return min(cover, key=lambda b: (self._cache.get(b).time_s, b))
-    st.buckets.append(key)
-    return len(st.buckets) - 1
+    """The bucket of a minibatch with these unit levels (buckets.bucket_for: its own, or a fitted one covering it)."""
+    return bucketing.bucket_for(self.state, levels, lambda b: self._cache.get(b).time_s)
 
   def bucket_risk(self, bucket: int) -> np.ndarray:
-    """[U] predicted error per unit (coherence included) the bucket's allocation must tolerate; the exposure-off
-    bucket takes each unit's calibrated error (its calib_quantile over calibration minibatches; an older
-    calibration: its largest calibration score)."""
-    cal = self.state.calibration
-    levels = self.state.buckets[bucket]
-    risk = bucketing.level_risk(levels, cal.predicted_error) if levels else np.asarray(
-        cal.static_risk or cal.score_max or cal.predicted_error)  # a given calibration may carry neither
-    return cal.coherence * risk
+    """[U] predicted error per unit (coherence included) the bucket's allocation must tolerate (buckets.py)."""
+    return bucketing.bucket_risk(self.state.calibration, self.state.buckets[bucket])
 
   def _risks(self, bucket: int) -> tuple[dict, dict]:
     """(risk_of, sensitivity) per (layer, kind): hilore's at this bucket's exposure, static for the baselines."""
@@ -225,19 +266,21 @@ class MemoryManager:
       return {k: kappa * e for k, e in zip(keys, static)}, dict(zip(keys, static))
     return {}, {}
 
-  def _plan_kw(self, bucket: int, solver: str | None = None, method: str | None = None) -> dict:
-    risk_of, sens = self._risks(bucket) if method in (None, self.method) else ({}, {})  # a subset plans risk-free
+  def _plan_kw(self, bucket: int, solver: str | None = None, method: str | None = None,
+               zero_risk: bool = False) -> dict:
+    # a subset plans risk-free; zero_risk: the method's plan with every L unit free of risk (memory/lgain.py)
+    risk_of, sens = self._risks(bucket) if method in (None, self.method) and not zero_risk else ({}, {})
     cal = self.state.calibration
     return dict(risk_of=risk_of, delta=cal.delta if cal else 0.0, fmt=self.mc.lowp_format, allow_o=self.mc.offload,
                 sensitivity=sens, group_size=self.mc.group_size, solver=solver or self.mc.solver,
                 mip_gap=self.mc.mip_gap)
 
   def _plan(self, bucket: int, allowance: int, solver: str | None = None, delta: float | None = None,
-            method: str | None = None) -> methods.Plan:
+            method: str | None = None, zero_risk: bool = False) -> methods.Plan:
     """The method's (or its risk-free subset's) plan for a bucket and byte allowance; memoised: the budget fit, the
     greedy gap and the active-constraint check ask for the same solves, and buckets with equal risks share them."""
     method = method or self.method
-    kw = self._plan_kw(bucket, solver, method)
+    kw = self._plan_kw(bucket, solver, method, zero_risk)
     if delta is not None:
       kw["delta"] = delta
     key = (self._shape, method, tuple(sorted(kw["risk_of"].items())), max(allowance, 0), kw["delta"], kw["solver"])
@@ -291,12 +334,21 @@ class MemoryManager:
 
   def _fit(self, bucket: int, batch: dict):
     """Fit the bucket's plan to the budget on the compiled step (probe compiles, logged); remembered in the state,
-    so a resumed run repeats it. A later bucket first tries the largest allowance fitted so far; a method with a
-    risk-free subset keeps the subset's own fit where that is faster (budget.fit_plan)."""
+    so a resumed run repeats it. A later bucket first tries the largest allowance fitted so far (the first, the L
+    fit's of memory/lgain.py); a method with a risk-free subset keeps the subset's own fit where that is faster
+    (budget.fit_plan), and its only fit where nothing was calibrated (no L)."""
     st = self.state
-    fitted = [a for b, a in st.allowance.items() if int(b) not in st.fallback_gc]
-    floor = (lambda: self._floor(batch)) if self.record.risk_free_subset else None
-    fit = self._fit_to_budget(lambda a: self._plan(bucket, a), batch, max(fitted) if fitted else None, floor)
+    if self.record.calibrated and st.calibration is None:
+      fit = dataclasses.replace(self._floor(batch), floor=True)
+    else:
+      fitted = [a for b, a in st.allowance.items() if int(b) not in st.fallback_gc]
+      floor = (lambda: self._floor(batch)) if self.record.risk_free_subset else None
+      reuse = max(fitted) if fitted else st.lgain.get("lowp_allowance")
+      fit = self._fit_to_budget(lambda a: self._plan(bucket, a), batch, reuse, floor)
+    self._record_fit(bucket, fit)
+
+  def _record_fit(self, bucket: int, fit: budgets.Fit):
+    st = self.state
     log.info("%s bucket %d: %d probe compiles, allowance %d B%s", self.method, bucket, len(fit.probes),
              fit.allowance, " (the risk-free subset's plan: faster than the method's own fit)" if fit.floor else "")
     if fit.plan is None:  # nothing fitted: full checkpointing, which the budget always admits
@@ -314,8 +366,12 @@ class MemoryManager:
                             lambda p: p.time_s, lambda p: p.bytes, reuse, floor)
 
   def _floor(self, batch) -> budgets.Fit:
-    """The risk-free subset's own fit (the search its own manager runs, so its plan), once: it ignores risks."""
-    subset = self.record.risk_free_subset
+    """The risk-free subset's own fit (the search its own manager runs, so its plan), once per state: it ignores
+    risks (fitted before calibration, memory/lgain.py: its allowance is in the state, its plan solved again)."""
+    subset, a = self.record.risk_free_subset, self.state.lgain.get("risk_free_allowance")
+    if self._floor_fit is None and a is not None:
+      self._unit_list(batch)
+      self._floor_fit = budgets.Fit(a, self._plan(0, a, method=subset), ())
     self._floor_fit = self._floor_fit or self._fit_to_budget(lambda a: self._plan(0, a, method=subset), batch)
     return self._floor_fit
 
@@ -323,7 +379,7 @@ class MemoryManager:
     """Every minibatch's bucket, plan and policies, in order; a new bucket is fitted first (its probe compiles
     are not counted as scheduling time). Exposure levels come from one jitted call; logp: the minibatches'
     current log-probs where known, token_err their forward's per-token errors where known (unit_scores)."""
-    if self.state is None or self.guard.sample_due(self.state):  # warm-up: nothing measured, or not GC's time
+    if self.state is None or self.pending_setup or self.guard.sample_due(self.state):  # warm-up
       self.guard.last = "gc"
       return self.gc_allocations(len(minibatches))
     if self.state.guard == "gc":  # the plans ran no faster than GC: GC's program
@@ -367,134 +423,17 @@ class MemoryManager:
     for bucket, plan in chosen:
       deferred = plan is None
       plan = self.gc_plan() if deferred else plan
-      fr = plan.fractions()
-      metrics = {"alloc/frac_H": fr["frac_H"], "alloc/frac_L": fr["frac_L"], "alloc/frac_R": fr["frac_R"],
-                 "alloc/frac_O": fr["frac_O"], "alloc/bucket": bucket, "alloc/greedy_gap": self._gaps.get(bucket, 0.0),
-                 "alloc/predicted_err": float(plan.risk), "memory/budget_bytes": self.state.budget_bytes,
-                 "memory/predicted_bytes": self.state.gc_bytes + plan.bytes, "alloc/warmup": 0.0,
-                 "alloc/guard_gc": 0.0, "alloc/deferred": float(deferred),
-                 "time/schedule_s": schedule_s, "time/alloc_wait_s": wait_s / n, "time/plan_fit_s": fit_s / n}
+      metrics = warmup.plan_metrics(plan, bucket, self.state, self._gaps.get(bucket, 0.0), deferred,
+                                    {"time/schedule_s": schedule_s, "time/alloc_wait_s": wait_s / n,
+                                     "time/plan_fit_s": fit_s / n})
       policies = model.uniform(self.num_layers, model.FULL_REMAT) if deferred else self.policies(plan)
       out.append(Allocation(bucket, plan, policies, {**metrics, **self.step_metrics},
                             "none" if deferred else self._active.get(bucket, "none")))
     return out
 
-  def step(self, params, minibatches: list, step: int, logp=None, opt_state=None) -> list[Allocation]:
-    """Set up (or refresh) when due, then allocate this step's minibatches (opt_state: the optimizer's, for
-    memory.risk_metric=update). A state cached by an earlier run of the same recipe is taken first; without one and
-    with memory.warmup=gc, the step runs full checkpointing and set-up follows it (finish_step)."""
-    mc = self.mc
-    if self.state is None and self.store is not None:
-      cached = self.store.load()
-      if cached is not None:
-        self.load_state(cached, f"cached in {self.store.path}")
-        log.info("memory (%s): set-up reused from %s (no profile, calibration or probe compiles)", self.method,
-                 self.store.path)
-    cal = self.state.calibration if self.state else None
-    stale = cal is not None and self.record.exposure and mc.buckets > 1 and not cal.profile
-    if stale:
-      log.warning("memory: the checkpoint's hilore calibration predates per-unit exposure: recalibrating")
-    other = cal is not None and (cal.risk_metric, cal.predictor) != (mc.risk_metric, mc.exposure.predictor)
-    if other:
-      log.warning("memory: the checkpoint's calibration is of %s / %s, this run's of %s / %s: recalibrating",
-                  cal.risk_metric, cal.predictor, mc.risk_metric, mc.exposure.predictor)
-    if cal is not None and not other and len(cal.predicted_error) != len(self.lowp_ids):
-      # another memory.lowp_kinds: its per-unit risks would land on other units
-      log.warning("memory: the checkpoint's calibration covers %d units, this run's L units are %d "
-                  "(memory.lowp_kinds): recalibrating", len(cal.predicted_error), len(self.lowp_ids))
-      other = True
-    due = mc.refresh_every and self.state is not None and step - self.state.calibrated_at >= mc.refresh_every
-    self._drift_values, drifted = {}, []
-    if cal is not None and self.record.calibrated and not (stale or other or due):
-      drifted = self._drift(params, minibatches, step, logp, opt_state)
-    if self.state is None and mc.warmup == "gc":
-      if not self.pending_setup:
-        log.info("memory (%s): step %d runs full checkpointing while the set-up waits for its end", self.method,
-                 step + 1)
-      self.pending_setup = True
-      return self.allocate(minibatches, logp)
-    if self.state is None or stale or other or due or drifted:
-      self.setup(params, minibatches, step, logp=logp, opt_state=opt_state)
-    if self.state.calibration is not None:
-      self.step_metrics = {**drift.metrics(self._drift_values, bool(due or drifted)),
-                           **gate.gate_metrics(self.state.calibration.gate)}
-    allocations = self.allocate(minibatches, logp)
-    if self.ready_at is None and self.guard.last == "plan":
-      self.ready_at = step
-    return allocations
-
-  def _drift(self, params, minibatches, step: int, logp=None, opt_state=None) -> list[str]:
-    """The sentinels past their thresholds at this step (memory/drift.py; values kept for the step's metrics)."""
-    batch = minibatches[0]
-    self._drift_values = self.sentinels.values(self.state, params, batch, step, lambda: self._check_lset(batch),
-                                               opt_state, None if logp is None else logp[0])
-    fired = drift.decide(self._drift_values, self.mc)
-    if fired:
-      log.warning("memory (%s): drift at step %d (%s): recalibrating", self.method, step + 1,
-                  ", ".join(f"{k} {self._drift_values[k]:.3g}" for k in fired))
-    return fired
-
-  def _check_lset(self, batch) -> tuple[int, ...]:
-    """The exact drift check's L set (indices into lowp_ids): bucket 0's plan (hilore's static bucket where exposure
-    is off), from the state alone, so a resumed run checks the same set."""
-    st = self.state
-    if 0 not in st.verified or 0 in st.fallback_gc:
-      return ()
-    self._unit_list(batch)
-    index = {tuple(u): i for i, u in enumerate(self.lowp_ids)}
-    policies = self.policies(self._cache.get(0))
-    return tuple(sorted(index[(layer, k)] for layer, pol in enumerate(policies) for k in pol.lowp
-                        if (layer, k) in index))
-
-  def finish_step(self, params, minibatches: list, step: int, logp=None, opt_state=None) -> float:
-    """After a step, off its clock: set up (after the warm-up steps: a calibrated method gathers its calibration
-    minibatches over the first memory.calib_rollouts rollouts, each at the params and optimizer state its step left)
-    and fit the set-up step's buckets; fit the buckets the step deferred. Returns the seconds taken."""
-    t0, setup, now = time.perf_counter(), self.pending_setup, minibatches
-    contexts = None
-    if setup and self.record.calibrated:
-      self.collector.add(params, minibatches, logp, opt_state)
-      if not self.collector.ready():
-        log.info("memory (%s): calibration minibatches from %d of %d rollouts; step %d runs full checkpointing too",
-                 self.method, len(self.collector.by_rollout), self.collector.rollouts, step + 2)
-        setup = False
-      else:
-        minibatches, contexts = self.collector.take()
-    if setup:
-      self.setup(params, minibatches, step + 1, logp=logp, opt_state=opt_state, contexts=contexts)
-      minibatches = now
-      self.pending_setup = False
-      self._plan_allocations(minibatches, logp, defer=False)
-      log.info("memory (%s): set up in %.1fs after step %d; its plans take over from step %d", self.method,
-               time.perf_counter() - t0, step + 1, step + 2 + self.guard.sample_due(self.state))
-    pending, self.pending_fits = self.pending_fits, {}
-    for bucket, batch in pending.items():
-      self._fit(bucket, batch)
-      self._cache.get(bucket)
-    if pending:
-      log.info("memory (%s): fitted bucket(s) %s after step %d (their minibatches ran GC's program)", self.method,
-               sorted(pending), step + 1)
-    return time.perf_counter() - t0 if (setup or pending) else 0.0
-
   def gc_allocations(self, n: int, guard: bool = False) -> list[Allocation]:
     """Full checkpointing for n minibatches: before set-up, while GC's own time is measured, or (guard) where the
     plans were measured no faster than GC (memory/warmup.py)."""
-    policies = model.uniform(self.num_layers, model.FULL_REMAT)
-    return [Allocation(-1, methods.Plan((), (), 0, 0.0, 0.0), policies, warmup.gc_metrics(guard)) for _ in range(n)]
-
-  def observe(self, update_s_per_minibatch: float, clean: bool, grad_norms=None):
-    """The trainer's measured update seconds per minibatch of the step just run (clean: no compile and no plan fit
-    in it), for the measured guard; grad_norms: its updates' ||g|| (the step metrics), the drift sentinel's."""
-    if grad_norms is not None and self.state is not None:
-      # an update without a gradient (every advantage zero, no KL) says nothing about drift
-      self.state.drift_grad_norms = [float(g) for g in grad_norms if g > 0]
-    if self.guard.observe(self.state, update_s_per_minibatch, clean):
-      self.persist()
-
-  def persist(self):
-    """Write the state to the store (memory.cache), so the next run of this recipe starts where this one is."""
-    if self.store is not None and self.state is not None:
-      self.store.save(self.state.to_json())
-
-  def state_json(self) -> Any:
-    return None if self.state is None else self.state.to_json()
+    policies, metrics = model.uniform(self.num_layers, model.FULL_REMAT), warmup.gc_metrics(guard)
+    return [Allocation(-1, methods.Plan((), (), 0, 0.0, 0.0), policies, {**metrics, **self.step_metrics})
+            for _ in range(n)]

@@ -40,6 +40,9 @@ class Calibration:
   # the drift sentinels' calibration values (memory/drift.py): each minibatch's ||g||, each unit's reconstruction RMS
   grad_norms: list = dataclasses.field(default_factory=list)
   recon_rms: list = dataclasses.field(default_factory=list)
+  # the unit kinds it measured, every layer's (empty: all of memory.lowp_kinds): the kinds the plan with every L
+  # unit free of risk held in L (memory/lgain.py); no other kind is L in its plans
+  kinds: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -62,9 +65,18 @@ class ManagerState:
   # what the measured guard decided: "" not yet, "plan" the plans ran faster than GC, "gc" they did not (GC runs)
   guard: str = ""
   warmup_steps: int = 0  # steps run on GC before the plans (memory/warmup.py)
-  # the drift sentinels between steps (memory/drift.py): the last step's ||g|| per update, the last check's step
+  # the drift sentinels between steps (memory/drift.py): the last step's ||g|| per update, the last check's step,
+  # and the references that follow the run (moving averages of this run's own ||g|| / c and L units' RMS)
   drift_grad_norms: list[float] = dataclasses.field(default_factory=list)
   drift_checked_at: int = 0
+  drift_ref: dict = dataclasses.field(default_factory=dict)
+  # this run's calibrations (set-up's and drift's) and recalibrations (drift's) so far: a resumed run goes on
+  # counting, a run that takes a cached state starts again at 0
+  calibrations: int = 0
+  recalibrations: int = 0
+  # whether calibrating L can change the plan, decided before any risk is measured (memory/lgain.py): the risk-free
+  # fit, the fit with every L unit free of risk, L's predicted gain against the measured noise, and the kinds
+  lgain: dict = dataclasses.field(default_factory=dict)
 
   def to_json(self) -> dict:
     return {"version": STATE_VERSION, **dataclasses.asdict(self)}

@@ -27,6 +27,17 @@ def gc_metrics(guard: bool) -> dict:
   return {**GC_METRICS, "alloc/warmup": 0.0 if guard else 1.0, "alloc/guard_gc": 1.0 if guard else 0.0}
 
 
+def plan_metrics(plan, bucket: int, st, greedy_gap: float, deferred: bool, times: dict) -> dict:
+  """The alloc/* and memory/* metrics of a minibatch on a plan (deferred: GC's, while its bucket waits for its fit),
+  with the allocation's times."""
+  fr = plan.fractions()
+  return {"alloc/frac_H": fr["frac_H"], "alloc/frac_L": fr["frac_L"], "alloc/frac_R": fr["frac_R"],
+          "alloc/frac_O": fr["frac_O"], "alloc/bucket": bucket, "alloc/greedy_gap": greedy_gap,
+          "alloc/predicted_err": float(plan.risk), "memory/budget_bytes": st.budget_bytes,
+          "memory/predicted_bytes": st.gc_bytes + plan.bytes, "alloc/warmup": 0.0, "alloc/guard_gc": 0.0,
+          "alloc/deferred": float(deferred), **times}
+
+
 def verdict(gc_s: list[float], plan_s: list[float]) -> str:
   """"plan" where the plans' median seconds per minibatch is below GC's, "gc" where it is not, "" without both."""
   if not gc_s or not plan_s:
@@ -89,16 +100,24 @@ class Collector:
     self.count, self.rollouts, self.keep_opt_state = count, min(rollouts, count), keep_opt_state
     self.by_rollout: list[tuple[list, list]] = []  # per rollout: (minibatches, their UpdateContexts)
 
-  def add(self, params, minibatches: list, logp=None, opt_state=None):
-    # the next step donates the trainer's state: these are copies
-    params = jax.tree_util.tree_map(jnp.copy, params)
-    opt_state = jax.tree_util.tree_map(jnp.copy, opt_state) if self.keep_opt_state and opt_state is not None else None
+  def add(self, params, minibatches: list, logp=None, opt_state=None, copy: bool = True):
+    """A rollout's minibatches at the params (and optimizer state) its step left. The next step donates the
+    trainer's state, so they are copied unless (copy False) they are measured before it runs."""
+    if copy:
+      params = jax.tree_util.tree_map(jnp.copy, params)
+    keep = self.keep_opt_state and opt_state is not None
+    opt_state = (jax.tree_util.tree_map(jnp.copy, opt_state) if copy else opt_state) if keep else None
     # no rollout contributes more than `count` (and each keeps its own params: the copies are what this costs)
     minibatches, logp = list(minibatches)[:self.count], ([None] * len(minibatches) if logp is None else logp)
     self.by_rollout.append((minibatches, [UpdateContext(params, opt_state, lp) for lp in logp[:self.count]]))
 
   def ready(self) -> bool:
-    return len(self.by_rollout) >= self.rollouts and sum(len(b) for b, _ in self.by_rollout) >= self.count
+    return self.ready_with(0, 0)
+
+  def ready_with(self, minibatches: int, rollouts: int = 1) -> bool:
+    """Whether the collector is ready once `rollouts` more rollouts of `minibatches` minibatches are in."""
+    have = sum(len(b) for b, _ in self.by_rollout) + min(minibatches, self.count)
+    return len(self.by_rollout) + rollouts >= self.rollouts and have >= self.count
 
   def take(self) -> tuple[list, list]:
     """(minibatches, contexts): up to `count`, in turn from each rollout (the first of each, then the second, ...);

@@ -61,15 +61,20 @@ def test_later_passes_are_reallocated_from_the_previous_pass(tmp_path, monkeypat
 @pytest.mark.usefixtures("fixed_op_times")
 def test_rows_log_the_gate_and_the_drift_sentinels_from_the_step_metrics(tmp_path):
   # two passes (every row's allocations reduced together, so each carries the same keys); the updates' ||g|| reach
-  # the manager (MemoryManager.observe), so step 2's row compares them with calibration's
-  t = Trainer(tiny_config(tmp_path, *HILORE, "train.steps=2", "grpo.num_iterations=2", "grpo.beta=0.05",
-                          "memory.drift_check_every=1", "memory.budget_ratio=1.3"))
+  # the manager (MemoryManager.observe) and the sentinels read them after the step, against the run's own earlier
+  # values: the first step's start the references, the second's are compared (in the third step's row)
+  t = Trainer(tiny_config(tmp_path, *HILORE, "train.steps=3", "grpo.num_iterations=2", "grpo.beta=0.05",
+                          "memory.drift_check_every=1", "memory.budget_ratio=1.3", "memory.min_l_gain=0"))
   t.train()
-  first, second = metrics.read_metrics(tmp_path / "metrics.jsonl")
+  first, second, third = metrics.read_metrics(tmp_path / "metrics.jsonl")
   cal = t.memory.state.calibration
+  assert all(r["alloc/frac_L"] > 0 for r in (first, second, third))  # the plan holds L: the sentinels run
   as_row = lambda x: "nan" if x != x else x  # the row writes a non-finite float as its name
   assert first["memory/gate/on"] == float(cal.gate["on"]) and first["memory/gate/spread"] == as_row(cal.gate["spread"])
   assert first["memory/recalibrated"] == 0.0 and first["memory/drift/grad_ratio"] == "nan"  # nothing observed yet
-  assert second["memory/drift/grad_ratio"] > 0 and second["memory/drift/recon_ratio"] > 0
-  assert second["memory/recalibrated"] == float(t.memory.state.calibrated_at == 1)
+  assert second["memory/drift/grad_ratio"] == "nan" and second["memory/drift/exact_ratio"] > 0  # references started
+  assert "time/recalibrate_s" in second and "time/recalibrate_s" not in first
+  assert third["memory/drift/grad_ratio"] > 0 and third["memory/drift/recon_ratio"] > 0
+  assert third["memory/recalibrated"] == float(t.memory.state.calibrated_at == 2)
+  assert third["memory/recalibrations"] == t.memory.state.recalibrations and third["memory/calibrations"] >= 1
   assert cal.grad_norms and cal.gate["unclipped_share"] == sum(g < 1.0 for g in cal.grad_norms) / len(cal.grad_norms)

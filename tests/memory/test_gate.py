@@ -69,12 +69,30 @@ def test_smollm2_like_regime_leaves_the_gate_off():
   assert not gate.evaluate(big, raw_big, [0.5] * K, 1.0, GateConfig(mode="never"))["on"]
 
 
+def test_the_gate_never_decides_on_fewer_minibatches_than_it_needs():
+  err, raw = _regime(sigma=1.0, rng=np.random.default_rng(0))
+  every = GateConfig(spread_min=0.0, unclipped_min=0.0, rho_min=-1.0)  # thresholds any measurement passes
+  for k in (1, 2, 3):
+    rec = gate.evaluate(err[:k], raw[:k], [0.5] * k, 1.0, every)
+    assert rec["undecided"] and not rec["on"] and not rec["measured_on"] and rec["batches"] == k
+    assert gate.gate_metrics(rec)["memory/gate/undecided"] == 1.0
+  assert gate.describe(gate.evaluate(err[:1], raw[:1], [0.5], 1.0, every)).startswith(
+      "gate auto: undecided: 1 minibatch, it needs 4")
+  decided = gate.evaluate(err[:4], raw[:4], [0.5] * 4, 1.0, every)
+  assert not decided["undecided"] and decided["on"] and "undecided" not in gate.describe(decided)
+  assert gate.evaluate(err[:2], raw[:2], [0.5] * 2, 1.0, GateConfig(mode="always"))["on"]  # forced: the arms' way
+  assert not gate.evaluate(err[:3], raw[:3], [0.5] * 3, 1.0, dataclasses.replace(every, min_batches=4))["on"]
+  assert gate.evaluate(err[:3], raw[:3], [0.5] * 3, 1.0, dataclasses.replace(every, min_batches=3))["on"]
+
+
 def test_gate_and_calibration_settings_are_validated():
-  for bad in ({"mode": "maybe"}, {"unclipped_min": 1.5}, {"rho_min": 2.0}, {"spread_min": -1.0}):
+  for bad in ({"mode": "maybe"}, {"unclipped_min": 1.5}, {"rho_min": 2.0}, {"spread_min": -1.0},
+              {"min_batches": 2}):
     with pytest.raises(ConfigError, match="memory.gate"):
       GateConfig(**bad)
   for bad, key in (({"calib_quantile": 0.0}, "calib_quantile"), ({"calib_rollouts": 0}, "calib_rollouts"),
-                   ({"drift_grad_ratio": 1.0}, "drift_grad_ratio"), ({"drift_check_every": -1}, "drift_check")):
+                   ({"drift_grad_ratio": 1.0}, "drift_grad_ratio"), ({"drift_check_every": -1}, "drift_check"),
+                   ({"min_l_gain": 1.0}, "min_l_gain"), ({"min_l_gain": -0.1}, "min_l_gain")):
     with pytest.raises(ConfigError, match=key):
       MemoryConfig(**bad)
   c = config.from_dict({}, ["memory.gate.rho_min=0.5", "memory.calib_rollouts=3"])
@@ -103,8 +121,9 @@ def tiny():
   rng = np.random.default_rng(0)
   adv = [1.5, -0.5, -1.0, 1.0, 0.5, -1.5]
   batches = [manager_util.batch(rng, np.asarray(adv) * s) for s in (1.0, 3.0, 0.3, 1.7)]  # K = 4 of different scales
+  # min_l_gain 0: any predicted gain calibrates (these tests are of the gate, not of that decision)
   mc = MemoryConfig(policy="hilore", budget_ratio=1.5, group_size=8, calib_sets=2, budget_probes=2, buckets=3,
-                    warmup="none", cache=False, verify_steps=0, drift_check_every=0)
+                    warmup="none", cache=False, verify_steps=0, drift_check_every=0, min_l_gain=0.0)
   return hooks, params, batches, mc
 
 
@@ -114,7 +133,7 @@ def test_the_allocator_receives_each_units_p90_over_the_calibration_minibatches(
   mc = dataclasses.replace(mc, gate=GateConfig(mode="never"))
   seen = []
   plan = manager.methods.plan
-  monkeypatch.setattr(manager.methods, "plan", lambda *a, **kw: seen.append(kw["risk_of"]) or plan(*a, **kw))
+  monkeypatch.setattr(manager.methods, "plan", lambda *a, **kw: seen.append(kw.get("risk_of")) or plan(*a, **kw))
   m = MemoryManager(mc, hooks)
   allocs = m.step(params, batches, 0)
   cal = m.state.calibration

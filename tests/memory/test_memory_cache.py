@@ -92,6 +92,32 @@ def test_first_step_runs_gc_then_the_plan_and_a_second_run_starts_on_the_cached_
 
 
 @pytest.mark.slow
+def test_a_second_run_of_the_recipe_stays_warm_with_l_in_its_plan(tmp_path, monkeypatch):
+  # a plan with L units, so the drift sentinels run; 6 steps, the learning rate warming up over them: the gradient's
+  # scale moves. The second run starts on the cached plan and neither calibrates nor probes over its 6 steps
+  from hilore_jax.memory import calibrate
+
+  monkeypatch.setenv("HILORE_CACHE", str(tmp_path / "cache"))
+  calibrations = []
+  measure = calibrate.measure
+  monkeypatch.setattr(calibrate, "measure", lambda *a, **k: calibrations.append(1) or measure(*a, **k))
+  args = [*RUN, "train.steps=6", "optimizer.warmup_steps=5", "rollout.num_prompts=6", "rollout.num_generations=6",
+          "memory.budget_ratio=1.45", "memory.grad_err_tolerance=0.3", "memory.min_l_gain=0", "memory.calib_rows=4",
+          "memory.drift_check_every=2"]
+  Trainer(tiny_config(tmp_path / "first", *args)).train()
+  first = _rows(tmp_path / "first")
+  assert calibrations and any(r["alloc/frac_L"] > 0 for r in first)  # calibrated, and its plan holds L
+  calibrations.clear()
+  second = Trainer(tiny_config(tmp_path / "second", *args))
+  second.train()
+  rows = _rows(tmp_path / "second")
+  assert len(rows) == 6 and not calibrations and all(r["compile/probes"] == 0 for r in rows)
+  assert all(r["alloc/warmup"] == 0 and r["alloc/frac_L"] > 0 for r in rows)  # on its plans from the first step
+  assert rows[-1]["memory/calibrations"] == 0 and rows[-1]["memory/recalibrations"] == 0
+  assert second.memory.state.calibrations == 0 and any("time/recalibrate_s" in r for r in rows)  # the sentinels ran
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("plan_speed", [10.0, 0.1])
 def test_the_guard_runs_gc_where_the_plans_are_measured_slower(tmp_path, monkeypatch, caplog, plan_speed):
   from hilore_jax.memory import MemoryManager
@@ -160,7 +186,7 @@ def test_a_bucket_met_mid_step_is_fitted_after_the_step_not_on_its_clock(tmp_pat
   # exposure on: buckets are vectors of unit levels; from step 4 on the scores are raised 4x a step (each unit 4
   # levels up), so every later step meets a bucket no fitted one covers, whatever the rollouts were
   t = Trainer(tiny_config(tmp_path, *RUN, "memory.cache=false", "memory.buckets=3", "train.steps=5",
-                          "memory.budget_ratio=1.5", "memory.gate.mode=always"))
+                          "memory.budget_ratio=1.5", "memory.gate.mode=always", "memory.min_l_gain=0"))
   seen, finish, scores, step_now = [], t.memory.finish_step, t.memory.unit_scores, [0]
   run_step = t.run_step
 
