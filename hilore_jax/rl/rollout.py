@@ -8,7 +8,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from hilore_jax.model import ModelConfig
+from hilore_jax.model import ModelConfig, lora
 from hilore_jax.rl import sampler
 from hilore_jax.rl.config import SamplingConfig
 from hilore_jax.tasks import Example
@@ -48,6 +48,7 @@ def sample_completions(cfg: ModelConfig, params, prompter: Prompter, examples: S
                        reward_fn) -> Rollout:
   """G completions for every example, scored by reward_fn(completion_text, reference)."""
   ids, mask, truncated = prompter.encode(examples, max_prompt_len)
+  cfg, params = lora.sampling_model(cfg, params)  # a LoRA model's adapters merged once per rollout
   # the distinct prompts: the sampler prefills each once and copies its cache to the group's G rows
   out = jax.device_get(sampler.generate(cfg, params, ids, mask, rng, sc, prompter.stop_ids,
                                         prompter.tokenizer.pad_token_id, num_generations=num_generations))
