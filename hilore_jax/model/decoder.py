@@ -132,6 +132,14 @@ WEIGHT_READS: dict[str, tuple[str, tuple[str, ...]]] = {
     U.MLP_NORM: ("mlp", ("wgate_DF", "wup_DF")), U.MLP_DOWN_IN: ("mlp", ("wdown_FD",))}
 
 
+def weight_read_leaves(cfg: ModelConfig) -> dict[str, tuple[tuple[str, str], ...]]:
+  """WEIGHT_READS as paths within a layer's gradient: its projections' weights, or with LoRA (whose frozen weights
+  have no gradient) their adapters' A, the only gradients that read the unit; a unit no adapter reads has none."""
+  if cfg.lora is None:
+    return {k: tuple((blk, n) for n in names) for k, (blk, names) in WEIGHT_READS.items()}
+  return {k: tuple((t, "A") for t in cfg.lora.targets if lora.TARGETS[t].unit == k) for k in WEIGHT_READS}
+
+
 class LayerCtx(NamedTuple):
   """What every layer reads besides its own params and input: RoPE tables and the attention mask, as [B, T, S]
   and as its parts (the blockwise kernel builds each block's mask from them, never the T x S one)."""
