@@ -155,6 +155,19 @@ def check_checkpoint(meta: dict, model_cfg: ModelConfig, base: Base | None, step
                           f"{'another model' if base else 'not on disk'}: resume on the base it was trained on")
 
 
+def saved_base(meta: dict, c: Config, step: int) -> tuple[ModelConfig, dict]:
+  """(model config with the adapters, host base params) of a LoRA checkpoint's base, read from the directory its
+  metadata names and checked against its sha256 (train.eval restores a run without a Trainer)."""
+  saved = meta["lora"]
+  path = saved["base_path"]
+  if not os.path.isfile(os.path.join(path, "config.json")) or files_sha256(path) != saved["base_sha256"]:
+    now = "another model now" if os.path.isdir(path) else "gone"
+    raise CheckpointError(f"checkpoint step {step} was trained on the base {path} (sha256 "
+                          f"{saved['base_sha256'][:12]}), which is {now}")
+  cfg, params = hf.load_hf(path, c.lora.base_dtype or c.model.param_dtype, c.model.dtype)
+  return cfg.replace(lora=c.lora.spec(), **c.model.kernel()), params
+
+
 def checkpoint_meta(model_cfg: ModelConfig, base: Base | None) -> dict | None:
   """The checkpoint's record of its learner: LoRA's rank, alpha, targets and base identity; None: full."""
   if model_cfg.lora is None:

@@ -13,7 +13,7 @@ from trainer_util import stable, tiny_config
 
 from hilore_jax import model
 from hilore_jax.errors import CheckpointError, ConfigError
-from hilore_jax.loop import adapters, metrics
+from hilore_jax.loop import adapters, evaluation, metrics
 from hilore_jax.loop.trainer import Trainer
 from hilore_jax.model import hf, lora, peft
 from hilore_jax.model.config import LoraSpec
@@ -72,6 +72,12 @@ def test_a_lora_run_trains_its_adapters_on_a_frozen_base_and_resumes_exactly(tmp
     with torch.no_grad():
       theirs = pm(torch.tensor(np.asarray(ids))).logits.numpy()
     assert np.abs(theirs - np.asarray(model.forward(t.model_cfg, params, ids))).max() <= 1e-4
+
+  # train.eval restores the run without a Trainer: the adapters on the base its metadata names
+  eval_cfg, restored = evaluation.restore_params(str(tmp_path / "a"), t.config)
+  assert eval_cfg.lora == t.model_cfg.lora
+  for a, b in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(a, b)
 
   # resumed from step 2 (as if killed after step 4's metrics), the same metrics
   shutil.copytree(tmp_path / "a", tmp_path / "b")
