@@ -213,12 +213,12 @@ def minibatch_kl(kl_fn, spec: StepSpec, params, updates, batch: UpdateBatch, chu
   """kl_fn's mean over the minibatch's completion tokens, spec.microbatches row slices at a time (as the gradient
   program holds them): each slice's mean weighted by its token count. updates are shaped like what trains
   (lora.partition): the KL's JVP runs along the adapters of a LoRA model."""
-  split = lora.partition(params)
+  parts = lora.partition(params)
 
   def one(b):
     hidden_fn, head_fn = kl_functions(spec, b)
-    hidden, head = (lambda t: hidden_fn(split.combined(t))), (lambda t: head_fn(split.combined(t)))
-    return kl_fn(hidden, head, split.trainable, updates, b.mask, chunk) * jnp.sum(b.mask).astype(jnp.float32)
+    hidden, head = (lambda t: hidden_fn(parts.combined(t))), (lambda t: head_fn(parts.combined(t)))
+    return kl_fn(hidden, head, parts.trainable, updates, b.mask, chunk) * jnp.sum(b.mask).astype(jnp.float32)
 
   split = batch.sequences().split(spec.microbatches)
   return jnp.sum(jax.lax.map(one, split)) / jnp.maximum(jnp.sum(batch.mask).astype(jnp.float32), 1.0)

@@ -19,12 +19,12 @@ from hilore_jax.model import hf, lora, peft
 from hilore_jax.model.config import LoraSpec
 from hilore_jax.rl import train_step
 
-# two passes over minibatches of 6 (old log-probs), a KL term, HiLoRe planning and the adapters' dropout: every
-# piece of a LoRA run's state crosses the checkpoint
+# two passes over minibatches of 6 (old log-probs), a KL term, HiLoRe planning, predicted-KL control (its JVP along
+# the adapters) and the adapters' dropout: every piece of a LoRA run's state crosses the checkpoint
 LORA = ["lora.rank=3", "lora.alpha=6", "lora.dropout=0.1", "grpo.beta=0.05", "train.steps=4", "checkpoint.every=2",
         "grpo.num_iterations=2", "train.minibatch_size=6", "grpo.filter_zero_std=false", "optimizer.lr=0.01",
         "memory.policy=hilore", "memory.group_size=8", "memory.budget_ratio=1.02", "memory.budget_probes=2",
-        "memory.warmup=none"]
+        "memory.warmup=none", "optimizer.kl_control.target=0.001", "optimizer.kl_control.chunk=2"]
 
 
 def _size(tree) -> int:
@@ -46,6 +46,7 @@ def test_a_lora_run_trains_its_adapters_on_a_frozen_base_and_resumes_exactly(tmp
   assert t.ref_params is None
   rows = metrics.read_metrics(tmp_path / "a" / "metrics.jsonl")
   assert rows[-1]["kl"] > 0 and all(r["updates"] >= 2 for r in rows)
+  assert all(r["kl_control/predicted"] > 0 for r in rows)
   # the reference is the base: its log-probs are the base model's own
   batch = t.plan_update(t.last_rollout, np.random.default_rng(0)).batches[0]
   plain = train_step.StepSpec(t.model_cfg.replace(lora=None), t.spec.loss_cfg, ())
