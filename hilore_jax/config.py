@@ -3,7 +3,9 @@ boundary, and its loading from YAML plus dotted overrides.
 
 Each wing owns its settings (model/config.py, tasks/config.py, rl/config.py, optim/config.py, memory/config.py);
 this module adds only what the run itself needs (where the model comes from, the mesh, checkpoints, logging), the
-checks that span sections, and the loader. It does no I/O beyond parsing what it is given.
+checks that span sections, and the loader. It does no I/O beyond parsing what it is given. Over 320 lines
+on purpose: the sections of the model wing (model, lora) live here because model/ imports nothing of the package's
+errors, beside the run's own and the loader.
 """
 
 from __future__ import annotations
