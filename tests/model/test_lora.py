@@ -35,7 +35,7 @@ def test_adapters_start_like_peft_and_leave_the_base_alone(tiny_cfg):
   assert_trees_close(lora.base_of(params), base, ulps=0)  # the base's own draws are those of a run without LoRA
   for layer in params["layers"]:
     assert set(layer[lora.KEY]) == set(model.config.LORA_TARGETS)
-    for t, ad in layer[lora.KEY].items():
+    for ad in layer[lora.KEY].values():
       a, b = np.asarray(ad["A"]), np.asarray(ad["B"])
       assert a.dtype == b.dtype == np.float32 and not b.any()
       fan_in = math.prod(a.shape[:-1])  # peft's kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in))
