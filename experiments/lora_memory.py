@@ -6,9 +6,9 @@ resident bytes of the train state (params, AdamW state, and the KL reference: a 
 fine-tuning, the frozen base itself for LoRA), the update's compiled peak under full checkpointing on one
 microbatch of the config's shape (rows of train.microbatch_size, else 8; rollout.max_prompt_len +
 rollout.max_new_tokens; engine.Step.peak_bytes: the larger program's temp plus the gradients, beyond the state),
-and the gradient program's matmul FLOPs (capacity/flops.py: the frozen weights' gradient matmuls are gone under
-LoRA). The LoRA arm is the config's lora section (rank 16, all seven projections if it has none); writes
-lora_memory.json and lora_memory.md to --out.
+the gradient program's matmul FLOPs (capacity/flops.py: the frozen weights' gradient matmuls are gone under LoRA)
+and the share of them that is GC's repeated forward (1 - No-GC's / GC's). The LoRA arm is the config's lora
+section (rank 16, all seven projections if it has none); writes lora_memory.json and lora_memory.md to --out.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def measure(cfg, shape: str | None, beta: float) -> dict:
     spec = train_step.StepSpec(mcfg, dataclasses.replace(cfg.grpo, beta=beta, max_completion_len=N),
                                model.uniform(mcfg.num_hidden_layers, model.FULL_REMAT), 1, cfg.train.logprob_chunk,
                                use_old_logp=True, use_ref_logp=beta > 0)
+    nogc = dataclasses.replace(spec, policies=model.uniform(mcfg.num_hidden_layers, model.NO_REMAT))
     step = eng.stepper.get(spec, batch, count=False)
     sa = eng.stepper.state_abstract
     params_b, opt_b = capacity.device_bytes(sa["params"]), capacity.device_bytes(sa["opt_state"])
@@ -56,13 +57,17 @@ def measure(cfg, shape: str | None, beta: float) -> dict:
                  "peak_bytes": step.peak_bytes, "grad_temp_bytes": step.grad_temp_bytes,
                  "update_temp_bytes": step.update_temp_bytes, "grad_bytes": step.grad_bytes,
                  "grad_matmul_flops": flops.program_flops(
-                     lambda p, b: train_step.grads_and_stats(p, b, spec)[0], sa["params"], batch)}
+                     lambda p, b: train_step.grads_and_stats(p, b, spec)[0], sa["params"], batch),
+                 "grad_matmul_flops_nogc": flops.program_flops(
+                     lambda p, b: train_step.grads_and_stats(p, b, nogc)[0], sa["params"], batch)}
+    # the share of GC's gradient program that is its repeated forward: what keeping activations can save
+    out[name]["recompute_share"] = 1 - out[name]["grad_matmul_flops_nogc"] / out[name]["grad_matmul_flops"]
   return out
 
 
 def markdown(rows: list[dict]) -> str:
   lines = ["| shape | learner | trained params | params | AdamW state | reference | resident | update peak | "
-           "gradient matmul FLOPs |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "gradient matmul FLOPs | GC's recompute share |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
     for name in ("full", "lora"):
       x = r[name]
@@ -70,10 +75,11 @@ def markdown(rows: list[dict]) -> str:
       lines.append(f"| {r['shape']} | {label} | {x['trained_params'] / 1e6:,.2f} M | {x['params_bytes'] / MiB:,.0f} | "
                    f"{x['optimizer_bytes'] / MiB:,.1f} | {x['reference_bytes'] / MiB:,.0f} | "
                    f"{x['resident_bytes'] / MiB:,.0f} | {x['peak_bytes'] / MiB:,.0f} | "
-                   f"{x['grad_matmul_flops'] / 1e12:,.3f} T |")
+                   f"{x['grad_matmul_flops'] / 1e12:,.3f} T | {x['recompute_share']:.3f} |")
     f, lo = r["full"], r["lora"]
-    lines.append(f"| {r['shape']} | LoRA / full | | | | | {lo['resident_bytes'] / f['resident_bytes']:.3f} | "
-                 f"{lo['peak_bytes'] / f['peak_bytes']:.3f} | {lo['grad_matmul_flops'] / f['grad_matmul_flops']:.3f} |")
+    ratio = lambda k: lo[k] / f[k]
+    lines.append(f"| {r['shape']} | LoRA / full | | | | | {ratio('resident_bytes'):.3f} | "
+                 f"{ratio('peak_bytes'):.3f} | {ratio('grad_matmul_flops'):.3f} | |")
   r0 = rows[0]
   lines.append(f"\nMiB per device, compile-only; one microbatch of {r0['rows']} rows x ({r0['prompt_len']} + "
                f"{r0['completion_len']}) tokens under full checkpointing, KL beta {r0['beta']}, "
