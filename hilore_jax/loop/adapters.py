@@ -16,6 +16,7 @@ import os
 
 import jax
 
+from hilore_jax import sharding
 from hilore_jax.config import Config
 from hilore_jax.errors import CheckpointError, ConfigError
 from hilore_jax.model import ModelConfig, hf, lora, peft
@@ -114,10 +115,16 @@ def init_from(c: Config, model_cfg: ModelConfig, base: Base) -> list[dict]:
 
 
 def write_base(c: Config, model_cfg: ModelConfig, params: dict, tokenizer=None) -> Base:
-  """The run's base written to out_dir/base (a model with no directory of its own) and identified."""
+  """The run's base written to out_dir/base (a model with no directory of its own) and identified: gathered by every
+  process (a collective), written by the first, read by all once it is there."""
   path = base_dir(c)
-  cfg = model_cfg.replace(lora=None)
-  hf.save_hf(cfg, jax.device_get(lora.base_of(params)), path, tokenizer=tokenizer)
+  host = sharding.gather_to_host(lora.base_of(params))
+  if jax.process_index() == 0:
+    hf.save_hf(model_cfg.replace(lora=None), host, path, tokenizer=tokenizer)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("lora base written")
   return Base(path, files_sha256(path))
 
 
