@@ -47,6 +47,7 @@ def test_a_lora_run_trains_its_adapters_on_a_frozen_base_and_resumes_exactly(tmp
   rows = metrics.read_metrics(tmp_path / "a" / "metrics.jsonl")
   assert rows[-1]["kl"] > 0 and all(r["updates"] >= 2 for r in rows)
   assert all(r["kl_control/predicted"] > 0 for r in rows)
+  assert all(r["memory/compiled_bytes"] <= r["memory/budget_bytes"] for r in rows)  # HiLoRe's plans fit, under LoRA
   # the reference is the base: its log-probs are the base model's own
   batch = t.plan_update(t.last_rollout, np.random.default_rng(0)).batches[0]
   plain = train_step.StepSpec(t.model_cfg.replace(lora=None), t.spec.loss_cfg, ())
