@@ -118,10 +118,10 @@ def grads_and_stats(params, batch: UpdateBatch, spec: StepSpec, probe_mix=None, 
   normalisers of the minibatch batch is part of (default: batch's own). wrt_probe: the gradient is (trained
   params', probe_mix's): a probe_mix with error channels (model/lowp.py) returns each one's error."""
   num_seqs, num_tokens = grpo.normalisers(batch.mask) if norm is None else norm
-  split = lora.partition(params)
-  if split.frozen is not None:  # the frozen base is no argument of the gradient: autodiff forms no weight gradient
-    loss_fn = lambda t, *args: loss_and_stats(split.combined(t), *args)
-    params = split.trainable
+  parts = lora.partition(params)
+  if parts.frozen is not None:  # the frozen base is no argument of the gradient: autodiff forms no weight gradient
+    loss_fn = lambda t, *args: loss_and_stats(parts.combined(t), *args)
+    params = parts.trainable
   else:
     loss_fn = loss_and_stats
   grad_fn = jax.grad(loss_fn, argnums=(0, 5) if wrt_probe else 0, has_aux=True)

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import jax
@@ -96,6 +97,9 @@ def test_the_train_step_trains_the_adapters_alone(tiny_cfg):
   norm = train_step.grpo.normalisers(batch.mask)
   full, _ = jax.grad(train_step.loss_and_stats, has_aux=True)(params, batch, spec, *norm)
   assert_trees_close(grads, lora.trainable(full), ulps=64, scale="tree")
+  # accumulated over microbatches: the same gradient
+  micro, _ = train_step.grads_and_stats(params, batch, dataclasses.replace(spec, microbatches=2))
+  assert_trees_close(micro, grads, ulps=64, scale="tree")
   opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
   state = {"params": params, "opt_state": opt.init(lora.trainable(params)), "step": jnp.int32(0)}
   new, _ = jax.jit(lambda s, g: train_step.update_step(s, g, opt))(state, grads)
