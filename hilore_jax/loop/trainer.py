@@ -149,7 +149,7 @@ class Trainer:
   def reference_logprobs(self, batch: update_batch.UpdateBatch, micros: update_plan.Micros = None):
     """The KL reference's log-probs: a LoRA run's frozen base (its own params with the adapters off: no copy of the
     weights), else the params copied before the first step."""
-    if self.base is not None:
+    if self.model_cfg.lora is not None:
       return self.logprobs(self.state["params"], batch, micros, adapters.reference_spec(self.spec))
     return self.logprobs(self.ref_params, batch, micros)
 
@@ -182,7 +182,7 @@ class Trainer:
     latest = self.checkpointer.latest_step()
     if latest is not None:  # a checkpoint of another learner or base is refused, never restored onto this one
       adapters.check_checkpoint(self.checkpointer.restore_meta(latest), self.model_cfg, self.base, latest)
-    if self.config.grpo.beta > 0 and self.base is None:
+    if self.config.grpo.beta > 0 and not self.config.lora.enabled:
       self.ref_params = self.state["params"]  # shape donor; replaced by the restored reference
     abstract = engine.abstract(*self._checkpoint())
     found = self.checkpointer.restore_newest(lambda meta: abstract)
@@ -304,7 +304,7 @@ class Trainer:
         log.info("warm-start loss %.3f -> %.3f", self.warmstart_losses[0], self.warmstart_losses[-1])
       if c.lora.enabled and self.base is None:  # the run's own base, on disk before the first checkpoint
         self.base = adapters.write_base(c, self.model_cfg, self.state["params"], self.tokenizer)
-      if c.grpo.beta > 0 and self.base is None:  # a LoRA run's reference is its base: no copy
+      if c.grpo.beta > 0 and not c.lora.enabled:  # a LoRA run's reference is its base: no copy
         self.ref_params = jax.tree_util.tree_map(jnp.copy, self.state["params"])
       if c.eval.at_start:  # minutes at length on a CPU: say what runs before the first step's bar appears
         log.info("eval before GRPO: greedy on %d held-out problems, up to %d new tokens%s",
