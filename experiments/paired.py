@@ -47,7 +47,7 @@ def _trainer(config_path: str | None, overrides: list[str], out_dir: str):
   cfg = cli.load_config(config_path, [*overrides, f"out_dir={out_dir}", "logging.progress=false",
                                       "logging.plot=false"])
   t = Trainer(cfg)
-  if cfg.grpo.beta > 0:
+  if cfg.grpo.beta > 0 and not cfg.lora.enabled:  # a LoRA run's reference is its own frozen base
     t.ref_params = _copy(t.state["params"])
   return t
 
