@@ -25,7 +25,10 @@ from hilore_jax import stats
 from hilore_jax.rl import rollout
 
 log = logging.getLogger(__name__)
-COUNTS = ("rows_updated", "tokens/computed", "tokens/unshared", "budget/microbatches", "compile/count")
+# what each arm's first (compiling) update did: its work, and a planned method's plan (units kept H and L, whether
+# the guard or a fallback ran GC's program instead)
+COUNTS = ("rows_updated", "tokens/computed", "tokens/unshared", "budget/microbatches", "compile/count",
+          "alloc/frac_H", "alloc/frac_L", "alloc/frac_R", "memory/compiled_bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +47,7 @@ def _trainer(config_path: str | None, overrides: list[str], out_dir: str):
   cfg = cli.load_config(config_path, [*overrides, f"out_dir={out_dir}", "logging.progress=false",
                                       "logging.plot=false"])
   t = Trainer(cfg)
-  if cfg.grpo.beta > 0:
+  if cfg.grpo.beta > 0 and not cfg.lora.enabled:  # a LoRA run's reference is its own frozen base
     t.ref_params = _copy(t.state["params"])
   return t
 

@@ -3,7 +3,9 @@ boundary, and its loading from YAML plus dotted overrides.
 
 Each wing owns its settings (model/config.py, tasks/config.py, rl/config.py, optim/config.py, memory/config.py);
 this module adds only what the run itself needs (where the model comes from, the mesh, checkpoints, logging), the
-checks that span sections, and the loader. It does no I/O beyond parsing what it is given.
+checks that span sections, and the loader. It does no I/O beyond parsing what it is given. Over 320 lines
+on purpose: the sections of the model wing (model, lora) live here because model/ imports nothing of the package's
+errors, beside the run's own and the loader.
 """
 
 from __future__ import annotations
@@ -19,16 +21,16 @@ from typing import Any, Sequence
 
 import yaml
 
-from hilore_jax.errors import ConfigError, check_positive, check_range
+from hilore_jax.errors import ConfigError, check_choice, check_positive, check_range
 from hilore_jax.memory.config import MemoryConfig
-from hilore_jax.model.config import ModelConfig
+from hilore_jax.model.config import DTYPES, LORA_TARGETS, LoraSpec, ModelConfig
 from hilore_jax.optim.config import OptimizerConfig
 from hilore_jax.rl.config import EvalConfig, GRPOConfig, ReplayConfig, RolloutConfig, TrainConfig
 from hilore_jax.tasks.config import TaskConfig
 
 _KERNEL_FIELDS = ("attention", "attention_block_q", "attention_block_k")  # how attention runs, not the shape
 _ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig)
-                     if f.name not in ("dtype", "param_dtype") + _KERNEL_FIELDS)
+                     if f.name not in ("dtype", "param_dtype", "lora") + _KERNEL_FIELDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +74,38 @@ class ModelSection:
   def kernel(self) -> dict[str, Any]:
     """The attention kernel's ModelConfig fields (applied to a checkpoint's config too)."""
     return {f: getattr(self, f) for f in _KERNEL_FIELDS}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """lora.*: train low-rank adapters on a frozen base instead of every parameter (model/lora.py); rank 0: off."""
+
+  rank: int = 0
+  alpha: float = 8.0  # the adapter's output is scaled by alpha / rank (peft's lora_alpha, its default 8)
+  targets: tuple[str, ...] = LORA_TARGETS  # q, k, v, o, gate, up, down (peft's q_proj, ..., down_proj)
+  dropout: float = 0.0  # on the adapter's input in the gradient program (peft's lora_dropout)
+  base_dtype: str | None = None  # the frozen base's storage dtype; None: model.param_dtype. Adapters: float32
+  init_from: str | None = None  # a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)
+
+  def __post_init__(self):
+    if self.rank < 0:
+      raise ConfigError(f"lora.rank must be >= 0 (0: off), got {self.rank}")
+    if self.base_dtype is not None:
+      check_choice("lora.base_dtype", self.base_dtype, tuple(DTYPES))
+    try:
+      LoraSpec(max(self.rank, 1), self.alpha, self.targets, self.dropout)  # alpha, targets and dropout, even off
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+    if self.init_from and not self.rank:
+      raise ConfigError("lora.init_from needs lora.rank > 0 (the adapter directory's rank)")
+
+  @property
+  def enabled(self) -> bool:
+    return self.rank > 0
+
+  def spec(self) -> LoraSpec | None:
+    """The model's adapters (ModelConfig.lora), None when off."""
+    return LoraSpec(self.rank, self.alpha, self.targets, self.dropout) if self.rank else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +166,7 @@ class Config:
   logging: LoggingConfig = LoggingConfig()
   memory: MemoryConfig = MemoryConfig()
   replay: ReplayConfig = ReplayConfig()
+  lora: LoraConfig = LoraConfig()
 
   def __post_init__(self):
     check_positive("seed", self.seed, allow_zero=True)  # numpy's per-step shuffle seeds take no negatives

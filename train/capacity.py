@@ -1,5 +1,5 @@
 """python -m train.capacity --out DIR [--shapes smollm2-135m,qwen2.5-1.5b] [--methods gc,hilore] [--budgets-gib 24,80]
-    [--devices 1,8] [--attention xla,blockwise] [--growth-methods gc]
+    [--devices 1,8] [--attention xla,blockwise] [--growth-methods gc] [--lora RANK]
 
 The longest completion whose whole GRPO step (gradient and update programs, old and reference log-prob passes)
 compiles within each per-device budget, compile-only (hilore_jax/capacity/measure.py; docs/capacity.md). Every
@@ -47,6 +47,8 @@ def body(args):
   methods = _list("--methods", args.methods, list(capacity.METHODS))
   growth = _list("--growth-methods", args.growth_methods, list(capacity.METHODS)) if args.growth_methods else []
   attention = _list("--attention", args.attention, ATTENTION_KERNELS)
+  if args.lora < 0:
+    raise ConfigError(f"--lora must be >= 0 (0: full fine-tuning), got {args.lora}")
   for flag, value in (("--grid", args.grid), ("--max-completion", args.max_completion)):
     if value is not None and value <= 0:
       raise ConfigError(f"{flag} must be positive, got {value}")
@@ -55,7 +57,7 @@ def body(args):
       (f"--xla_force_host_platform_device_count={max(devices)}",)):
     raise ConfigError("JAX started before train.capacity could force its CPU devices")
   runtime.enable_compilation_cache()
-  settings = capacity.Settings(grid=args.grid, max_completion=args.max_completion)
+  settings = capacity.Settings(grid=args.grid, max_completion=args.max_completion, lora_rank=args.lora)
   capacity_run.run(args.out, shapes, methods, budgets, devices, attention, growth, settings, cli.progress)
   cli.print_files(args.out, "capacity.md")
 
@@ -74,7 +76,9 @@ def main(argv=None):
                        "tokens per row ('' for none)"),
                cli.arg("--grid", default=64, type=int, help="the search's step in completion tokens"),
                cli.arg("--max-completion", type=int, help="the search's cap in completion tokens (default: the "
-                       "shape's max_position_embeddings - 256)")])
+                       "shape's max_position_embeddings - 256)"),
+               cli.arg("--lora", default=0, type=int, help="LoRA rank: adapters on all seven projections of a "
+                       "frozen base, AdamW over them, the base as the KL reference (0: full fine-tuning)")])
 
 
 if __name__ == "__main__":

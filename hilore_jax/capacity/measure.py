@@ -31,7 +31,7 @@ from hilore_jax.errors import ConfigError
 from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.memory.state import Calibration
 from hilore_jax.model import units as U
-from hilore_jax.model.config import from_hf_dict
+from hilore_jax.model.config import LoraSpec, from_hf_dict
 from hilore_jax.rl import train_step
 from hilore_jax.rl.config import GRPOConfig
 from hilore_jax.rl.update_batch import UpdateBatch
@@ -60,6 +60,9 @@ class Settings:
   budget_probes: int = 2  # compiles per plan's budget fit
   grid: int = 64  # the search's step in completion tokens
   max_completion: int | None = None  # and its cap; None: the shape's max_position_embeddings - prompt_len
+  # LoRA (python -m train.capacity --lora RANK): adapters of this rank on all seven projections (alpha 2 x rank),
+  # the base frozen in param_dtype, AdamW over the adapters, the reference the base itself; 0: full fine-tuning
+  lora_rank: int = 0
 
   def programs(self) -> dict:
     """The fields the compiled programs depend on (the point cache's settings): not the search's grid or cap."""
@@ -77,7 +80,8 @@ def load_shape(name: str, settings: Settings = Settings()) -> model.ModelConfig:
     raise ConfigError(f"unknown shape {name!r}: known shapes are {', '.join(shape_names())} (or a config.json path)")
   with open(path) as f:
     d = json.load(f)
-  return from_hf_dict(d, settings.dtype, settings.param_dtype)
+  cfg = from_hf_dict(d, settings.dtype, settings.param_dtype)
+  return cfg.replace(lora=LoraSpec(settings.lora_rank, 2.0 * settings.lora_rank)) if settings.lora_rank else cfg
 
 
 def uncalibrated(num_layers: int, delta: float = 0.01) -> Calibration:
@@ -184,7 +188,8 @@ class Measurer:
     pols = self.policies(cfg, stepper, spec, batch, method, ratio)
     step = stepper.get(dataclasses.replace(spec, policies=tuple(pols)), batch, count=False)
     opt_b = device_bytes(stepper.state_abstract["opt_state"])
-    ref_b = device_bytes(stepper.state_abstract["params"]) if s.beta > 0 else 0
+    # a KL term's reference weights: a copy of the params, or with LoRA the frozen base the params hold already
+    ref_b = device_bytes(stepper.state_abstract["params"]) if s.beta > 0 and not mcfg.lora else 0
     parts = {"grad": footprint(step.grad) + opt_b + ref_b, "update": footprint(step.update) + ref_b,
              "forward": footprint(self.forward(stepper, spec, batch)) + opt_b + ref_b}
     fr = {c: sum(getattr(p, a) != () for p in pols) / len(pols) for c, a in (("L", "lowp"), ("H", "save"))}

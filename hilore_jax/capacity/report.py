@@ -28,7 +28,10 @@ def markdown(result: dict) -> str:
   s = result["settings"]
   lines = ["# Capacity (compile-only): the longest completion whose whole GRPO step fits one device",
            "", f"Prompt {s['prompt_len']} tokens, {s['rows']} rows (one group) per microbatch, {s['dtype']} compute, "
-           f"{s['param_dtype']} params and AdamW state, KL beta {s['beta']} (reference weights resident); completion "
+           + (f"LoRA rank {s['lora_rank']} on all seven projections of a frozen {s['param_dtype']} base (AdamW "
+              f"state of the adapters alone, the base is the KL reference)" if s.get("lora_rank") else
+              f"{s['param_dtype']} params and AdamW state") + f", KL beta {s['beta']}" +
+           ("" if s.get("lora_rank") else " (reference weights resident)") + "; completion "
            f"lengths searched on a {s['grid']}-token grid. A cell is the longest completion in tokens (>= at the "
            "cap: the shape's max_position_embeddings - prompt), 0 when none fits.", ""]
   rows = result.get("rows", [])

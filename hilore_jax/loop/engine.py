@@ -21,6 +21,7 @@ import numpy as np
 import optax
 
 from hilore_jax import model, optim, sharding
+from hilore_jax.model import lora
 from hilore_jax.config import Config
 from hilore_jax.optim import logra
 from hilore_jax.optim.config import KLControlConfig
@@ -46,17 +47,18 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, opt_shape, para
 
 
 def init_state(mesh, optimizer: optax.GradientTransformation, params_shape, make_params) -> tuple[dict, dict]:
-  """(state, state shardings): params from make_params(param shardings), optimizer state created sharded; with
-  make_params None, the abstract state (shapes and dtypes only: to compile and measure, nothing allocated)."""
+  """(state, state shardings): params from make_params(param shardings), optimizer state created sharded over what
+  trains (model.lora.partition: a LoRA model's adapters); with make_params None, the abstract state (shapes and
+  dtypes only: to compile and measure, nothing allocated)."""
   param_sh = sharding.param_shardings(mesh, params_shape)
-  opt_shape = jax.eval_shape(optimizer.init, params_shape)
+  opt_shape = jax.eval_shape(optimizer.init, lora.trainable(params_shape))
   rep = sharding.replicated(mesh)
-  opt_sh = opt_state_shardings(optimizer, opt_shape, param_sh, rep)
+  opt_sh = opt_state_shardings(optimizer, opt_shape, lora.trainable(param_sh), rep)
   state_sh = {"params": param_sh, "opt_state": opt_sh, "step": rep}
   if make_params is None:
     return {"params": params_shape, "opt_state": opt_shape, "step": jax.ShapeDtypeStruct((), jnp.int32)}, state_sh
   params = make_params(param_sh)
-  opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
+  opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(lora.trainable(params))
   # from a host value: device_put of a committed device array onto a mesh spanning processes makes a broken array
   return {"params": params, "opt_state": opt_state, "step": jax.device_put(np.int32(0), rep)}, state_sh
 
@@ -135,6 +137,8 @@ class Stepper:
     self.mesh, self.optimizer, self.state_shardings = mesh, optimizer, state_shardings
     self.kl = kl_control if kl_control is not None and kl_control.target > 0 else None
     self.state_abstract = abstract(state, state_shardings)
+    # gradients are shaped like what trains (model.lora.partition: a LoRA model's adapters, else the params)
+    self.grad_shardings = lora.trainable(state_shardings["params"])
     self._compiled: dict[tuple, Step] = {}
     # compiled only to read their memory; promoted (not recompiled) if run. Bounded, least recently used out: every
     # XLA:CPU executable holds JIT-mapped code, and a run that probes hundreds of plans (the exposure bench's arms)
@@ -167,7 +171,8 @@ class Stepper:
 
   def update_program(self, spec: StepSpec, batch: UpdateBatch):
     """The update program; with KL control keyed by the spec without its policies and the sequences' shapes."""
-    param_sh, metrics_sh = self.state_shardings["params"], sharding.replicated(self.mesh)
+    param_sh, metrics_sh = self.grad_shardings, sharding.replicated(self.mesh)
+    grads_abstract = lora.trainable(self.state_abstract["params"])
     if self.kl is None:
       if None not in self._updates:
         def update_program(s, g):
@@ -175,7 +180,7 @@ class Stepper:
 
         fn = jax.jit(update_program, in_shardings=(self.state_shardings, param_sh),
                      out_shardings=(self.state_shardings, metrics_sh), donate_argnums=0)
-        self._updates[None] = fn.lower(self.state_abstract, self.state_abstract["params"]).compile()
+        self._updates[None] = fn.lower(self.state_abstract, grads_abstract).compile()
       return self._updates[None]
     spec = dataclasses.replace(spec, policies=())  # the KL's forward has no backward: no remat to choose
     kl_batch = batch.sequences()
@@ -188,8 +193,7 @@ class Stepper:
 
       fn = jax.jit(update_program, in_shardings=(self.state_shardings, param_sh, batch_sh),
                    out_shardings=(self.state_shardings, metrics_sh), donate_argnums=0)
-      self._updates[key] = fn.lower(self.state_abstract, self.state_abstract["params"],
-                                    abstract(kl_batch, batch_sh)).compile()
+      self._updates[key] = fn.lower(self.state_abstract, grads_abstract, abstract(kl_batch, batch_sh)).compile()
     return self._updates[key]
 
   def _compile(self, spec: StepSpec, batch: UpdateBatch) -> Step:
@@ -201,7 +205,7 @@ class Stepper:
     def grad_program(p, b):
       return train_step.gradient_step(p, b, spec)
 
-    fn = jax.jit(grad_program, in_shardings=(param_sh, batch_sh), out_shardings=(param_sh, metrics_sh))
+    fn = jax.jit(grad_program, in_shardings=(param_sh, batch_sh), out_shardings=(self.grad_shardings, metrics_sh))
     grad = fn.lower(self.state_abstract["params"], abstract(batch, batch_sh)).compile()
     update = self.update_program(spec, batch)
     grad_temp, grad_out = _memory(grad)

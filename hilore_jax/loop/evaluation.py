@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from hilore_jax import model, optim, stats, tasks
-from hilore_jax.loop import checkpointing, engine, preflight
+from hilore_jax.loop import adapters, checkpointing, engine, preflight
 from hilore_jax import config as config_lib
 from hilore_jax.config import Config
 from hilore_jax.errors import CheckpointError
+from hilore_jax.model import lora
 from hilore_jax.rl import rollout, rollout_engine
 from hilore_jax.rl.config import SamplingConfig
 from hilore_jax.tasks import Example, prompts
@@ -75,20 +76,28 @@ def restore_params(run_dir: str, config: Config) -> tuple[model.ModelConfig, dic
     if saved.get("model"):  # the run's own model and optimizer, not whatever the eval config says
       saved = dict(saved, out_dir=run_dir, train=dict(saved.get("train", {}), resume=False))
       run_config = config_lib.from_dict(saved)
-    chosen["model_cfg"] = model_cfg = engine.model_config(run_config)
+    if meta.get("lora"):  # the adapters' checkpoint, on the base its metadata names
+      model_cfg, chosen["base"] = adapters.saved_base(meta, run_config, meta["step"])
+    else:
+      model_cfg = engine.model_config(run_config)
+    chosen["model_cfg"] = model_cfg
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     params = jax.eval_shape(lambda: model.init_params(model_cfg, jax.random.PRNGKey(0)))
     opt = optim.make_optimizer(run_config.optimizer, 1)
-    train = {"params": params, "opt_state": jax.eval_shape(opt.init, params),
+    train = {"params": params, "opt_state": jax.eval_shape(opt.init, lora.trainable(params)),
              "step": jax.ShapeDtypeStruct((), jnp.int32)}
-    tree = checkpointing.run_tree(train, params if run_config.grpo.beta > 0 else None)
+    ref = params if run_config.grpo.beta > 0 and not meta.get("lora") else None
+    tree = checkpointing.run_tree(adapters.checkpoint_state(train), ref)
     return engine.abstract(tree, jax.tree.map(lambda _: dev, tree))
 
   try:
     found = ckpt.restore_newest(abstract_for)
     if found is None:
       raise CheckpointError(f"{directory} holds no checkpoint")
-    return chosen["model_cfg"], found[1]["train"]["params"]
+    params = found[1]["train"]["params"]
+    if "base" in chosen:
+      params = lora.Split(chosen["base"], params).combined()
+    return chosen["model_cfg"], params
   finally:
     ckpt.close()
 

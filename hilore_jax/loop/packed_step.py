@@ -33,7 +33,7 @@ class PackedStepper:
   def _shardings(self, batch: UpdateBatch):
     st = self.stepper
     rep = sharding.replicated(st.mesh)
-    acc_sh = (st.state_shardings["params"], {k: rep for k in train_step.STAT_SUMS}, sharding.batch_sharding(st.mesh))
+    acc_sh = (st.grad_shardings, {k: rep for k in train_step.STAT_SUMS}, sharding.batch_sharding(st.mesh))
     return st.batch_shardings(batch), rep, acc_sh
 
   def _abstract(self, batch: UpdateBatch, micro: token_budget.Micro):

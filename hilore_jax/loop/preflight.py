@@ -103,6 +103,10 @@ def check_paths(c: Config):
   if c.model.path:
     check_hf_dir("model.path", c.model.path)
   check_tokenizer_dir(tokenizer_key(c), c.tokenizer_path)
+  if c.lora.init_from:
+    _directory("lora.init_from", c.lora.init_from)
+    if not os.path.isfile(os.path.join(c.lora.init_from, "adapter_config.json")):
+      raise ConfigError(f"lora.init_from {c.lora.init_from}: no adapter_config.json (not a PEFT adapter directory)")
   check_task_files(c)
   check_out_dir(c.out_dir)
 

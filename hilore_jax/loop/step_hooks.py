@@ -13,6 +13,7 @@ from hilore_jax import model, sharding
 from hilore_jax.loop.engine import Stepper
 from hilore_jax.memory import exposure
 from hilore_jax.memory.hooks import StepHooks
+from hilore_jax.model import lora
 from hilore_jax.model.decoder import WEIGHT_READS
 from hilore_jax.rl import prompt_share, train_step
 from hilore_jax.rl.train_step import StepSpec
@@ -72,6 +73,9 @@ def memory_hooks(stepper: Stepper | None, spec: StepSpec, max_grad_norm: float =
   def logprobs(params, batch: UpdateBatch):
     return train_step.completion_logprobs(cfg, params, batch, None, spec.logprob_chunk, spec.temperature)[0]
 
+  def optimizer_update(grads, opt_state, params):  # the optimizer sees what trains (a LoRA model's adapters)
+    return stepper.optimizer.update(grads, opt_state, lora.trainable(params))
+
   return StepHooks(
       model_cfg=cfg,
       compile_peak=lambda pols, batch: stepper.get(with_policies(pols), batch, count=False).peak_bytes,
@@ -79,7 +83,9 @@ def memory_hooks(stepper: Stepper | None, spec: StepSpec, max_grad_norm: float =
       gradient=lambda p, b, pols: _grad(p, b, with_policies(pols), None),
       probe_gradient=lambda p, b, mix, fmt, group: _grad(p, b, dataclasses.replace(probe_spec, lowp_probe=(fmt, group)),
                                                          mix),
-      probe_errors=lambda p, b, fmt, group: _weight_errors(p, b, dataclasses.replace(probe_spec,
-                                                                                    lowp_probe=(fmt, group))),
+      # a weight-read unit's error lands in its projections' weight gradients: with LoRA's frozen weights, in the
+      # adapters' A gradients instead, which the error channels do not cover; calibration then probes each unit
+      probe_errors=None if cfg.lora is not None else (
+          lambda p, b, fmt, group: _weight_errors(p, b, dataclasses.replace(probe_spec, lowp_probe=(fmt, group)))),
       token_weights=token_weights, unit_tensors=unit_tensors, logprobs=logprobs,
-      optimizer_update=None if stepper is None else stepper.optimizer.update, max_grad_norm=max_grad_norm)
+      optimizer_update=None if stepper is None else optimizer_update, max_grad_norm=max_grad_norm)

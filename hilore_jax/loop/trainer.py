@@ -17,13 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from hilore_jax import model, runtime, sharding, tasks
-from hilore_jax.loop import checkpointing, engine, evaluation, metrics, packed_step, preflight, step_hooks, update_plan
+from hilore_jax.loop import (adapters, checkpointing, engine, evaluation, metrics, packed_step, preflight, step_hooks,
+                             update_plan)
 from hilore_jax.config import Config
 from hilore_jax.errors import ConfigError, RunExists, TrainingDiverged
 from hilore_jax.memory import MemoryManager, methods
 from hilore_jax.memory import store as stores
 from hilore_jax.memory.config import MemoryConfig
-from hilore_jax.model import hf
+from hilore_jax.model import hf, lora
 from hilore_jax.rl import prompt_share, replay, rollout, rollout_engine, sft, token_budget, train_step, update_batch
 from hilore_jax.loop.shaped_memory import ShapedMemory
 from hilore_jax.tasks import prompts
@@ -82,6 +83,10 @@ class Trainer:
     if len(self.tokenizer) > self.model_cfg.vocab_size:
       raise ConfigError(f"tokenizer has {len(self.tokenizer)} tokens but model.vocab_size is "
                         f"{self.model_cfg.vocab_size}")
+    self.rng, init_key = jax.random.split(jax.random.PRNGKey(c.seed))
+    self.base = None  # a LoRA run's frozen base on disk (loop/adapters.py)
+    if c.lora.enabled:
+      self.model_cfg, host_params, self.base = adapters.setup(c, self.model_cfg, host_params, init_key)
     self.task = tasks.build_task(c.task)
     self.prompter = prompts.build_prompter(self.tokenizer, c.task, c.tokenizer_path, c.model.path)
     self.sampler = rollout_engine.build(self.model_cfg, c.rollout, self.prompter.stop_ids,
@@ -99,7 +104,6 @@ class Trainer:
         self.model_cfg, c.grpo, layer_policies(c.memory, self.model_cfg), mb // micro, c.train.logprob_chunk,
         use_old_logp=self.updates_per_step > 1 or c.replay.enabled, use_ref_logp=c.grpo.beta > 0,
         temperature=c.rollout.temperature)
-    self.rng, init_key = jax.random.split(jax.random.PRNGKey(c.seed))
     self.engine, self.state = engine.build(c, self.model_cfg, total_updates, host_params, init_key)
     n_shards = sharding.num_batch_shards(self.engine.mesh)
     if micro % n_shards:
@@ -137,11 +141,19 @@ class Trainer:
                           f"{P} + {N} tokens ({n_shards * (P + N)})")
     return packed_step.PackedStepper(self.stepper)
 
-  def logprobs(self, params, batch: update_batch.UpdateBatch, micros: update_plan.Micros = None):
+  def logprobs(self, params, batch: update_batch.UpdateBatch, micros: update_plan.Micros = None, spec=None):
     """A minibatch's log-probs under params (old or reference): packed into micros (its log-prob pass's)."""
+    spec = spec or self.spec
     if micros is None:
-      return self.stepper.logprobs(self.spec, params, batch)
-    return self.packer.logprobs(self.spec, params, batch, micros)
+      return self.stepper.logprobs(spec, params, batch)
+    return self.packer.logprobs(spec, params, batch, micros)
+
+  def reference_logprobs(self, batch: update_batch.UpdateBatch, micros: update_plan.Micros = None):
+    """The KL reference's log-probs: a LoRA run's frozen base (its own params with the adapters off: no copy of the
+    weights), else the params copied before the first step."""
+    if self.model_cfg.lora is not None:
+      return self.logprobs(self.state["params"], batch, micros, adapters.reference_spec(self.spec))
+    return self.logprobs(self.ref_params, batch, micros)
 
   @property
   def stepper(self) -> engine.Stepper:
@@ -151,9 +163,10 @@ class Trainer:
     """(tree, shardings) of a checkpoint: train state, reference params (KL), replay buffer (host arrays)."""
     eng = self.engine
     replay_state = self.replay.state() if self.replay is not None else None  # the same on every process
-    tree = checkpointing.run_tree(self.state, self.ref_params, replay_state)
+    tree = checkpointing.run_tree(adapters.checkpoint_state(self.state), self.ref_params, replay_state)
     rep = sharding.replicated(eng.mesh)
-    sh = checkpointing.run_tree(eng.state_shardings, eng.param_shardings if self.ref_params is not None else None,
+    sh = checkpointing.run_tree(adapters.checkpoint_state(eng.state_shardings),
+                                eng.param_shardings if self.ref_params is not None else None,
                                 jax.tree.map(lambda _: rep, replay_state))
     return tree, sh
 
@@ -161,13 +174,17 @@ class Trainer:
     meta = {"step": step, "data_position": self.data_position,
             "rng": np.asarray(jax.random.key_data(self.rng)).tolist(), "eval_before": self.eval_before,
             "warmstart_losses": self.warmstart_losses, "config": self.config.to_dict(),
-            "memory_manager": self.memory.state_json() if self.memory is not None else None}
+            "memory_manager": self.memory.state_json() if self.memory is not None else None,
+            "lora": adapters.checkpoint_meta(self.model_cfg, self.base)}
     self.checkpointer.save(step, self._checkpoint()[0], meta)
     runtime.release_host_memory()  # the save's host copies, freed
 
   def restore_latest(self) -> bool:
     """Restore the newest intact checkpoint (a damaged newer one is reported and skipped); False if none."""
-    if self.config.grpo.beta > 0:
+    latest = self.checkpointer.latest_step()
+    if latest is not None:  # a checkpoint of another learner or base is refused, never restored onto this one
+      adapters.check_checkpoint(self.checkpointer.restore_meta(latest), self.model_cfg, self.base, latest)
+    if self.config.grpo.beta > 0 and not self.config.lora.enabled:
       self.ref_params = self.state["params"]  # shape donor; replaced by the restored reference
     abstract = engine.abstract(*self._checkpoint())
     found = self.checkpointer.restore_newest(lambda meta: abstract)
@@ -175,7 +192,7 @@ class Trainer:
       self.ref_params = None
       return False
     _, tree, meta = found
-    self.state = tree["train"]
+    self.state = adapters.restored_state(self.state, tree["train"])
     self.ref_params = tree.get("ref")
     if self.replay is not None:
       self.replay = replay.ReplayBuffer.from_state(self.config.replay, jax.device_get(tree["replay"]))
@@ -213,14 +230,20 @@ class Trainer:
                                sampler=self.sampler)
 
   def warmstart(self, progress=None):
+    """Supervised steps on every weight of the model (a LoRA run's base, its adapters kept as they start)."""
     c = self.config
+    split = lora.partition(self.state["params"])
+    base = split.trainable if split.frozen is None else split.frozen
     params, self.warmstart_losses = sft.warmstart(
-        self.model_cfg, self.state["params"], self.prompter, self.task.train_example, steps=c.train.warmstart_steps,
-        batch_size=c.train.warmstart_batch_size, lr=c.train.warmstart_lr, max_prompt_len=c.rollout.max_prompt_len,
-        max_new_tokens=c.rollout.max_new_tokens, place=self.place, progress=progress)
+        self.model_cfg.replace(lora=None), base, self.prompter, self.task.train_example,
+        steps=c.train.warmstart_steps, batch_size=c.train.warmstart_batch_size, lr=c.train.warmstart_lr,
+        max_prompt_len=c.rollout.max_prompt_len, max_new_tokens=c.rollout.max_new_tokens, place=self.place,
+        progress=progress)
+    if split.frozen is not None:
+      params = lora.Split(params, split.trainable).combined()
     params = jax.device_put(params, self.engine.param_shardings)
     opt_state = jax.jit(self.engine.optimizer.init,
-                        out_shardings=self.engine.state_shardings["opt_state"])(params)
+                        out_shardings=self.engine.state_shardings["opt_state"])(lora.trainable(params))
     self.state = {"params": params, "opt_state": opt_state, "step": self.state["step"]}
 
   def plan_update(self, roll: rollout.Rollout, rng: np.random.Generator, step: int = 0) -> update_plan.UpdatePlan:
@@ -239,7 +262,7 @@ class Trainer:
     out, current = [], []
     for i, (b, micros) in enumerate(zip(plan.batches, plan.logp)):
       if self.spec.use_ref_logp:
-        b = b.replace(ref_logp=self.logprobs(self.ref_params, b, micros))
+        b = b.replace(ref_logp=self.reference_logprobs(b, micros))
       logp = None
       if update_batch.needs_old_forward(b, i, later) and not (sampled and b.replayed is None):
         logp = self.logprobs(self.state["params"], b, micros)
@@ -282,7 +305,9 @@ class Trainer:
         self.warmstart(progress=lambda s, loss: bar.update(1))
         bar.close()
         log.info("warm-start loss %.3f -> %.3f", self.warmstart_losses[0], self.warmstart_losses[-1])
-      if c.grpo.beta > 0:
+      if c.lora.enabled and self.base is None:  # the run's own base, on disk before the first checkpoint
+        self.base = adapters.write_base(c, self.model_cfg, self.state["params"], self.tokenizer)
+      if c.grpo.beta > 0 and not c.lora.enabled:  # a LoRA run's reference is its base: no copy
         self.ref_params = jax.tree_util.tree_map(jnp.copy, self.state["params"])
       if c.eval.at_start:  # minutes at length on a CPU: say what runs before the first step's bar appears
         log.info("eval before GRPO: greedy on %d held-out problems, up to %d new tokens%s",
@@ -426,12 +451,15 @@ class Trainer:
         if "eval/correct" in self.eval_before:  # a run resumed from an older checkpoint may lack it
           summary["accuracy_gain_ci95_pp"] = evaluation.paired_gain_ci(self.eval_before["eval/correct"],
                                                                        summary["eval_after"]["eval/correct"])
-    params = sharding.gather_to_host(self.state["params"]) if c.checkpoint.export_hf else None  # every process
+    params = sharding.gather_to_host(self.state["params"]) if c.checkpoint.export_hf or self.base else None
+    if self.base is not None and self.primary:
+      summary["peft_export"] = adapters.export_peft(self.out_dir, self.model_cfg, params, self.base)
     if c.checkpoint.export_hf and self.primary:
       for stale in glob.glob(os.path.join(self.out_dir, ".tmp-hf*")):  # left by an export killed mid-write
         shutil.rmtree(stale, ignore_errors=True)
-      cfg = self.model_cfg.replace(eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
-                                   bos_token_id=self.tokenizer.bos_token_id)
+      cfg, params = adapters.export_params(self.model_cfg, params)  # a LoRA model merged
+      cfg = cfg.replace(eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+                        bos_token_id=self.tokenizer.bos_token_id)
       summary["hf_export"] = hf.save_hf(cfg, params, os.path.join(self.out_dir, "hf"), tokenizer=self.tokenizer)
       prompts.write_generation_config(summary["hf_export"], self.prompter, c.model.path)
     if self.primary:

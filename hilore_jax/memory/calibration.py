@@ -14,6 +14,7 @@ precision (PRECISION); the exact gradient is that program with a zero mix.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -26,7 +27,7 @@ from hilore_jax.memory.config import ExposureSwitches
 from hilore_jax.memory.hooks import StepHooks
 from hilore_jax.model import codec
 from hilore_jax.model import units as U
-from hilore_jax.model.decoder import WEIGHT_READS
+from hilore_jax.model.decoder import WEIGHT_READS, weight_read_leaves
 
 # every gradient a risk is measured from (the exact one, the probes, the arms' plans) runs at this matmul precision:
 # on GPUs "default" is TF32, whose rounding would put a floor under the int8 errors being measured, and a reference
@@ -226,14 +227,15 @@ def decomposable(units) -> bool:
   return all(kind in WEIGHT_READS for _, kind in units)
 
 
-@jax.jit
-def _leaf_norms(g_all, exact):
-  """Per layer and WEIGHT_READS kind, ||g_all - exact|| over that kind's weights: [layers, kinds]."""
+@functools.partial(jax.jit, static_argnums=2)
+def _leaf_norms(g_all, exact, leaves):
+  """Per layer and WEIGHT_READS kind, ||g_all - exact|| over that kind's leaves (decoder.weight_read_leaves, in
+  WEIGHT_READS order): [layers, kinds]."""
+  sq = lambda a, b: jnp.sum(jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)))
   rows = []
   for ga, ge in zip(g_all["layers"], exact["layers"]):
-    rows.append(jnp.stack([jnp.sqrt(sum(jnp.sum(jnp.square(ga[blk][n].astype(jnp.float32) -
-                                                             ge[blk][n].astype(jnp.float32))) for n in names))
-                           for blk, names in WEIGHT_READS.values()]))
+    rows.append(jnp.stack([jnp.sqrt(sum((sq(ga[b][n], ge[b][n]) for b, n in paths), jnp.float32(0)))
+                           for paths in leaves]))
   return jnp.stack(rows)
 
 
@@ -257,17 +259,18 @@ def decomposed_unit_errors(hooks: StepHooks, params, batch, units, group_size: i
   else:
     with measuring():
       g_all = hooks.probe_gradient(params, batch, probe_mix(n, units, range(len(units))), fmt, group_size)
-      dg_LK = np.asarray(_leaf_norms(g_all, ref.grad))
+      leaves = weight_read_leaves(hooks.model_cfg)
+      dg_LK = np.asarray(_leaf_norms(g_all, ref.grad, tuple(leaves[k] for k in kinds)))
   out = []
   for layer, kind in units:
     dg = float(dg_LK[layer, kinds.index(kind)])
     row = {"relative": float(risk.relative(dg, ref.grad_norm)),
            "clipped": float(risk.clipped(dg, ref.grad_norm, ref.max_grad_norm))}
     if "update" in metrics_:
-      blk, names = WEIGHT_READS[kind]
       g_u = jax.tree_util.tree_map(lambda x: x, ref.grad)  # a new tree with the exact leaves, but this unit's
-      g_u["layers"][layer] = {**g_u["layers"][layer], blk: {**g_u["layers"][layer][blk],
-                                                            **{m: g_all["layers"][layer][blk][m] for m in names}}}
+      for blk, m in weight_read_leaves(hooks.model_cfg)[kind]:
+        g_u["layers"][layer] = {**g_u["layers"][layer], blk: {**g_u["layers"][layer][blk],
+                                                              m: g_all["layers"][layer][blk][m]}}
       row["update"] = ref.errors(g_u, ("update",))["update"]
     out.append(row[metrics_[0]] if metrics is None else [row[m] for m in metrics_])
   return np.array(out)

@@ -22,25 +22,27 @@ from hilore_jax.memory.profile import Unit
 from hilore_jax.model import units as U
 
 
-def rerun_ops(choice: dict[str, str]) -> frozenset[str]:
+def rerun_ops(choice: dict[str, str], rows: tuple[U.Tensor, ...] = U.TABLE) -> frozenset[str]:
   """Producer ops backward must rerun when units are kept as `choice` (kind -> H/L/R/O; missing: R, the layer
   boundary H): what backward reads is served by H, O or an L code; an R tensor's producer reruns, and a rerun
-  reads its inputs exactly, so an input that is R or only L reruns its own producer too."""
+  reads its inputs exactly, so an input that is R or only L reruns its own producer too. rows: the layer's table
+  (units.table; a LoRA layer's, whose frozen weights read no input in backward)."""
   rerun: set[str] = set()
   exact: set[str] = set()
-  for t in reversed(U.TABLE):  # consumers before producers
+  by_name = {t.name: t for t in rows}
+  for t in reversed(rows):  # consumers before producers
     if t.producer is None:
       continue  # the boundary is always there exactly when anything reruns (a checkpointed layer's argument)
     c = choice.get(t.name, R) if t.unit else R
     if (t.backward != U.NONE and c == R) or (t.name in exact and c in (R, L)):
       rerun.add(t.name)
       exact.update(t.reads)
-  return frozenset(U.BY_NAME[n].producer for n in rerun)
+  return frozenset(by_name[n].producer for n in rerun)
 
 
 def choice_time(choice: dict[str, str], op_s: dict[str, float], layer_units: Sequence[Unit]) -> float:
   """Rerun + encode/decode + host-transfer seconds of one layer's choice."""
-  t = sum(op_s.get(op, 0.0) for op in rerun_ops(choice))
+  t = sum(op_s.get(op, 0.0) for op in rerun_ops(choice, U.lora_rows(u.kind for u in layer_units)))
   for u in layer_units:
     c = choice.get(u.kind, R)
     t += u.codec_s if c == L else (u.offload_s or 0.0) if c == O else 0.0
@@ -85,9 +87,10 @@ def _rerun_matrix(codes: np.ndarray, kinds: Sequence[str]) -> dict[str, np.ndarr
   """rerun_ops for many choices at once: codes [n, units] (_CODE) -> op -> [n] bool."""
   col = {k: i for i, k in enumerate(kinds)}
   n = len(codes)
-  exact = {t.name: np.zeros(n, bool) for t in U.TABLE}
-  ops = {op: np.zeros(n, bool) for op in U.PRODUCERS}
-  for t in reversed(U.TABLE):
+  rows = U.lora_rows(kinds)
+  exact = {t.name: np.zeros(n, bool) for t in rows}
+  ops = {t.producer: np.zeros(n, bool) for t in rows if t.producer}
+  for t in reversed(rows):
     if t.producer is None:
       continue
     c = codes[:, col[t.name]] if t.name in col else np.full(n, _CODE[R])

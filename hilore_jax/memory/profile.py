@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import time
 from typing import Callable, Sequence
 
@@ -15,7 +16,7 @@ import numpy as np
 
 from hilore_jax import model, runtime
 from hilore_jax.memory.store import JsonStore
-from hilore_jax.model import codec
+from hilore_jax.model import codec, lora
 from hilore_jax.model import units as U
 
 PROFILE_VERSION = 2
@@ -58,10 +59,16 @@ def _op_calls(cfg: model.ModelConfig, batch: int, seq: int) -> dict[str, tuple[C
   pos = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
   ctx = model.layer_ctx(cfg, pos, jnp.ones((batch, seq), bool))
   calls = {}
-  for op, reads in U.PRODUCERS.items():
+  for op, reads in producers(cfg).items():
     fn = jax.jit(lambda p, t, ctx, op=op: model.OPS[op](cfg, p, t, ctx))
     calls[op] = (fn, (params, {r: tensors[r] for r in reads}, ctx))
   return calls
+
+
+def producers(cfg: model.ModelConfig) -> dict[str, tuple[str, ...]]:
+  """The producer ops of cfg's layer (units.PRODUCERS; with LoRA the adapters' x A op too), each with its reads."""
+  rows = U.table("xla", lora.adapted_inputs(cfg.lora))
+  return {t.producer: t.reads for t in rows if t.producer}
 
 
 def op_costs(cfg: model.ModelConfig, batch: int, seq: int) -> dict[str, tuple[float, float]]:
@@ -78,9 +85,11 @@ def op_costs(cfg: model.ModelConfig, batch: int, seq: int) -> dict[str, tuple[fl
 def profile_key(cfg: model.ModelConfig, batch: int, seq: int, group_size: int) -> str:
   shape = {k: getattr(cfg, k) for k in ("hidden_size", "intermediate_size", "num_attention_heads",
                                         "num_key_value_heads", "head_dim")}
-  ident = json.dumps({"model": shape, "batch": [batch, seq], "dtype": cfg.dtype, "group": group_size,
-                      "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
-                      "version": PROFILE_VERSION}, sort_keys=True)
+  ident = {"model": shape, "batch": [batch, seq], "dtype": cfg.dtype, "group": group_size,
+           "backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "version": PROFILE_VERSION}
+  if cfg.lora is not None:  # its projections carry adapters and it has one more op
+    ident["lora"] = [cfg.lora.rank, list(cfg.lora.targets)]
+  ident = json.dumps(ident, sort_keys=True)
   return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
@@ -131,13 +140,18 @@ def enumerate_units(cfg: model.ModelConfig, batch: int, seq: int, group_size: in
   ops = (profile or {}).get("ops", {})
   codecs = (profile or {}).get("codec", {})
   offload = (profile or {}).get("offload", {})
+  # with LoRA the units of its table (a projection input no adapter reads is none, x A is one); the layer input's
+  # L then only where every unit of the full table is one (LayerPolicy's check that nothing else reruns sees those)
+  rows = {t.name: t for t in U.table("xla", lora.adapted_inputs(cfg.lora))}
+  kinds = [k for k, t in rows.items() if t.unit]
+  whole = set(U.UNITS) <= set(kinds)
   units = []
   for layer in range(cfg.num_hidden_layers):
-    for kind in U.UNITS:
+    for kind in kinds:
       shape = U.shape(kind, sizes)
-      lowp = kind in U.LOWP_UNITS and (not lowp_kinds or kind in lowp_kinds)
-      units.append(Unit(layer, kind, shape, U.numel(kind, sizes) * itemsize,
+      lowp = rows[kind].lowp and (not lowp_kinds or kind in lowp_kinds) and (kind != U.LAYER_INPUT or whole)
+      units.append(Unit(layer, kind, shape, math.prod(shape) * itemsize,
                         codec.code_bytes(shape, group_size, fmt) if lowp else None,
-                        ops.get(U.BY_NAME[kind].producer, 0.0), codecs.get(kind, {}).get(fmt, 0.0) if lowp else 0.0,
+                        ops.get(rows[kind].producer, 0.0), codecs.get(kind, {}).get(fmt, 0.0) if lowp else 0.0,
                         offload.get(kind)))
   return units

@@ -20,6 +20,39 @@ def dtype_name(dtype: Any) -> str:
   return name
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections an adapter may sit on (peft's q_proj, ...)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+  """Low-rank adapters on frozen projections: y = x W + (alpha / rank) * dropout(x) A B (peft's LoRA)."""
+
+  rank: int
+  alpha: float
+  targets: tuple[str, ...] = LORA_TARGETS
+  dropout: float = 0.0  # on the adapter's input, in the gradient program only (forward-only passes run without)
+
+  def __post_init__(self):
+    if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+      raise ValueError(f"lora.rank must be a positive integer here, got {self.rank!r}")
+    if not self.alpha > 0:
+      raise ValueError(f"lora.alpha must be > 0, got {self.alpha!r}")
+    bad = [t for t in self.targets if t not in LORA_TARGETS]
+    if bad or not self.targets:
+      raise ValueError(f"lora.targets: unknown {bad} (choose from {list(LORA_TARGETS)})" if bad else
+                       f"lora.targets must name at least one of {list(LORA_TARGETS)}")
+    if len(set(self.targets)) != len(self.targets):
+      raise ValueError(f"lora.targets names a projection twice: {list(self.targets)}")
+    if not 0.0 <= self.dropout < 1.0:
+      raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
+    # one order whatever the config's: the params' layout and every compiled program depend on it
+    object.__setattr__(self, "targets", tuple(t for t in LORA_TARGETS if t in self.targets))
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+
 ATTENTION_KERNELS = ("xla", "dot_product_attention", "blockwise")
 # blockwise's query and key block sizes: a [B, K, G, 128, 256] float32 score block is live at a time
 ATTENTION_BLOCK_Q, ATTENTION_BLOCK_K = 128, 256
@@ -55,6 +88,9 @@ class ModelConfig:
   attention: str = "xla"
   attention_block_q: int = ATTENTION_BLOCK_Q  # blockwise's block sizes (T and S need not be multiples)
   attention_block_k: int = ATTENTION_BLOCK_K
+  # adapters on frozen projections (model/lora.py); None: every forward ignores any adapter in the params (the
+  # frozen base alone: the KL reference of a LoRA run)
+  lora: LoraSpec | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

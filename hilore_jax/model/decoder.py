@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from hilore_jax.model import lowp
+from hilore_jax.model import lora, lowp
 from hilore_jax.model import units as U
 from hilore_jax.model.attention import attention_context, attention_probs, blockwise_kernel, fused_attention
 from hilore_jax.model.config import ModelConfig
@@ -49,7 +49,7 @@ def init_params(cfg: ModelConfig, rng: jax.Array, init_std: float = 0.02) -> dic
   params = {"embed_VD": normal((cfg.vocab_size, D)), "layers": layers, "final_norm_D": jnp.ones((D,), dt)}
   if not cfg.tie_word_embeddings:
     params["lm_head_DV"] = normal((D, cfg.vocab_size))
-  return params
+  return params if cfg.lora is None else lora.add_adapters(cfg, params, rng)
 
 
 def stack_layers(layers: Sequence[dict]) -> dict:
@@ -115,6 +115,12 @@ def _proj(x, w, b, spec):
   return y if b is None else y + b.astype(x.dtype)
 
 
+def _adapted(c: ModelConfig, p: dict, target: str, x, y):
+  """y (a frozen projection of x) plus its LoRA adapter's output where c runs adapters (model/lora.py)."""
+  ad = lora.layer_adapters(c, p)
+  return y if ad is None else lora.projections(c, ad, (target,), x, (None, None), (y,))[0]
+
+
 
 
 # The units read in backward by their projections' weight gradients alone (lowp.apply's VJP of x @ W at the kept x:
@@ -124,6 +130,14 @@ def _proj(x, w, b, spec):
 WEIGHT_READS: dict[str, tuple[str, tuple[str, ...]]] = {
     U.ATTN_NORM: ("attn", ("wq_DNH", "wk_DKH", "wv_DKH")), U.ATTN_CTX: ("attn", ("wo_NHD",)),
     U.MLP_NORM: ("mlp", ("wgate_DF", "wup_DF")), U.MLP_DOWN_IN: ("mlp", ("wdown_FD",))}
+
+
+def weight_read_leaves(cfg: ModelConfig) -> dict[str, tuple[tuple[str, str], ...]]:
+  """WEIGHT_READS as paths within a layer's gradient: its projections' weights, or with LoRA (whose frozen weights
+  have no gradient) their adapters' A, the only gradients that read the unit; a unit no adapter reads has none."""
+  if cfg.lora is None:
+    return {k: tuple((blk, n) for n in names) for k, (blk, names) in WEIGHT_READS.items()}
+  return {k: tuple((t, "A") for t in cfg.lora.targets if lora.TARGETS[t].unit == k) for k in WEIGHT_READS}
 
 
 class LayerCtx(NamedTuple):
@@ -162,25 +176,29 @@ def _fused(cfg: ModelConfig, q, k, v, ctx: LayerCtx) -> jax.Array:
 
 # The producer ops of units.TABLE, each (cfg, layer params, tensors by name, ctx) -> its tensor. The memory
 # profile times exactly these; the layer below computes the same math (with L projections where the policy says).
+# A LoRA config's projections carry their adapters (and its table one more op, units.LORA_OP: every x A).
 OPS = {
     "attn_norm_op": lambda c, p, t, x: rms_norm(t[U.LAYER_INPUT], p["attn_norm_D"], c.rms_norm_eps),
-    "q_proj": lambda c, p, t, x: apply_rope(_proj(t[U.ATTN_NORM], p["attn"]["wq_DNH"], p["attn"].get("bq_NH"),
-                                                  "btd,dnh->btnh"), x.cos_BTH, x.sin_BTH),
-    "k_proj": lambda c, p, t, x: apply_rope(_proj(t[U.ATTN_NORM], p["attn"]["wk_DKH"], p["attn"].get("bk_KH"),
-                                                  "btd,dkh->btkh"), x.cos_BTH, x.sin_BTH),
-    "v_proj": lambda c, p, t, x: _proj(t[U.ATTN_NORM], p["attn"]["wv_DKH"], p["attn"].get("bv_KH"), "btd,dkh->btkh"),
+    "q_proj": lambda c, p, t, x: apply_rope(_adapted(c, p, "q", t[U.ATTN_NORM], _proj(
+        t[U.ATTN_NORM], p["attn"]["wq_DNH"], p["attn"].get("bq_NH"), "btd,dnh->btnh")), x.cos_BTH, x.sin_BTH),
+    "k_proj": lambda c, p, t, x: apply_rope(_adapted(c, p, "k", t[U.ATTN_NORM], _proj(
+        t[U.ATTN_NORM], p["attn"]["wk_DKH"], p["attn"].get("bk_KH"), "btd,dkh->btkh")), x.cos_BTH, x.sin_BTH),
+    "v_proj": lambda c, p, t, x: _adapted(c, p, "v", t[U.ATTN_NORM], _proj(
+        t[U.ATTN_NORM], p["attn"]["wv_DKH"], p["attn"].get("bv_KH"), "btd,dkh->btkh")),
     "scores": lambda c, p, t, x: attention_probs(t[U.Q], t[U.K], x.mask_BTS),
     "pv": lambda c, p, t, x: attention_context(t[U.ATTN_PROBS], t[U.V]),
     U.FUSED_ATTN: lambda c, p, t, x: _fused(c, t[U.Q], t[U.K], t[U.V], x),
-    "o_proj": lambda c, p, t, x: t[U.LAYER_INPUT] + _proj(t[U.ATTN_CTX], p["attn"]["wo_NHD"], p["attn"].get("bo_D"),
-                                                          "btnh,nhd->btd"),
+    "o_proj": lambda c, p, t, x: t[U.LAYER_INPUT] + _adapted(c, p, "o", t[U.ATTN_CTX], _proj(
+        t[U.ATTN_CTX], p["attn"]["wo_NHD"], p["attn"].get("bo_D"), "btnh,nhd->btd")),
     "mlp_norm_op": lambda c, p, t, x: rms_norm(t[U.MLP_INPUT], p["mlp_norm_D"], c.rms_norm_eps),
-    "gate_proj": lambda c, p, t, x: _proj(t[U.MLP_NORM], p["mlp"]["wgate_DF"], p["mlp"].get("bgate_F"),
-                                          "btd,df->btf"),
-    "up_proj": lambda c, p, t, x: _proj(t[U.MLP_NORM], p["mlp"]["wup_DF"], p["mlp"].get("bup_F"), "btd,df->btf"),
+    "gate_proj": lambda c, p, t, x: _adapted(c, p, "gate", t[U.MLP_NORM], _proj(
+        t[U.MLP_NORM], p["mlp"]["wgate_DF"], p["mlp"].get("bgate_F"), "btd,df->btf")),
+    "up_proj": lambda c, p, t, x: _adapted(c, p, "up", t[U.MLP_NORM], _proj(
+        t[U.MLP_NORM], p["mlp"]["wup_DF"], p["mlp"].get("bup_F"), "btd,df->btf")),
     "act": lambda c, p, t, x: jax.nn.silu(t[U.MLP_GATE]) * t[U.MLP_UP],
-    "down_proj": lambda c, p, t, x: _proj(t[U.MLP_DOWN_IN], p["mlp"]["wdown_FD"], p["mlp"].get("bdown_D"),
-                                          "btf,fd->btd"),
+    "down_proj": lambda c, p, t, x: _adapted(c, p, "down", t[U.MLP_DOWN_IN], _proj(
+        t[U.MLP_DOWN_IN], p["mlp"]["wdown_FD"], p["mlp"].get("bdown_D"), "btf,fd->btd")),
+    U.LORA_OP: lambda c, p, t, x: lora.xa_products(c, p[lora.KEY], t),
 }
 
 
@@ -196,7 +214,15 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, ctx: LayerCtx, kv_cache=None
   tap = (lambda name, t: taps.__setitem__(name, t)) if taps is not None else (lambda name, t: None)
   keep = lowp.keeper(policy, probe)
   km = lambda unit, t: keep(unit, t.shape[-1], x_BTD.dtype)
-  proj = lambda x, unit, ws, bs, specs: lowp.projections(_proj, x, km(unit, x), ws, bs, specs)
+  adapters = lora.layer_adapters(cfg, p)
+
+  def proj(x, unit, ws, bs, specs, targets):
+    if adapters is None:
+      return lowp.projections(_proj, x, km(unit, x), ws, bs, specs)
+    # LoRA: the frozen projections' backward reads no x (no weight gradient); the adapters' A gradients do
+    return lora.projections(cfg, adapters, targets, x, km(unit, x),
+                            tuple(_proj(x, w, b, s) for w, b, s in zip(ws, bs, specs)))
+
   norm = lambda x, unit, w: lowp.norm(rms_norm, x, w, cfg.rms_norm_eps, km(unit, x))
   x_BTD = checkpoint_name(x_BTD, U.LAYER_INPUT)
   tap(U.LAYER_INPUT, x_BTD)
@@ -205,7 +231,7 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, ctx: LayerCtx, kv_cache=None
   tap(U.ATTN_NORM, h)
   q, k, v = proj(h, U.ATTN_NORM, (a["wq_DNH"], a["wk_DKH"], a["wv_DKH"]), (a.get("bq_NH"), a.get("bk_KH"),
                                                                            a.get("bv_KH")),
-                 ("btd,dnh->btnh", "btd,dkh->btkh", "btd,dkh->btkh"))
+                 ("btd,dnh->btnh", "btd,dkh->btkh", "btd,dkh->btkh"), ("q", "k", "v"))
   v = checkpoint_name(v, U.V)
   q = checkpoint_name(apply_rope(q, ctx.cos_BTH, ctx.sin_BTH), U.Q)
   k = checkpoint_name(apply_rope(k, ctx.cos_BTH, ctx.sin_BTH), U.K)
@@ -237,7 +263,7 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, ctx: LayerCtx, kv_cache=None
       ctx_BTNH = attention_context(probs, v)
   ctx_BTNH = checkpoint_name(ctx_BTNH, U.ATTN_CTX)
   tap(U.ATTN_CTX, ctx_BTNH)
-  (attn_out,) = proj(ctx_BTNH, U.ATTN_CTX, (a["wo_NHD"],), (a.get("bo_D"),), ("btnh,nhd->btd",))
+  (attn_out,) = proj(ctx_BTNH, U.ATTN_CTX, (a["wo_NHD"],), (a.get("bo_D"),), ("btnh,nhd->btd",), ("o",))
   attn_out = checkpoint_name(attn_out, U.ATTN_OUT)
   x_BTD = checkpoint_name(x_BTD + attn_out, U.MLP_INPUT)
   tap(U.MLP_INPUT, x_BTD)
@@ -245,7 +271,7 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, ctx: LayerCtx, kv_cache=None
   h = checkpoint_name(norm(x_BTD, U.MLP_INPUT, p["mlp_norm_D"]), U.MLP_NORM)
   tap(U.MLP_NORM, h)
   gate, up = proj(h, U.MLP_NORM, (m["wgate_DF"], m["wup_DF"]), (m.get("bgate_F"), m.get("bup_F")),
-                  ("btd,df->btf", "btd,df->btf"))
+                  ("btd,df->btf", "btd,df->btf"), ("gate", "up"))
   gate, up = checkpoint_name(gate, U.MLP_GATE), checkpoint_name(up, U.MLP_UP)
   tap(U.MLP_GATE, gate)
   tap(U.MLP_UP, up)
@@ -256,7 +282,7 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BTD, ctx: LayerCtx, kv_cache=None
     down_in = checkpoint_name(jax.nn.silu(gate), U.MLP_SILU) * up
   down_in = checkpoint_name(down_in, U.MLP_DOWN_IN)
   tap(U.MLP_DOWN_IN, down_in)
-  (out,) = proj(down_in, U.MLP_DOWN_IN, (m["wdown_FD"],), (m.get("bdown_D"),), ("btf,fd->btd",))
+  (out,) = proj(down_in, U.MLP_DOWN_IN, (m["wdown_FD"],), (m.get("bdown_D"),), ("btf,fd->btd",), ("down",))
   out = checkpoint_name(out, U.MLP_OUT)
   return x_BTD + out, new_cache
 
@@ -358,9 +384,11 @@ def layer_residuals(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array,
   ctx = layer_ctx(cfg, default_positions(mask_BT), mask_BT)
   x = embed(cfg, params, input_ids_BT)
   out = []
+  # a LoRA model differentiates its adapters alone (as the trainer's gradient does): its frozen weights stop here
+  frozen = lora.stop_frozen if cfg.lora is not None else (lambda p: p)
   for i, policy in enumerate(layer_policies):
     p = layer_params(params, i)
-    layer = remat(lambda p, x, policy=policy: decoder_layer(cfg, p, x, ctx, policy=policy)[0], policy)
+    layer = remat(lambda p, x, policy=policy: decoder_layer(cfg, frozen(p), x, ctx, policy=policy)[0], policy)
     out.append(saved_residuals(lambda p, x, layer=layer: jnp.sum(layer(p, x)), p, x))
     x = layer(p, x)
   return out

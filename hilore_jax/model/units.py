@@ -24,6 +24,10 @@ MLP_GATE, MLP_UP = "mlp_gate", "mlp_up"
 MLP_SILU = "mlp_silu"            # silu(gate)
 MLP_DOWN_IN = "mlp_down_in"      # silu(gate) * up, the down-projection input
 MLP_OUT = "mlp_out"              # down-projection output
+LORA_XA = "lora_xa"              # LoRA: x A of every adapted projection, [B, T, r] each (its B gradient reads it)
+LORA_OP = "lora_a"               # the op computing a layer's x A products (decoder.OPS)
+# the projection inputs an adapter may read (model/lora.py's targets sit on their projections)
+PROJECTION_INPUTS = (ATTN_NORM, ATTN_CTX, MLP_NORM, MLP_DOWN_IN)
 
 # What backward reads a tensor for: its value in a norm, softmax or nonlinearity's derivative (and any weight
 # gradient), only the gradient of the weights it multiplies (a projection input), or nothing. Either way an L unit
@@ -70,7 +74,8 @@ TABLE: tuple[Tensor, ...] = (
 )
 
 BY_NAME: dict[str, Tensor] = {t.name: t for t in TABLE}
-CHECKPOINT_NAMES: tuple[str, ...] = tuple(t.name for t in TABLE)
+# LoRA's x A is tagged too (a policy may keep it); it is a row only of a LoRA run's table (`table`)
+CHECKPOINT_NAMES: tuple[str, ...] = tuple(t.name for t in TABLE) + (LORA_XA,)
 UNITS: tuple[str, ...] = tuple(t.name for t in TABLE if t.unit)  # what the allocator decides, per layer
 LOWP_UNITS: tuple[str, ...] = tuple(t.name for t in TABLE if t.lowp)
 EXACT_READS: tuple[str, ...] = tuple(t.name for t in TABLE if t.backward == EXACT and t.producer)
@@ -87,15 +92,17 @@ def code_names(unit: str) -> tuple[str, str]:
 
 
 def dims(cfg, batch: int, seq: int) -> dict[str, int]:
-  """Size of every shape letter for a model config and a [batch, seq] input."""
+  """Size of every shape letter for a model config and a [batch, seq] input (A: the width of a LoRA layer's x A
+  products, rank x adapted projections)."""
   N, K = cfg.num_attention_heads, cfg.num_key_value_heads
+  lora = getattr(cfg, "lora", None)
   return {"B": batch, "T": seq, "S": seq, "D": cfg.hidden_size, "N": N, "K": K, "G": N // K, "H": cfg.head_size,
-          "F": cfg.intermediate_size}
+          "F": cfg.intermediate_size, "A": lora.rank * len(lora.targets) if lora else 0}
 
 
 def shape(name: str, sizes: dict[str, int]) -> tuple[int, ...]:
   """The tensor's shape from its letters."""
-  return tuple(sizes[c] for c in BY_NAME[name].shape)
+  return tuple(sizes[c] for c in (LORA_ROW if name == LORA_XA else BY_NAME[name]).shape)
 
 
 def numel(name: str, sizes: dict[str, int]) -> int:
@@ -111,11 +118,41 @@ def fused(attention: str) -> bool:
   return attention in FUSED_KERNELS
 
 
-def table(attention: str = "xla") -> tuple[Tensor, ...]:
-  """The rows for an attention kernel. jax.nn.dot_product_attention and the blockwise kernel never materialise the
-  probabilities: the context comes from q, k and v in one op, whose backward reruns it (its softmax statistics are
-  not a named tensor a policy could keep), so there is no attn_probs row. The allocator's units are the same."""
-  if not fused(attention):
+LORA_ROW = Tensor(LORA_XA, "BTA", LORA_OP, PROJECTION_INPUTS, WEIGHTS, unit=True, matmul=True)
+
+
+def table(attention: str = "xla", adapted: tuple[str, ...] | None = None) -> tuple[Tensor, ...]:
+  """The rows for an attention kernel and, with LoRA, the projection inputs whose projections carry adapters.
+
+  jax.nn.dot_product_attention and the blockwise kernel never materialise the probabilities: the context comes from
+  q, k and v in one op, whose backward reruns it (its softmax statistics are not a named tensor a policy could
+  keep), so there is no attn_probs row. The allocator's units are the same.
+
+  adapted (LoRA; None: every weight trains): the frozen weights have no gradient, so a projection input is read in
+  backward only by its adapters' A gradients (WEIGHTS) and not at all where no adapter reads it (NONE: no unit);
+  the x A products are one more unit (LORA_XA, last: nothing in the layer reads it, only the B gradients do).
+  """
+  rows = TABLE
+  if fused(attention):
+    ctx = dataclasses.replace(BY_NAME[ATTN_CTX], producer=FUSED_ATTN, reads=(Q, K, V))
+    rows = tuple(ctx if t.name == ATTN_CTX else t for t in rows if t.name != ATTN_PROBS)
+  if adapted is None:
+    return rows
+  frozen = lambda t: (t if t.name in adapted else dataclasses.replace(t, backward=NONE, lowp=False, unit=False))
+  rows = tuple(frozen(t) if t.name in PROJECTION_INPUTS else t for t in rows)
+  return rows + ((dataclasses.replace(LORA_ROW, reads=tuple(adapted)),) if adapted else ())
+
+
+def lora_rows(kinds) -> tuple[Tensor, ...]:
+  """The rows of `table(adapted=...)` for a layer's unit kinds: a LoRA layer's units carry LORA_XA, and its
+  adapted inputs are exactly the projection inputs among them (the others are no unit); else TABLE. What the cost
+  model reads, which sees units, not configs."""
+  kinds = set(kinds)
+  if LORA_XA not in kinds:
     return TABLE
-  ctx = dataclasses.replace(BY_NAME[ATTN_CTX], producer=FUSED_ATTN, reads=(Q, K, V))
-  return tuple(ctx if t.name == ATTN_CTX else t for t in TABLE if t.name != ATTN_PROBS)
+  return table("xla", tuple(k for k in PROJECTION_INPUTS if k in kinds))
+
+
+def units_of(adapted: tuple[str, ...] | None) -> tuple[str, ...]:
+  """The allocator's units of a layer: UNITS, or with LoRA those of its table (in table order)."""
+  return UNITS if adapted is None else tuple(t.name for t in table("xla", adapted) if t.unit)

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from hilore_jax.errors import ConfigError
-from hilore_jax.model import ModelConfig
+from hilore_jax.model import ModelConfig, lora
 from hilore_jax.rl import sampler
 from hilore_jax.rl.config import DecodeConfig, RolloutConfig, SamplingConfig
 
@@ -55,7 +55,8 @@ class JaxEngine:
 
   def generate(self, params, prompt_ids_BpP, prompt_mask_BpP, rng, sc: SamplingConfig,
                num_generations: int) -> Completions:
-    out = sampler.generate(self.cfg, params, prompt_ids_BpP, prompt_mask_BpP, rng, sc, self.stop_ids, self.pad_id,
+    cfg, params = lora.sampling_model(self.cfg, params)  # a LoRA model's adapters merged once per call
+    out = sampler.generate(cfg, params, prompt_ids_BpP, prompt_mask_BpP, rng, sc, self.stop_ids, self.pad_id,
                            num_generations=num_generations, decode=self.decode)
     return Completions(**out)
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from hilore_jax import model
-from hilore_jax.model import LayerPolicy, ModelConfig
+from hilore_jax.model import LayerPolicy, ModelConfig, lora
 from hilore_jax.optim.config import KLControlConfig
 from hilore_jax.rl import grpo, kl_control, logprobs, token_budget
 from hilore_jax.rl.config import GRPOConfig
@@ -89,6 +89,8 @@ def old_logprobs(logp: jax.Array, batch: UpdateBatch, spec: StepSpec) -> jax.Arr
 
 def loss_and_stats(params, batch: UpdateBatch, spec: StepSpec, num_seqs, num_tokens, probe_mix=None):
   probe = (*spec.lowp_probe, probe_mix) if spec.lowp_probe else None
+  if spec.model_cfg.lora is not None and spec.model_cfg.lora.dropout:  # the adapters' dropout: training only
+    params = lora.with_dropout(params, batch_key(batch))
   logp, entropy = completion_logprobs(spec.model_cfg, params, batch, spec.policies, spec.logprob_chunk,
                                       spec.temperature, probe)
   old = old_logprobs(logp, batch, spec)
@@ -101,13 +103,28 @@ def loss_and_stats(params, batch: UpdateBatch, spec: StepSpec, num_seqs, num_tok
   return loss, stats
 
 
+def batch_key(batch: UpdateBatch) -> jax.Array:
+  """A PRNG key of the rows' tokens (LoRA dropout's masks): the same rows draw the same masks, so a resumed run and
+  a probe of the same minibatch see the gradient the step saw."""
+  ids, mask = sequence_inputs(batch)
+  weights = jnp.arange(1, ids.shape[1] + 1, dtype=jnp.uint32)
+  return jax.random.PRNGKey(jnp.sum(ids.astype(jnp.uint32) * mask.astype(jnp.uint32) * weights))
+
+
 def grads_and_stats(params, batch: UpdateBatch, spec: StepSpec, probe_mix=None, norm=None, wrt_probe: bool = False):
-  """Gradient of the minibatch loss, accumulated over spec.microbatches slices (normalisers are global); probe_mix
-  [L, units] (with spec.lowp_probe) is per layer, not per row: every microbatch reads all of it. norm: the
-  (num_seqs, num_tokens) normalisers of the minibatch batch is part of (default: batch's own). wrt_probe: the
-  gradient is (params', probe_mix's): a probe_mix with error channels (model/lowp.py) returns each one's error."""
+  """Gradient of the minibatch loss with respect to what trains (lora.partition: the adapters of a LoRA model, else
+  every parameter), accumulated over spec.microbatches slices (normalisers are global); probe_mix [L, units] (with
+  spec.lowp_probe) is per layer, not per row: every microbatch reads all of it. norm: the (num_seqs, num_tokens)
+  normalisers of the minibatch batch is part of (default: batch's own). wrt_probe: the gradient is (trained
+  params', probe_mix's): a probe_mix with error channels (model/lowp.py) returns each one's error."""
   num_seqs, num_tokens = grpo.normalisers(batch.mask) if norm is None else norm
-  grad_fn = jax.grad(loss_and_stats, argnums=(0, 5) if wrt_probe else 0, has_aux=True)
+  parts = lora.partition(params)
+  if parts.frozen is not None:  # the frozen base is no argument of the gradient: autodiff forms no weight gradient
+    loss_fn = lambda t, *args: loss_and_stats(parts.combined(t), *args)
+    params = parts.trainable
+  else:
+    loss_fn = loss_and_stats
+  grad_fn = jax.grad(loss_fn, argnums=(0, 5) if wrt_probe else 0, has_aux=True)
   if spec.microbatches == 1:
     return grad_fn(params, batch, spec, num_seqs, num_tokens, probe_mix)
   split = batch.split(spec.microbatches)
@@ -161,7 +178,7 @@ def packed_gradient(params, batch: UpdateBatch, idx: dict, norm, acc, spec: Step
 def packed_start(params, batch: UpdateBatch):
   """(a packed minibatch's empty accumulator: zero gradients, loss sums and token log-probs; its normalisers)."""
   stats = {k: jnp.zeros((), jnp.float32) for k in STAT_SUMS}
-  acc = jax.tree.map(jnp.zeros_like, params), stats, jnp.zeros(batch.tokens.shape, jnp.float32)
+  acc = jax.tree.map(jnp.zeros_like, lora.trainable(params)), stats, jnp.zeros(batch.tokens.shape, jnp.float32)
   return acc, jnp.stack(grpo.normalisers(batch.mask))
 
 
@@ -194,11 +211,14 @@ def kl_functions(spec: StepSpec, batch: UpdateBatch):
 
 def minibatch_kl(kl_fn, spec: StepSpec, params, updates, batch: UpdateBatch, chunk: int) -> jax.Array:
   """kl_fn's mean over the minibatch's completion tokens, spec.microbatches row slices at a time (as the gradient
-  program holds them): each slice's mean weighted by its token count."""
+  program holds them): each slice's mean weighted by its token count. updates are shaped like what trains
+  (lora.partition): the KL's JVP runs along the adapters of a LoRA model."""
+  parts = lora.partition(params)
 
   def one(b):
     hidden_fn, head_fn = kl_functions(spec, b)
-    return kl_fn(hidden_fn, head_fn, params, updates, b.mask, chunk) * jnp.sum(b.mask).astype(jnp.float32)
+    hidden, head = (lambda t: hidden_fn(parts.combined(t))), (lambda t: head_fn(parts.combined(t)))
+    return kl_fn(hidden, head, parts.trainable, updates, b.mask, chunk) * jnp.sum(b.mask).astype(jnp.float32)
 
   split = batch.sequences().split(spec.microbatches)
   return jnp.sum(jax.lax.map(one, split)) / jnp.maximum(jnp.sum(batch.mask).astype(jnp.float32), 1.0)
@@ -212,7 +232,8 @@ def update_step(state: dict, grads, optimizer: optax.GradientTransformation, bat
   predicted)) before it is applied, predicted the second-order mean per-token KL on the batch's completion tokens;
   the optimizer's state advances as without the control. Without kl the program is the plain one.
   """
-  updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+  split = lora.partition(state["params"])  # clipping and the optimizer see what trains (a LoRA model's adapters)
+  updates, opt_state = optimizer.update(grads, state["opt_state"], split.trainable)
   metrics = {"grad_norm": optax.tree.norm(grads)}
   if kl is not None:
     predicted = minibatch_kl(kl_control.predicted_kl, spec, state["params"], updates, batch, kl.chunk)
@@ -220,7 +241,7 @@ def update_step(state: dict, grads, optimizer: optax.GradientTransformation, bat
     updates = jax.tree.map(lambda u: (u * s).astype(u.dtype), updates)
     realized = minibatch_kl(kl_control.realized_kl, spec, state["params"], updates, batch, kl.chunk)
     metrics.update({"kl_control/predicted": predicted, "kl_control/scale": s, "kl_control/realized": realized})
-  params = optax.apply_updates(state["params"], updates)
+  params = split.combined(optax.apply_updates(split.trainable, updates))
   return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
 

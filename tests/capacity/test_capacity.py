@@ -5,8 +5,10 @@ import dataclasses
 import json
 import os
 
+import jax
 import pytest
 
+from hilore_jax import model
 from hilore_jax.capacity import measure as C
 from hilore_jax.capacity import report as capacity_report, run as capacity_run
 from hilore_jax.capacity import search
@@ -102,7 +104,28 @@ def test_capacity_json_schema(tiny):
     assert f"| {shape} | 1 | xla | gc | {result['rows'][0]['longest_completion']} |" in f.read()
 
 
+def test_a_lora_point_holds_the_adapters_optimizer_state_and_no_reference_copy(tiny):
+  """--lora RANK: the frozen base is the reference (no copy) and AdamW holds the adapters' moments alone."""
+  shape, out, _, _ = tiny
+  full = capacity_run.Grid(out, SETTINGS, progress=lambda s: None).point(shape, "gc", None, "xla", 1, 24)
+  grid = capacity_run.Grid(out, dataclasses.replace(SETTINGS, lora_rank=2), progress=lambda s: None)
+  assert grid.cache.points == {}  # other programs
+  lp = grid.point(shape, "gc", None, "xla", 1, 24)
+  cfg = C.load_shape(shape, SETTINGS)
+  shapes = lambda c: jax.eval_shape(lambda: model.init_params(c, jax.random.PRNGKey(0)))
+  size = lambda c: 4 * sum(x.size for x in jax.tree.leaves(shapes(c)))
+  lcfg = C.load_shape(shape, grid.settings)
+  params, adapters = size(cfg), size(lcfg) - size(cfg)
+  assert adapters > 0 and lcfg.lora.rank == 2
+  # the forward program's footprint: full holds AdamW's 2x the params and the reference's 1x beside it, LoRA 2x the
+  # adapters' (its own argument grows by the adapters, its temp by their x A: 8% of the params at this tiny shape)
+  saved = full["programs"]["forward"] - lp["programs"]["forward"]
+  assert 3 * params - 3 * adapters - 0.1 * params <= saved <= 3 * params
+  assert lp["device_bytes"] < full["device_bytes"]
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["--lora", "-2"], "--lora must be >= 0 (0: full fine-tuning), got -2"),
     (["--methods", "gc,fast"], "--methods: unknown ['fast']"),
     (["--shapes", "llama-70b"], "--shapes: unknown ['llama-70b']"),
     (["--budgets-gib", "24,-1"], "--budgets-gib must be positive"),

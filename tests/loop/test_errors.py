@@ -100,6 +100,16 @@ CASES = {
     "range/checkpoint": (["checkpoint.keep=0"], "config error", r"checkpoint.keep must be > 0"),
     "range/memory": (["memory.group_size=0"], "config error", r"memory.group_size must be > 0"),
     "range/bench": (["bench.zero_adv_frac=1.5"], "config error", r"bench.zero_adv_frac must be in", bench_main),
+    "range/lora_rank": (["lora.rank=-1"], "config error", r"lora.rank must be >= 0 \(0: off\), got -1"),
+    "range/lora_alpha": (["lora.rank=4", "lora.alpha=0"], "config error", r"lora.alpha must be > 0, got 0.0"),
+    "choice/lora_targets": (["lora.rank=4", "lora.targets=[q,qkv]"], "config error",
+                            r"lora.targets: unknown \['qkv'\] \(choose from \['q', 'k', 'v', 'o', 'gate', 'up', "
+                            r"'down'\]\)"),
+    "path/lora.init_from": (["lora.rank=4", "lora.init_from={tmp}/nope"], "config error",
+                            r"lora.init_from \S+/nope: no such directory"),
+    "path/lora.init_from_not_peft": (["lora.rank=4", "lora.init_from={empty}"], "config error",
+                                     r"lora.init_from \S+/empty: no adapter_config.json \(not a PEFT adapter "
+                                     r"directory\)"),
     "unknown_key": (["train.stepz=3"], "config error", r"unknown config key 'train.stepz'"),
     "unknown_key/bench": (["bench.repz=3"], "config error", r"unknown config key 'bench.repz'", bench_main),
     "bench_section_in_a_run": (["bench.reps=3"], "config error", r"unknown config key 'bench'"),

@@ -122,3 +122,46 @@ def test_lowp_kinds_keep_l_to_the_kinds_named(tiny_cfg):
     MemoryConfig(lowp_kinds=("attn_out",))
   with pytest.raises(ConfigError, match="uniform_int8.*codes every unit"):
     MemoryConfig(policy="uniform_int8", lowp_kinds=kinds)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("targets", [model.config.LORA_TARGETS, ("q", "v", "down")])
+def test_lora_plan_bytes_are_exactly_what_backward_keeps(tiny_cfg, targets):
+  # LoRA: the frozen weights read no input in backward, a projection input is kept only for its adapters' A
+  # gradients (none without an adapter: no unit), and the adapters' x A is one more unit; every Pareto layer choice
+  # keeps exactly the cost model's bytes on top of full checkpointing, as without LoRA
+  from hilore_jax.model.config import LoraSpec
+
+  cfg = tiny_cfg.replace(num_hidden_layers=1, lora=LoraSpec(3, 6.0, targets))
+  B, T, group = 3, 7, 8
+  ops = {op: 1.0 for op in units.producers(cfg)}
+  us = units.enumerate_units(cfg, B, T, group, {"ops": ops, "codec": {}})
+  kinds = [u.kind for u in us]
+  assert kinds[-1] == model.units.LORA_XA and us[-1].shape == (B, T, 3 * len(targets))
+  assert (model.ATTN_CTX in kinds) == ("o" in targets)  # an unread input is no unit
+  cands = costmodel.candidates(us, ops)
+  p = model.init_params(cfg, jax.random.PRNGKey(0))
+  ids = jnp.ones((B, T), jnp.int32)
+
+  def kept(pol):
+    (res,) = model.layer_residuals(cfg, p, ids, (pol,))
+    itemsize = {"f32": 4, "i8": 1, "bool": 1}
+    return sum(int(np.prod(r.shape)) * itemsize[r.dtype] for r in res if "argument p" not in r.source)
+
+  base = kept(model.FULL_REMAT)
+  rng = np.random.default_rng(1)
+  picks = [cands[i] for i in rng.choice(len(cands), 10, replace=False)]
+  with_input_l = [c for c in cands if model.LAYER_INPUT in c.lowp]
+  # the layer input's L needs every unit of the full table kept (LayerPolicy checks those): an unread input is none
+  assert bool(with_input_l) == (len(targets) == 7)
+  picks += with_input_l[:1]
+  alone = (H,) + (R,) * (len(us) - 2) + (H,)  # x A alone kept (no Pareto choice at these equal op times)
+  picks = [(c.choice, c.bytes) for c in picks] + [(alone, costmodel.choice_bytes(dict(zip(kinds, alone)), us))]
+  for choice, predicted in picks:
+    plan = methods.Plan(choice, tuple("int8" if x == L else None for x in choice), predicted, 0.0, 0.0)
+    (pol,) = methods.policies(plan, us, 1, group)
+    assert kept(pol) - base == predicted, choice
+  assert picks[-1][1] == 4 * B * T * 3 * len(targets)
+  # the x A unit is what the adapters' B gradients read: kept, its producer is not rerun
+  assert "lora_a" in costmodel.rerun_ops({}, model.units.lora_rows(kinds))
+  assert "lora_a" not in costmodel.rerun_ops({model.units.LORA_XA: H}, model.units.lora_rows(kinds))

@@ -100,7 +100,7 @@ class _Recorder(dict):
 
 @pytest.mark.parametrize("attention", ["xla", "dot_product_attention", "blockwise"])
 def test_each_producer_reads_what_the_table_says(tiny_cfg, attention):
-  assert set(model.OPS) == set(U.PRODUCERS) | {U.FUSED_ATTN}
+  assert set(model.OPS) == set(U.PRODUCERS) | {U.FUSED_ATTN, U.LORA_OP}  # LoRA's x A: its table's op
   tiny_cfg = tiny_cfg.replace(attention=attention)
   sizes = U.dims(tiny_cfg, 2, 5)
   p = model.layer_params(model.init_params(tiny_cfg.replace(num_hidden_layers=1), jax.random.PRNGKey(0)), 0)
