@@ -148,7 +148,11 @@ class Config:
     row = self.rollout.max_prompt_len + self.rollout.max_new_tokens
     for key in ("max_tokens_per_microbatch", "max_tokens_per_logprob_pass"):
       budget = getattr(self.train, key)
-      if budget and budget < row:
+      if budget and self.train.packing and self.train.share_prompt:  # a packed buffer holds completions only
+        if budget < self.rollout.max_new_tokens:
+          raise ConfigError(f"train.{key} ({budget}) is smaller than one packed completion at the cap: "
+                            f"rollout.max_new_tokens = {self.rollout.max_new_tokens} tokens")
+      elif budget and budget < row:
         raise ConfigError(f"train.{key} ({budget}) is smaller than one row at the cap: rollout.max_prompt_len + "
                           f"rollout.max_new_tokens = {self.rollout.max_prompt_len} + {self.rollout.max_new_tokens}"
                           f" = {row} tokens")
