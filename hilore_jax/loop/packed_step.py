@@ -39,9 +39,15 @@ class PackedStepper:
     acc_sh = (st.state_shardings["params"], {k: rep for k in train_step.STAT_SUMS}, sharding.batch_sharding(st.mesh))
     return st.batch_shardings(batch), rep, acc_sh
 
+  def _idx_shardings(self, micro) -> dict:
+    """A microbatch's index arrays' shardings: a packed buffer's rows split like the batch, the rest replicated."""
+    split, rep = sharding.batch_sharding(self.stepper.mesh), sharding.replicated(self.stepper.mesh)
+    return {k: split if k in micro.split_arrays else rep for k in micro.arrays()}
+
   def _abstract(self, batch: UpdateBatch, micro):
-    batch_sh, rep, _ = self._shardings(batch)
-    idx = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.int32, sharding=rep), micro.arrays())
+    batch_sh, _, _ = self._shardings(batch)
+    idx_sh = self._idx_shardings(micro)
+    idx = {k: jax.ShapeDtypeStruct(x.shape, jnp.int32, sharding=idx_sh[k]) for k, x in micro.arrays().items()}
     return abstract(batch, batch_sh), idx
 
   def _start(self, batch: UpdateBatch):
@@ -62,7 +68,7 @@ class PackedStepper:
       batch_sh, rep, acc_sh = self._shardings(batch)
       layout = micro.layout
       fn = jax.jit(lambda p, b, i, n, a: train_step.packed_gradient(p, b, i, n, a, spec, layout),
-                   in_shardings=(st.state_shardings["params"], batch_sh, rep, rep, acc_sh),
+                   in_shardings=(st.state_shardings["params"], batch_sh, self._idx_shardings(micro), rep, acc_sh),
                    out_shardings=acc_sh, donate_argnums=4)
       b_abs, idx = self._abstract(batch, micro)
       acc_abs = jax.eval_shape(train_step.packed_start, st.state_abstract["params"], b_abs)
@@ -111,7 +117,8 @@ class PackedStepper:
       if key not in self._programs:
         layout = m.layout
         fn = jax.jit(lambda p, b, i, a: train_step.packed_logprobs(spec, p, b, i, a, layout),
-                     in_shardings=(self.stepper.state_shardings["params"], batch_sh, rep, acc_sh[2]),
+                     in_shardings=(self.stepper.state_shardings["params"], batch_sh, self._idx_shardings(m),
+                                   acc_sh[2]),
                      out_shardings=acc_sh[2], donate_argnums=3)
         b_abs, idx = self._abstract(seqs, m)
         logp_abs = jax.ShapeDtypeStruct(seqs.tokens.shape, jnp.float32, sharding=acc_sh[2])

@@ -63,6 +63,10 @@ class Buffer:
     r = self.row[self.segment > 0]
     return r[np.concatenate([[True], r[1:] != r[:-1]])] if len(r) else r
 
+  # arrays() split over the mesh's batch axes (a device's buffer rows, so its activations stay its own); the table
+  # and each row's entry are replicated
+  split_arrays = ("row", "column", "segment", "position")
+
   def arrays(self) -> dict[str, np.ndarray]:
     """The index arrays a packed program takes."""
     out = {"row": self.row, "column": self.column, "segment": self.segment, "position": self.position}

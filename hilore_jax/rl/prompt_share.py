@@ -12,6 +12,7 @@ which is exact whatever rows it holds; the saving is G-fold per shard only when 
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from hilore_jax.rl import replay
@@ -108,9 +109,10 @@ def token_counts(batch: UpdateBatch) -> tuple[int, int]:
 
 
 def field_shardings(batch, split, rep):
-  """Each present field's sharding: the prompt table replicated, every other field split over the batch axes."""
-  return type(batch)(**{f: None if v is None else rep if f in TABLE_FIELDS else split
-                        for f, v in vars(batch).items()})
+  """Each present field's sharding: the prompt table replicated, every other field (a packing's arrays too: its
+  buffer rows) split over the batch axes."""
+  one = lambda f, v: None if v is None else rep if f in TABLE_FIELDS else jax.tree.map(lambda _: split, v)
+  return type(batch)(**{f: one(f, v) for f, v in vars(batch).items()})
 
 
 def activation_shape(batch: UpdateBatch, microbatches: int, shards: int) -> tuple[int, int]:

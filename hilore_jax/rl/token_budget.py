@@ -58,6 +58,8 @@ class Micro:
     shared = "" if self.table is None else f", {len(self.table)} prompts"
     return f"token budget: {len(self.rows)} rows x {self.cap} completion tokens{shared}"
 
+  split_arrays = ()  # arrays() split over the mesh's batch axes: none, every device gathers the same rows
+
   def arrays(self) -> dict[str, np.ndarray]:
     """The index arrays a packed program takes (replicated on the mesh)."""
     out = {"rows": self.rows, "live": self.live}
