@@ -25,7 +25,8 @@ from hilore_jax import stats
 from hilore_jax.rl import rollout
 
 log = logging.getLogger(__name__)
-COUNTS = ("rows_updated", "tokens/computed", "tokens/unshared", "budget/microbatches", "compile/count")
+COUNTS = ("rows_updated", "tokens/computed", "tokens/real", "tokens/fill", "tokens/unshared", "budget/microbatches",
+          "compile/count")
 
 
 @dataclasses.dataclass(frozen=True)

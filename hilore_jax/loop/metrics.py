@@ -30,6 +30,14 @@ def reduce_updates(rows: list[dict]) -> dict:
   return out
 
 
+def token_counts(computed: int, real: int, unshared: int, passes: int = 1) -> dict:
+  """A step's tokens/*: the positions its gradient passes compute (prompt tables, packed buffers and padding
+  included), those holding a real token, those without sharing or packing (rows x (P + N)), and fill = real /
+  computed."""
+  return {"tokens/computed": computed * passes, "tokens/real": real * passes, "tokens/unshared": unshared * passes,
+          "tokens/fill": real / computed if computed else 0.0}
+
+
 def _reducer(key: str):
   if key.startswith("alloc/frac"):
     return lambda xs: float(np.mean(xs))  # the step's allocation fractions, averaged over its minibatches

@@ -392,9 +392,8 @@ class Trainer:
       raise TrainingDiverged(f"non-finite loss or gradient at step {step + 1} (loss={row['loss']}, "
                              f"grad_norm={row['grad_norm']})")
     row.update(metrics.reduce_allocations(alloc_rows))
-    computed, real, tokens = (n * c.grpo.num_iterations for n in plan.tokens())
-    row.update({"tokens/computed": computed, "tokens/real": real, "tokens/unshared": tokens,
-                "tokens/fill": real / computed if computed else 0.0})
+    row.update(metrics.token_counts(*plan.tokens(), c.grpo.num_iterations))
+    tokens = row["tokens/unshared"]
     row.update(self.budget_metrics(plan))
     if peaks:
       row["memory/compiled_bytes"] = max(peaks)

@@ -32,7 +32,7 @@ def _run(out, *overrides):
 
 
 def test_bad_packing_settings_are_config_errors(tmp_path):
-  with pytest.raises(ConfigError, match="train.packing=true packs rows into buffers of train.max_tokens_per_microbatch"):
+  with pytest.raises(ConfigError, match="train.packing=true packs rows into buffers of train.max_tokens_per_micro"):
     tiny_config(tmp_path, "train.packing=true")
   # a shared prompt's buffer holds completions only: 7 tokens at the cap, the prompt's 6 in the table
   with pytest.raises(ConfigError, match=r"train.max_tokens_per_microbatch \(6\) is smaller than one packed completion "
