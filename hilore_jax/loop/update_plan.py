@@ -82,7 +82,7 @@ class UpdatePlan:
   def padding_frac(self) -> float:
     """Padded positions / the positions one gradient pass holds (rows x (P + cap), before sharing; packed: of the
     positions it computes, 1 - tokens/fill)."""
-    if self.grad and isinstance(self.grad[0], list) and isinstance(self.grad[0][0], packing.Buffer):
+    if any(isinstance(m, packing.Buffer) for micros in self.grad if micros for m in micros):
       computed, real, _ = self.tokens()
       return 1.0 - real / computed if computed else 0.0
     real = sum(float(np.sum((n + p) * (n > 0))) for n, p in zip(self.lengths, self.prompt_lengths))
