@@ -49,8 +49,11 @@ def _reducer(key: str):
 
 
 def reduce_allocations(rows: list[dict]) -> dict:
-  """A step's per-minibatch allocation metrics (alloc/*, memory/*, time/schedule_s) -> one value per key."""
-  return {k: _reducer(k)([r[k] for r in rows]) for k in (rows[0] if rows else {})}
+  """A step's per-minibatch allocation metrics (alloc/*, memory/*, time/schedule_s) -> one value per key, over the
+  rows that report it (with a plan per microbatch shape, a shape met first this step is still warming up while
+  another plans)."""
+  keys = list(dict.fromkeys(k for r in rows for k in r))
+  return {k: _reducer(k)([r[k] for r in rows if k in r]) for k in keys}
 
 
 def _write_atomic(path: str, text: str):
