@@ -46,6 +46,31 @@ def test_bad_packing_settings_are_config_errors(tmp_path):
     tiny_config(tmp_path, "train.shuffle=groups")
 
 
+def test_memory_units_count_a_buffers_positions_and_its_table_once():
+  # what HiLoRe prices a packed microbatch at: its buffer rows, each as long as its positions plus (replicated) the
+  # table's prompts shared over them
+  import numpy as np
+
+  from hilore_jax.loop import step_hooks
+  from hilore_jax.model import ModelConfig
+  from hilore_jax.rl import prompt_share, train_step
+  from hilore_jax.rl.config import GRPOConfig
+  from hilore_jax.rl.update_batch import UpdateBatch
+
+  P, N = 5, 6
+  mask = (np.arange(N)[None] < np.array([6, 2, 4, 5, 1, 3])[:, None]).astype(np.int32)
+  batch = UpdateBatch(np.arange(1, 7)[:, None].repeat(P, 1).astype(np.int32) // 4 + 1, np.ones((6, P), np.int32),
+                      mask * 3, mask, np.ones(6, np.float32))
+  cfg = ModelConfig(vocab_size=11, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=1)
+  hooks = step_hooks.memory_hooks(None, train_step.StepSpec(cfg, GRPOConfig(), ()))
+  for keys in (None, prompt_share.prompt_keys(batch)):
+    (buf,) = packing.plan(batch.mask, batch.prompt_mask, (64,), 1, keys, 2)
+    packed = packing.gather(batch, buf.arrays())
+    U = 0 if keys is None else len(buf.table)
+    assert hooks.batch_shape(packed) == (1, 64 + U * P)
+
+
 def test_a_step_reduces_allocations_of_managers_in_different_phases():
   # a buffer length met first this step warms up (no plan metrics yet) while another plans: each key over the rows
   # that report it (a KeyError ended the tiny default's packed run at step 4 before)
