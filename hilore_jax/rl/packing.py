@@ -34,7 +34,7 @@ def sizes(budget: int, n: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Buffer:
-  """One packed microbatch of a minibatch: S buffer rows of L positions (numpy, replicated on the mesh)."""
+  """One packed microbatch of a minibatch: S buffer rows of L positions (numpy; a device holds its buffer row)."""
 
   row: np.ndarray  # [S, L] int32 minibatch row of each position; B (past the end) on padding
   column: np.ndarray  # [S, L] int32 column in the row's prompt + completion; 0 on padding
