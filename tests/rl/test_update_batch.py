@@ -87,3 +87,32 @@ def test_the_tiny_default_computes_at_most_055_of_its_unshared_positions_with_wh
     ratios[mode] = computed / unshared
   assert ratios["group"] == pytest.approx((16 * 8 + 128 * 5) / (128 * 13))  # 0.46
   assert ratios["group"] <= 0.55 and ratios["row"] == pytest.approx((64 * 8 + 128 * 5) / (128 * 13))  # 0.69
+
+
+@pytest.mark.parametrize("mb,replay", [(8, False), (6, False), (12, False), (8, True)])
+def test_the_table_bound_holds_for_every_minibatch(mb, replay):
+  # whole groups: a minibatch cut at group boundaries holds mb / G prompts; otherwise the groups inside it, a
+  # partial one at each end and every replayed row; drawn 30 times, no minibatch exceeds the bound
+  from hilore_jax.rl import prompt_share, replay as replay_lib
+
+  over = ["replay.enabled=true", "replay.share=0.5", "replay.tau_max=8"] if replay else []
+  c = _config(f"train.minibatch_size={mb}", *over)
+  bound = prompt_share.max_distinct(c)
+  G, prompts = 4, 6
+  replayed = replay_lib.max_replay_rows(c.replay, 24) if replay else 0
+  want = {8: 2, 6: 6 // G + 2, 12: 3}[mb] if not replay else min(prompts, mb // G + 2) + replayed
+  assert bound == want
+  rng = np.random.default_rng(0)
+  for _ in range(30):
+    roll = _rollout(prompts, G, 5, 3, seed=int(rng.integers(1 << 30)))
+    ids = roll.prompt_ids
+    if replay:  # replayed rows: some of this rollout's prompts, some of others'
+      others = replayed - replayed // 2
+      new = 50 + np.arange(others)[:, None] + 0 * ids[:others]  # prompts not in the rollout
+      extra = np.concatenate([ids[rng.integers(0, 24, replayed // 2)], new])
+      ids = np.concatenate([ids, extra.astype(np.int32)])
+    order = update_batch.shuffled(ids, np.ones_like(ids), rng, "group")
+    for i in range(0, len(order), mb):
+      assert len({tuple(r) for r in ids[order[i:i + mb]]}) <= bound
+  rows = _config(f"train.minibatch_size={mb}", "train.shuffle=row", *over)
+  assert prompt_share.max_distinct(rows) == prompts + replayed
