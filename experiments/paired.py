@@ -6,6 +6,8 @@ against rows padded to the cap). Both arms start every update from the same stat
 and optimizer state), see the same rollouts (sampled once, by arm A's policy at its start) and build the same
 minibatches (the update's shuffle is keyed by the rollout's index); each arm's first update compiles and is not
 timed; the order of the arms alternates between repetitions so that a drift of the machine's speed falls on both.
+With `floor`, a third arm is arm A compiled a second time (its own trainer): A again / A is the noise floor, what
+two compilations of one setting differ by, against which B / A is read.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from hilore_jax.rl import rollout
 log = logging.getLogger(__name__)
 # what each arm's first (compiling) update did: its work, and a planned method's plan (units kept H and L, whether
 # the guard or a fallback ran GC's program instead)
-COUNTS = ("rows_updated", "tokens/computed", "tokens/unshared", "budget/microbatches", "compile/count",
-          "alloc/frac_H", "alloc/frac_L", "alloc/frac_R", "memory/compiled_bytes")
+COUNTS = ("rows_updated", "tokens/computed", "tokens/real", "tokens/fill", "tokens/unshared",
+          "budget/microbatches", "compile/count", "alloc/frac_H", "alloc/frac_L", "alloc/frac_R",
+          "memory/compiled_bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,14 +67,17 @@ def _timed_sampler(t, examples, G: int, key, shared: bool) -> float:
 
 
 def run(config_path: str | None, base: list[str], a: Arm, b: Arm, rollouts: int, reps: int, out_dir: str,
-        sampler: bool = False) -> dict:
+        sampler: bool = False, floor: bool = False) -> dict:
   """The paired figures of arm b against arm a (see the module's docstring); written to out_dir/paired.json."""
   os.makedirs(out_dir, exist_ok=True)
+  again = Arm(f"{a.name}_again", a.overrides) if floor else None
+  timed = (a, b) if again is None else (a, b, again)
   arms = {arm.name: _trainer(config_path, [*base, *arm.overrides], os.path.join(out_dir, arm.name))
-          for arm in (a, b)}
-  ta, tb = arms[a.name], arms[b.name]
+          for arm in timed}
+  ta = arms[a.name]
   start = _copy(ta.state)
-  tb.state, tb.ref_params = _copy(start), ta.ref_params
+  for arm in timed[1:]:
+    arms[arm.name].state, arms[arm.name].ref_params = _copy(start), ta.ref_params
   rolls = []
   for r in range(rollouts):
     t0 = time.perf_counter()
@@ -80,10 +86,10 @@ def run(config_path: str | None, base: list[str], a: Arm, b: Arm, rollouts: int,
     log.info("rollout %d: %.1f s, completion length p50 %d max %d", r, time.perf_counter() - t0,
              np.median(lens), lens.max())
   out: dict = {"config": config_path, "base": base, "a": dataclasses.asdict(a), "b": dataclasses.asdict(b),
-               "rollouts": rollouts, "reps": reps, "update_s": {a.name: [], b.name: []}, "rows": {},
+               "rollouts": rollouts, "reps": reps, "update_s": {arm.name: [] for arm in timed}, "rows": {},
                # the regime the times are of: each rollout's completion lengths (a token budget pays below the cap)
                "completion_len": [lengths(r.mask) for r in rolls]}
-  for arm in (a, b):  # compile (not timed)
+  for arm in timed:  # compile (not timed)
     t = arms[arm.name]
     t.state = _copy(start)
     row = t.update(rolls[0], 0)
@@ -92,7 +98,7 @@ def run(config_path: str | None, base: list[str], a: Arm, b: Arm, rollouts: int,
                        "grpo.filter_zero_std on?): there is nothing to time")
     out["rows"][arm.name] = {k: v for k, v in row.items() if k in COUNTS}
   for rep in range(reps):
-    order = (a, b) if rep % 2 == 0 else (b, a)
+    order = timed if rep % 2 == 0 else timed[::-1]
     for r, roll in enumerate(rolls):
       for arm in order:
         t = arms[arm.name]
@@ -103,6 +109,8 @@ def run(config_path: str | None, base: list[str], a: Arm, b: Arm, rollouts: int,
   ratio = np.asarray(out["update_s"][b.name]) / np.asarray(out["update_s"][a.name])
   out["update_ratio"] = {**stats.summary(ratio), "median_a_s": float(np.median(out["update_s"][a.name])),
                          "median_b_s": float(np.median(out["update_s"][b.name]))}
+  if again is not None:
+    out["floor_ratio"] = stats.summary(np.asarray(out["update_s"][again.name]) / np.asarray(out["update_s"][a.name]))
   if sampler:  # the sampler's layout: each group's prompt prefilled once against once per row, same keys
     examples = ta.task.train_batch(0, ta.config.rollout.num_prompts)
     G = ta.config.rollout.num_generations
@@ -136,6 +144,9 @@ def table(out: dict) -> str:
            f"n = {u['n']} pairs: {out['rollouts']} rollouts x {out['reps']} reps)"]
   for i, c in enumerate(out.get("completion_len", [])):
     lines.append(f"rollout {i}: completion length p50 {c['p50']:g}, p90 {c['p90']:g}, max {c['max']} of {c['cap']}")
+  if "floor_ratio" in out:
+    f = out["floor_ratio"]
+    lines.append(f"noise floor, {a} compiled again / {a}: {f['mean']:.3f} [{f['ci_low']:.3f}, {f['ci_high']:.3f}]")
   for name in (a, b):
     if out["rows"].get(name):
       lines.append(f"{name}: " + ", ".join(f"{k} {v:g}" for k, v in out["rows"][name].items()))

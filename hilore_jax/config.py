@@ -181,12 +181,14 @@ class Config:
       raise ConfigError(f"train.microbatch_size ({self.train.microbatch_size}) must divide "
                         f"train.minibatch_size ({mb})")
     row = self.rollout.max_prompt_len + self.rollout.max_new_tokens
+    text = (f"one row at the cap: rollout.max_prompt_len + rollout.max_new_tokens = {self.rollout.max_prompt_len} + "
+            f"{self.rollout.max_new_tokens} = {row} tokens")
+    if self.train.packing and self.train.share_prompt:  # a packed buffer holds completions only
+      row = self.rollout.max_new_tokens
+      text = f"one packed completion at the cap: rollout.max_new_tokens = {row} tokens"
     for key in ("max_tokens_per_microbatch", "max_tokens_per_logprob_pass"):
-      budget = getattr(self.train, key)
-      if budget and budget < row:
-        raise ConfigError(f"train.{key} ({budget}) is smaller than one row at the cap: rollout.max_prompt_len + "
-                          f"rollout.max_new_tokens = {self.rollout.max_prompt_len} + {self.rollout.max_new_tokens}"
-                          f" = {row} tokens")
+      if 0 < getattr(self.train, key) < row:
+        raise ConfigError(f"train.{key} ({getattr(self.train, key)}) is smaller than {text}")
     G = self.rollout.num_generations
     if self.replay.group_size not in (0, G):
       raise ConfigError(f"replay.group_size ({self.replay.group_size}) must equal rollout.num_generations ({G}) "

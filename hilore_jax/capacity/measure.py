@@ -34,7 +34,7 @@ from hilore_jax.model import units as U
 from hilore_jax.model.config import LoraSpec, from_hf_dict
 from hilore_jax.rl import train_step
 from hilore_jax.rl.config import GRPOConfig
-from hilore_jax.rl.update_batch import UpdateBatch
+from hilore_jax.rl.update_batch import Packing, UpdateBatch
 
 SHAPES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
                           "shapes")
@@ -63,6 +63,9 @@ class Settings:
   # LoRA (python -m train.capacity --lora RANK): adapters of this rank on all seven projections (alpha 2 x rank),
   # the base frozen in param_dtype, AdamW over the adapters, the reference the base itself; 0: full fine-tuning
   lora_rank: int = 0
+  # the rows' completions end to end in packed buffers (rl/packing.py: one buffer row of rows x T / devices
+  # positions per device), each group's prompt once in a table; False: rows padded to prompt + T, every row its own
+  packed: bool = False
 
   def programs(self) -> dict:
     """The fields the compiled programs depend on (the point cache's settings): not the search's grid or cap."""
@@ -91,13 +94,22 @@ def uncalibrated(num_layers: int, delta: float = 0.01) -> Calibration:
   return Calibration([1.0] * n, zeros, zeros, delta, 0.0, 0.0, 0.0, {}, 0, score_max=zeros)
 
 
-def abstract_batch(rows: int, prompt_len: int, completion_len: int, with_ref: bool) -> UpdateBatch:
-  """An update minibatch's shapes: old log-probs carried, reference ones with a KL term."""
+def abstract_batch(rows: int, prompt_len: int, completion_len: int, with_ref: bool,
+                   packed_devices: int = 0) -> UpdateBatch:
+  """An update minibatch's shapes: old log-probs carried, reference ones with a KL term; packed_devices > 0: its
+  rows as one packed microbatch (rl/packing.py) of that many buffer rows holding the rows' completions (every one
+  at T) end to end, with a table of one prompt per group of G = 8 rows."""
   i32 = lambda *s: jax.ShapeDtypeStruct(s, np.int32)
   f32 = lambda *s: jax.ShapeDtypeStruct(s, np.float32)
-  return UpdateBatch(i32(rows, prompt_len), i32(rows, prompt_len), i32(rows, completion_len),
-                     i32(rows, completion_len), f32(rows), old_logp=f32(rows, completion_len), on_policy=i32(rows),
-                     ref_logp=f32(rows, completion_len) if with_ref else None)
+  batch = UpdateBatch(i32(rows, prompt_len), i32(rows, prompt_len), i32(rows, completion_len),
+                      i32(rows, completion_len), f32(rows), old_logp=f32(rows, completion_len), on_policy=i32(rows),
+                      ref_logp=f32(rows, completion_len) if with_ref else None)
+  if not packed_devices:
+    return batch
+  S, table = packed_devices, -(-rows // 8)
+  buf = lambda: i32(S, -(-rows * completion_len // S))
+  return batch.replace(prompt_table=i32(table, prompt_len), prompt_table_mask=i32(table, prompt_len),
+                       prompt_index=i32(rows), packing=Packing(buf(), buf(), buf(), buf()))
 
 
 def footprint(compiled) -> int:
@@ -184,7 +196,7 @@ class Measurer:
     s = self.settings
     cfg, stepper = self.engine(mcfg, devices)
     spec = self.spec(cfg, mcfg, completion_len)
-    batch = abstract_batch(s.rows, s.prompt_len, completion_len, s.beta > 0)
+    batch = abstract_batch(s.rows, s.prompt_len, completion_len, s.beta > 0, devices if s.packed else 0)
     pols = self.policies(cfg, stepper, spec, batch, method, ratio)
     step = stepper.get(dataclasses.replace(spec, policies=tuple(pols)), batch, count=False)
     opt_b = device_bytes(stepper.state_abstract["opt_state"])

@@ -30,6 +30,14 @@ def reduce_updates(rows: list[dict]) -> dict:
   return out
 
 
+def token_counts(computed: int, real: int, unshared: int, passes: int = 1) -> dict:
+  """A step's tokens/*: the positions its gradient passes compute (prompt tables, packed buffers and padding
+  included), those holding a real token, those without sharing or packing (rows x (P + N)), and fill = real /
+  computed."""
+  return {"tokens/computed": computed * passes, "tokens/real": real * passes, "tokens/unshared": unshared * passes,
+          "tokens/fill": real / computed if computed else 0.0}
+
+
 def _reducer(key: str):
   if key.startswith("alloc/frac"):
     return lambda xs: float(np.mean(xs))  # the step's allocation fractions, averaged over its minibatches
@@ -41,8 +49,11 @@ def _reducer(key: str):
 
 
 def reduce_allocations(rows: list[dict]) -> dict:
-  """A step's per-minibatch allocation metrics (alloc/*, memory/*, time/schedule_s) -> one value per key."""
-  return {k: _reducer(k)([r[k] for r in rows]) for k in (rows[0] if rows else {})}
+  """A step's per-minibatch allocation metrics (alloc/*, memory/*, time/schedule_s) -> one value per key, over the
+  rows that report it (with a plan per microbatch shape, a shape met first this step is still warming up while
+  another plans)."""
+  keys = list(dict.fromkeys(k for r in rows for k in r))
+  return {k: _reducer(k)([r[k] for r in rows if k in r]) for k in keys}
 
 
 def _write_atomic(path: str, text: str):

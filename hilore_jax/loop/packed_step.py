@@ -1,7 +1,8 @@
-"""The token budget's compiled programs (rl/token_budget.py): per microbatch shape a packed gradient program (gather
-the rows, and with a shared prompt the microbatch's prompt table; gradient; add to a donated accumulator) and a
-packed log-prob forward; the update program (clipping, the optimizer) runs once per minibatch, on its accumulated
-gradient. Gradient programs are counted and logged on the engine's Stepper like the unpacked ones."""
+"""The token budget's compiled programs: per microbatch shape a packed gradient program (gather the microbatch from
+its placed minibatch: a length bucket's rows, rl/token_budget.py, or a buffer of rows end to end, rl/packing.py; with
+a shared prompt the microbatch's prompt table; gradient; add to a donated accumulator) and a packed log-prob
+forward; the update program (clipping, the optimizer) runs once per minibatch, on its accumulated gradient.
+Gradient programs are counted and logged on the engine's Stepper like the unpacked ones."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 
 from hilore_jax import sharding
 from hilore_jax.loop.engine import Stepper, _memory, abstract
-from hilore_jax.rl import token_budget, train_step
+from hilore_jax.rl import train_step
 from hilore_jax.rl.train_step import StepSpec
 from hilore_jax.rl.update_batch import UpdateBatch
 
@@ -28,7 +29,9 @@ class PackedStepper:
   def __init__(self, stepper: Stepper):
     self.stepper = stepper
     self._programs: dict[tuple, tuple] = {}
-    self.shapes: set[tuple[str, int, int]] = set()  # (pass, rows, cap) compiled so far: budget/compiled_shapes
+    # (pass, rows, cap) (a bucket) or (pass, buffer rows, buffer length) (packed) compiled so far:
+    # budget/compiled_shapes
+    self.shapes: set[tuple[str, int, int]] = set()
 
   def _shardings(self, batch: UpdateBatch):
     st = self.stepper
@@ -36,9 +39,15 @@ class PackedStepper:
     acc_sh = (st.grad_shardings, {k: rep for k in train_step.STAT_SUMS}, sharding.batch_sharding(st.mesh))
     return st.batch_shardings(batch), rep, acc_sh
 
-  def _abstract(self, batch: UpdateBatch, micro: token_budget.Micro):
-    batch_sh, rep, _ = self._shardings(batch)
-    idx = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.int32, sharding=rep), micro.arrays())
+  def _idx_shardings(self, micro) -> dict:
+    """A microbatch's index arrays' shardings: a packed buffer's rows split like the batch, the rest replicated."""
+    split, rep = sharding.batch_sharding(self.stepper.mesh), sharding.replicated(self.stepper.mesh)
+    return {k: split if k in micro.split_arrays else rep for k in micro.arrays()}
+
+  def _abstract(self, batch: UpdateBatch, micro):
+    batch_sh, _, _ = self._shardings(batch)
+    idx_sh = self._idx_shardings(micro)
+    idx = {k: jax.ShapeDtypeStruct(x.shape, jnp.int32, sharding=idx_sh[k]) for k, x in micro.arrays().items()}
     return abstract(batch, batch_sh), idx
 
   def _start(self, batch: UpdateBatch):
@@ -50,15 +59,16 @@ class PackedStepper:
       self._programs[key] = (fn.lower(self.stepper.state_abstract["params"], abstract(batch, batch_sh)).compile(), 0)
     return self._programs[key][0]
 
-  def _gradient(self, spec: StepSpec, batch: UpdateBatch, micro: token_budget.Micro):
-    """(the packed gradient program of micro's shape, its peak bytes: temp plus the accumulator it writes)."""
+  def _gradient(self, spec: StepSpec, batch: UpdateBatch, micro):
+    """(the packed gradient program of micro's shape (a token_budget.Micro or packing.Buffer), its peak bytes: temp
+    plus the accumulator it writes)."""
     key = ("grad", spec, batch.signature(), micro.key)
     if key not in self._programs:
       t0, st = time.perf_counter(), self.stepper
       batch_sh, rep, acc_sh = self._shardings(batch)
-      cap = micro.cap
-      fn = jax.jit(lambda p, b, i, n, a: train_step.packed_gradient(p, b, i, n, a, spec, cap),
-                   in_shardings=(st.state_shardings["params"], batch_sh, rep, rep, acc_sh),
+      layout = micro.layout
+      fn = jax.jit(lambda p, b, i, n, a: train_step.packed_gradient(p, b, i, n, a, spec, layout),
+                   in_shardings=(st.state_shardings["params"], batch_sh, self._idx_shardings(micro), rep, acc_sh),
                    out_shardings=acc_sh, donate_argnums=4)
       b_abs, idx = self._abstract(batch, micro)
       acc_abs = jax.eval_shape(train_step.packed_start, st.state_abstract["params"], b_abs)
@@ -69,17 +79,14 @@ class PackedStepper:
       self._programs[key] = (compiled, temp + out)
       self.shapes.add(("grad", *micro.shape))
       st.compile_count += 1
-      shared = "" if micro.table is None else f", {len(micro.table)} prompts"
-      entry = {"count": st.compile_count,
-               "reason": f"token budget: {micro.shape[0]} rows x {cap} completion tokens{shared}",
-               "seconds": time.perf_counter() - t0, "peak_bytes": temp + out, "batch": f"packed {list(micro.shape)}"}
+      entry = {"count": st.compile_count, "reason": micro.describe(), "seconds": time.perf_counter() - t0,
+               "peak_bytes": temp + out, "batch": f"packed {list(micro.shape)}"}
       st.compile_log.append(entry)
       log.info("compiled packed gradient program #%d (%s) in %.1fs, peak %d bytes", entry["count"], entry["reason"],
                entry["seconds"], entry["peak_bytes"])
     return self._programs[key]
 
-  def step(self, spec: StepSpec | list[StepSpec], state: dict, batch: UpdateBatch,
-           micros: list[token_budget.Micro]):
+  def step(self, spec: StepSpec | list[StepSpec], state: dict, batch: UpdateBatch, micros: list):
     """One optimizer update on a packed minibatch -> (new state, metrics as the unpacked step's, peak bytes); spec
     a list: one per microbatch (a memory plan per shape)."""
     specs = spec if isinstance(spec, list) else [spec] * len(micros)
@@ -98,7 +105,7 @@ class PackedStepper:
       state, metrics = update(state, grads)
     return state, {**_metrics({**stats, train_step.TOKEN_LOGP: logp}), **metrics}, peak
 
-  def logprobs(self, spec: StepSpec, params, batch: UpdateBatch, micros: list[token_budget.Micro]) -> jax.Array:
+  def logprobs(self, spec: StepSpec, params, batch: UpdateBatch, micros: list) -> jax.Array:
     """log pi(completion token) [B, N] of params on batch's sequences, microbatch by microbatch (0 past a row's
     bucket cap and on rows without a completion token, which no loss reads)."""
     seqs = batch.sequences()
@@ -108,9 +115,10 @@ class PackedStepper:
     for m in micros:
       key = ("logp", spec, seqs.signature(), m.key)
       if key not in self._programs:
-        cap = m.cap
-        fn = jax.jit(lambda p, b, i, a: train_step.packed_logprobs(spec, p, b, i, a, cap),
-                     in_shardings=(self.stepper.state_shardings["params"], batch_sh, rep, acc_sh[2]),
+        layout = m.layout
+        fn = jax.jit(lambda p, b, i, a: train_step.packed_logprobs(spec, p, b, i, a, layout),
+                     in_shardings=(self.stepper.state_shardings["params"], batch_sh, self._idx_shardings(m),
+                                   acc_sh[2]),
                      out_shardings=acc_sh[2], donate_argnums=3)
         b_abs, idx = self._abstract(seqs, m)
         logp_abs = jax.ShapeDtypeStruct(seqs.tokens.shape, jnp.float32, sharding=acc_sh[2])

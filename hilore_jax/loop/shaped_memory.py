@@ -11,6 +11,9 @@ from hilore_jax.memory import MemoryManager
 
 
 def shape_key(batch) -> str:
+  """rows x length of a bucket's microbatch, or `packed` buffer rows x length."""
+  if batch.packing is not None:
+    return "packed {}x{}".format(*batch.packing.shape)
   return f"{batch.rows}x{batch.prompt_len + batch.completion_len}"
 
 

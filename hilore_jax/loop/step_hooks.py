@@ -15,7 +15,7 @@ from hilore_jax.memory import exposure
 from hilore_jax.memory.hooks import StepHooks
 from hilore_jax.model import lora
 from hilore_jax.model.decoder import WEIGHT_READS
-from hilore_jax.rl import prompt_share, train_step
+from hilore_jax.rl import packing, prompt_share, train_step
 from hilore_jax.rl.train_step import StepSpec
 from hilore_jax.rl.update_batch import UpdateBatch
 
@@ -79,7 +79,9 @@ def memory_hooks(stepper: Stepper | None, spec: StepSpec, max_grad_norm: float =
   return StepHooks(
       model_cfg=cfg,
       compile_peak=lambda pols, batch: stepper.get(with_policies(pols), batch, count=False).peak_bytes,
-      batch_shape=lambda b: prompt_share.activation_shape(b, spec.microbatches, shards),
+      # a packed microbatch counts its buffer's positions (and its table's prompts once)
+      batch_shape=lambda b: (packing.activation_shape(b, shards) if b.packing is not None
+                             else prompt_share.activation_shape(b, spec.microbatches, shards)),
       gradient=lambda p, b, pols: _grad(p, b, with_policies(pols), None),
       probe_gradient=lambda p, b, mix, fmt, group: _grad(p, b, dataclasses.replace(probe_spec, lowp_probe=(fmt, group)),
                                                          mix),

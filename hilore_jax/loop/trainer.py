@@ -134,9 +134,15 @@ class Trainer:
     if not (tb.max_tokens_per_microbatch or tb.max_tokens_per_logprob_pass):
       return None
     P, N = c.rollout.max_prompt_len, c.rollout.max_new_tokens
+    row = N if tb.packing and tb.share_prompt else P + N  # a packed row: its completion, or prompt and completion
     for key in ("max_tokens_per_microbatch", "max_tokens_per_logprob_pass"):
       budget = getattr(tb, key)
-      if budget and token_budget.rows_per_microbatch(budget, P, N, c.minibatch_size, n_shards) < 1:
+      if budget and tb.packing and budget // n_shards < row:
+        raise ConfigError(f"train.{key} ({budget}) gives each of the mesh's {n_shards} devices a packed buffer of "
+                          f"{budget // n_shards} positions, fewer than a row at the cap ({row}): raise it to "
+                          f"{n_shards * row} or more")
+      if budget and not tb.packing and token_budget.rows_per_microbatch(budget, P, N, c.minibatch_size,
+                                                                       n_shards) < 1:
         raise ConfigError(f"train.{key} ({budget}) holds fewer than the mesh's {n_shards} rows of "
                           f"{P} + {N} tokens ({n_shards * (P + N)})")
     return packed_step.PackedStepper(self.stepper)
@@ -416,8 +422,8 @@ class Trainer:
       raise TrainingDiverged(f"non-finite loss or gradient at step {step + 1} (loss={row['loss']}, "
                              f"grad_norm={row['grad_norm']})")
     row.update(metrics.reduce_allocations(alloc_rows))
-    computed, tokens = (n * c.grpo.num_iterations for n in plan.tokens())
-    row.update({"tokens/computed": computed, "tokens/unshared": tokens})
+    row.update(metrics.token_counts(*plan.tokens(), c.grpo.num_iterations))
+    tokens = row["tokens/unshared"]
     row.update(self.budget_metrics(plan))
     if peaks:
       row["memory/compiled_bytes"] = max(peaks)

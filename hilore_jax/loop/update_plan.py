@@ -1,6 +1,7 @@
 """A rollout's update as one typed value: its minibatches (placed), what the host knows of each (completion and
-prompt lengths), and the token budget's microbatches for the gradient and the log-prob passes. Built once per
-rollout (`build`), read by every pass: no per-minibatch state hides in the trainer."""
+prompt lengths, prompts), and the token budget's microbatches for the gradient and the log-prob passes (length
+buckets, or with `train.packing` buffers of rows end to end). Built once per rollout (`build`), read by every pass:
+no per-minibatch state hides in the trainer."""
 
 from __future__ import annotations
 
@@ -12,18 +13,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from hilore_jax.config import Config
-from hilore_jax.rl import prompt_share, token_budget, update_batch
+from hilore_jax.rl import packing, prompt_share, token_budget, update_batch
 from hilore_jax.rl.update_batch import UpdateBatch
 
-Micros = list[token_budget.Micro] | None  # a minibatch's microbatches under one budget; None: that budget is off
-_gather = jax.jit(token_budget.gather, static_argnums=2)  # a microbatch of a placed minibatch (the memory manager's)
-_columns = jax.jit(lambda x, rows, cap: x[rows, :cap], static_argnums=2)
+# a minibatch's microbatches under one budget (length buckets' Micro or packed Buffer); None: that budget is off
+Micros = list[token_budget.Micro] | list[packing.Buffer] | None
+# a microbatch of a placed minibatch and its slice of a [B, N] array (the memory manager's)
+_gather = jax.jit(lambda b, idx, layout: layout.gather(b, idx), static_argnums=2)
+_values = jax.jit(lambda x, idx, layout: layout.values(x, idx), static_argnums=2)
 
 
 @dataclasses.dataclass(frozen=True)
 class UpdatePlan:
   """Per minibatch i: batches[i] (on the mesh), lengths[i] and prompt_lengths[i] ([B] host ints), grad[i] and
-  logp[i] (its microbatches, or None); current[i]: the current policy's log-probs where a forward computed them."""
+  logp[i] (its microbatches, or None); current[i]: the current policy's log-probs where a forward computed them;
+  prompt_keys[i] ([B] host ids, equal for equal prompts) and split (its tables' slices) where prompts are shared."""
 
   batches: tuple[UpdateBatch, ...]
   stats: dict
@@ -32,6 +36,8 @@ class UpdatePlan:
   grad: tuple[Micros, ...]
   logp: tuple[Micros, ...]
   current: tuple = ()
+  prompt_keys: tuple = ()
+  split: int = 1
 
   @classmethod
   def of(cls, batches, stats: dict | None = None) -> UpdatePlan:
@@ -59,29 +65,57 @@ class UpdatePlan:
     them: what the memory manager plans for (loop/shaped_memory.py: one manager per microbatch shape)."""
     if not self.grad or self.grad[0] is None:
       return list(batches), logp
-    micro = [_gather(b, m.arrays(), m.cap) for b, p in zip(batches, self.grad) for m in p]
+    micro = [_gather(b, m.arrays(), m.layout) for b, p in zip(batches, self.grad) for m in p]
     if logp is not None:
-      logp = [None if x is None else _columns(x, m.rows, m.cap) for x, p in zip(logp, self.grad) for m in p]
+      logp = [None if x is None else _values(x, m.arrays(), m.layout) for x, p in zip(logp, self.grad) for m in p]
     return micro, logp
 
-  def tokens(self) -> tuple[int, int]:
-    """(positions one gradient pass computes, rows x (P + N) without packing or sharing)."""
-    return token_budget.step_tokens(list(self.batches), list(self.grad))
+  def tokens(self) -> tuple[int, int, int]:
+    """(positions one gradient pass computes, those of them that hold a real token, rows x (P + N) without packing
+    or sharing): tokens/computed, tokens/real and tokens/unshared per pass."""
+    computed, unshared = token_budget.step_tokens(list(self.batches), list(self.grad))
+    keys = self.prompt_keys or (None,) * len(self)
+    real = sum(_real(b, m, n, p, k, self.split)
+               for b, m, n, p, k in zip(self.batches, self.grad, self.lengths, self.prompt_lengths, keys))
+    return computed, real, unshared
 
   def padding_frac(self) -> float:
-    """Padded positions / the positions one gradient pass holds (rows x (P + cap), before sharing)."""
+    """Padded positions / the positions one gradient pass holds (rows x (P + cap), before sharing; packed: of the
+    positions it computes, 1 - tokens/fill)."""
+    if any(isinstance(m, packing.Buffer) for micros in self.grad if micros for m in micros):
+      computed, real, _ = self.tokens()
+      return 1.0 - real / computed if computed else 0.0
     real = sum(float(np.sum((n + p) * (n > 0))) for n, p in zip(self.lengths, self.prompt_lengths))
     held = sum(b.rows * (b.prompt_len + b.completion_len) if m is None else token_budget.positions(m, b.prompt_len)
                for b, m in zip(self.batches, self.grad))
     return 1.0 - real / held if held else 0.0
 
 
-def microbatches(c: Config, key: str, lengths, prompt_keys, n_shards: int) -> Micros:
-  """A minibatch's microbatches under train.<key> (its rows' completion lengths; prompt_keys: each row's prompt,
-  or None without a shared prompt); None where that budget is off."""
+def _real(batch: UpdateBatch, micros: Micros, n_B, p_B, keys_B, split: int) -> int:
+  """Positions of a minibatch's gradient pass that hold a real token: each live row's completion, and its prompt
+  once per row or, where a table holds it, once per table (slice, microbatch or buffer) that computes it."""
+  if micros and isinstance(micros[0], packing.Buffer):
+    return packing.real_positions(micros, p_B)
+  prompts = lambda rows, shared: int(p_B[rows].sum() if not shared else
+                                     p_B[rows[np.unique(keys_B[rows], return_index=True)[1]]].sum())
+  live = n_B > 0
+  if micros is None:
+    m = len(n_B) // split
+    return int(n_B.sum()) + sum(prompts(np.flatnonzero(live[j * m:(j + 1) * m]) + j * m, prompt_share.shared(batch))
+                                for j in range(split))
+  return int(n_B.sum()) + sum(prompts(m.rows[m.live > 0], m.table is not None) for m in micros)
+
+
+def microbatches(c: Config, key: str, batch: UpdateBatch, prompt_keys, n_shards: int) -> Micros:
+  """A minibatch's microbatches under train.<key> (batch: its host rows; prompt_keys: each row's prompt, or None
+  without a shared prompt): packed buffers with train.packing, else length buckets; None where that budget is off."""
   budget = getattr(c.train, key)
   if not budget:
     return None
+  if c.train.packing:
+    return packing.plan(batch.mask, batch.prompt_mask, packing.sizes(budget // n_shards, c.train.length_buckets),
+                        n_shards, prompt_keys, prompt_share.max_distinct(c), f"train.{key}")
+  lengths = batch.mask.sum(1)
   caps = token_budget.bucket_caps(c.rollout.max_new_tokens, c.train.length_buckets)
   micros = token_budget.plan(lengths, c.rollout.max_prompt_len, caps, budget, c.minibatch_size, n_shards)
   if prompt_keys is not None:
@@ -97,8 +131,9 @@ def build(c: Config, roll, rng: np.random.Generator, replay_buffer, step: int, u
   lengths = tuple(b.mask.sum(1) for b in batches)
   keys = [prompt_share.prompt_keys(b) if c.train.share_prompt else None for b in batches]
   if c.train.share_prompt:
-    batches = prompt_share.share_all(batches, split, prompt_share.max_distinct(c))
-  plans = {k: tuple(microbatches(c, k, n, p, n_shards) for n, p in zip(lengths, keys))
+    batches = prompt_share.share_all(batches, split, prompt_share.max_distinct(c, c.minibatch_size // split))
+  plans = {k: tuple(microbatches(c, k, b, p, n_shards) for b, p in zip(batches, keys))
            for k in ("max_tokens_per_microbatch", "max_tokens_per_logprob_pass")}
   return UpdatePlan(tuple(place(b) for b in batches), stats, lengths, tuple(b.prompt_mask.sum(1) for b in batches),
-                    plans["max_tokens_per_microbatch"], plans["max_tokens_per_logprob_pass"])
+                    plans["max_tokens_per_microbatch"], plans["max_tokens_per_logprob_pass"],
+                    prompt_keys=tuple(keys) if c.train.share_prompt else (), split=split)

@@ -9,7 +9,7 @@ from hilore_jax.model.decoder import (OPS, LayerCtx, apply_rope, attention_conte
                                       embed, forward, head_logits, hidden_states, layer_ctx,
                                       init_params, layer_params, layer_residuals, lm_head_weight, logits, num_layers,
                                       policy_runs, rms_norm, rope_cos_sin, stack_layers)
-from hilore_jax.model.shared import shared_hidden_states
+from hilore_jax.model.shared import packed_shared_hidden_states, shared_hidden_states
 from hilore_jax.model.policy import (FULL_REMAT, NO_REMAT, LayerPolicy, offload_supported, remat, saved_residuals,
                                      uniform)
 from hilore_jax.model.units import (ATTN_CTX, ATTN_NORM, ATTN_OUT, ATTN_PROBS, CHECKPOINT_NAMES, LAYER_INPUT,

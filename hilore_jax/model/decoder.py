@@ -16,7 +16,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from hilore_jax.model import lora, lowp
 from hilore_jax.model import units as U
-from hilore_jax.model.attention import attention_context, attention_probs, blockwise_kernel, fused_attention
+from hilore_jax.model.attention import (Segments, attention_context, attention_probs, blockwise_kernel, fused_attention,
+                                       segment_mask)
 from hilore_jax.model.config import ModelConfig
 from hilore_jax.model.policy import NO_REMAT, LayerPolicy, Residual, remat, saved_residuals, uniform
 
@@ -149,15 +150,21 @@ class LayerCtx(NamedTuple):
   mask_BTS: jax.Array
   key_mask_BS: jax.Array | None = None  # valid keys; None: every key
   query_offset: jax.Array | int = 0  # query t sits at key slot query_offset + t (a cache index when decoding)
+  segments: Segments | None = None  # packed rows: a query sees only its own (or prefix) segment's keys
 
 
-def layer_ctx(cfg: ModelConfig, positions_BT: jax.Array, key_mask_BS: jax.Array, query_offset=0) -> LayerCtx:
-  """RoPE tables and the causal mask of queries at key slots query_offset.. over the valid keys of key_mask_BS."""
+def layer_ctx(cfg: ModelConfig, positions_BT: jax.Array, key_mask_BS: jax.Array, query_offset=0,
+              segments: Segments | None = None) -> LayerCtx:
+  """RoPE tables and the causal mask of queries at key slots query_offset.. over the valid keys of key_mask_BS
+  (and, packed, of their own segment: positions_BT then restart at each one)."""
   T, S = positions_BT.shape[1], key_mask_BS.shape[1]
   key_mask_BS = key_mask_BS.astype(bool)
   slot_T = query_offset + jnp.arange(T)
   mask_BTS = (jnp.arange(S)[None, :] <= slot_T[:, None])[None] & key_mask_BS[:, None, :]
-  return LayerCtx(*rope_cos_sin(cfg, positions_BT), mask_BTS, key_mask_BS, jnp.asarray(query_offset, jnp.int32))
+  if segments is not None:
+    mask_BTS = mask_BTS & segment_mask(segments)
+  return LayerCtx(*rope_cos_sin(cfg, positions_BT), mask_BTS, key_mask_BS, jnp.asarray(query_offset, jnp.int32),
+                  segments)
 
 
 def fused_kernel(cfg: ModelConfig, ctx: LayerCtx, k_BSKH: jax.Array) -> tuple:
@@ -165,7 +172,7 @@ def fused_kernel(cfg: ModelConfig, ctx: LayerCtx, k_BSKH: jax.Array) -> tuple:
   if cfg.attention == "blockwise":
     key_mask_BS = jnp.ones(k_BSKH.shape[:2], bool) if ctx.key_mask_BS is None else ctx.key_mask_BS
     return (blockwise_kernel(cfg.attention_block_q, cfg.attention_block_k),
-            (key_mask_BS, jnp.asarray(ctx.query_offset, jnp.int32)))
+            (key_mask_BS, jnp.asarray(ctx.query_offset, jnp.int32), *(ctx.segments or ())))
   return fused_attention, (ctx.mask_BTS,)
 
 
@@ -324,7 +331,7 @@ def policy_runs(policies: Sequence[LayerPolicy]) -> list[tuple[int, int, LayerPo
 
 def hidden_states(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array, attention_mask_BT=None, *,
                   positions_BT=None, layer_policies: Sequence[LayerPolicy] | None = None,
-                  taps: dict | None = None, probe=None) -> jax.Array:
+                  taps: dict | None = None, probe=None, segment_ids_BT=None) -> jax.Array:
   """Final-norm hidden states [B, T, D]; each layer runs under its own remat policy.
 
   Consecutive layers with the same policy run as one `lax.scan` over a stacked copy of their params, so compile
@@ -334,6 +341,8 @@ def hidden_states(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array, atten
   dict, receives each unit's tensor for every layer, stacked [L, B, T, ...] (no remat then). probe=(format,
   group size, mix [L, len(UNITS)]) runs every layer without remat, each unit read in backward as exact + mix *
   (decoded - exact): one program measures the gradient error of any set of L units (calibration).
+  segment_ids_BT: packed rows (several sequences end to end, give their positions_BT): a position attends only to
+  earlier positions of its own segment id.
   """
   B, T = input_ids_BT.shape
   if attention_mask_BT is None:
@@ -343,7 +352,8 @@ def hidden_states(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array, atten
   policies = tuple(layer_policies) if layer_policies is not None else uniform(cfg.num_hidden_layers, NO_REMAT)
   if len(policies) != cfg.num_hidden_layers:
     raise ValueError(f"got {len(policies)} layer policies for {cfg.num_hidden_layers} layers")
-  ctx = layer_ctx(cfg, positions_BT, attention_mask_BT)
+  segments = None if segment_ids_BT is None else Segments(segment_ids_BT, segment_ids_BT, segment_ids_BT)
+  ctx = layer_ctx(cfg, positions_BT, attention_mask_BT, segments=segments)
   x = embed(cfg, params, input_ids_BT)
   if taps is not None:
     def tapped(x, p):

@@ -10,6 +10,7 @@ from hilore_jax.rl import grpo
 
 REPLAY_MODES = ("fresh_anchored", "naive")
 ROLLOUT_DTYPES = ("", "float32", "bfloat16")  # "": the model's compute dtype
+SHUFFLES = ("group", "row")  # train.shuffle: minibatches of whole groups, or of rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +138,12 @@ class TrainConfig:
   max_tokens_per_microbatch: int = 0
   max_tokens_per_logprob_pass: int = 0  # the same for the old and reference log-prob forwards; 0: off
   length_buckets: int = 3  # completion-length caps max_new_tokens / 2^k, k < length_buckets (with a budget on)
+  # rows packed end to end (rl/packing.py): each budget above is then a buffer of that many positions (per pass,
+  # split over the mesh's devices), with smaller ones of budget / 2^k, k < length_buckets, for a minibatch's rest;
+  # segment ids keep the rows apart. False: the budget's length buckets (rows padded to a bucket's cap)
+  packing: bool = False
+  # how minibatches are drawn: whole groups (a minibatch's prompt table then serves G rows each) or rows
+  shuffle: str = "group"
   logprob_chunk: int = 128
   resume: bool = False
   warmstart_steps: int = 0  # supervised steps on task answers before GRPO (from scratch models)
@@ -152,6 +159,10 @@ class TrainConfig:
     check_positive("train.max_tokens_per_microbatch", self.max_tokens_per_microbatch, allow_zero=True)
     check_positive("train.max_tokens_per_logprob_pass", self.max_tokens_per_logprob_pass, allow_zero=True)
     check_positive("train.length_buckets", self.length_buckets)
+    check_choice("train.shuffle", self.shuffle, SHUFFLES)
+    if self.packing and not self.max_tokens_per_microbatch:
+      raise ConfigError("train.packing=true packs rows into buffers of train.max_tokens_per_microbatch positions: "
+                        "set it (> 0), e.g. to the rows x (prompt + completion) a microbatch holds at the cap")
     if self.max_tokens_per_microbatch and self.microbatch_size:
       raise ConfigError(f"train.microbatch_size ({self.microbatch_size}) and train.max_tokens_per_microbatch "
                         f"({self.max_tokens_per_microbatch}) both set the microbatches: set one (the other 0)")

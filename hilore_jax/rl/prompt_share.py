@@ -12,6 +12,7 @@ which is exact whatever rows it holds; the saving is G-fold per shard only when 
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from hilore_jax.rl import replay
@@ -74,11 +75,20 @@ def share_all(batches: list[UpdateBatch], microbatches: int = 1, distinct: int =
   return [share_prompts(b, microbatches, distinct) for b in batches]
 
 
-def max_distinct(c) -> int:
-  """The most distinct prompts a minibatch of run config c can hold: every fresh prompt of a rollout and every
-  replayed row's own (rollouts enter the update in groups, replayed rows may each be another prompt's)."""
-  fresh = c.rollout.num_prompts * c.rollout.num_generations
-  return c.rollout.num_prompts + replay.max_replay_rows(c.replay, fresh)
+def max_distinct(c, rows: int | None = None) -> int:
+  """The most distinct prompts a contiguous slice of `rows` rows (default: a minibatch) of run config c can hold.
+  Rows shuffled: every fresh prompt of a rollout and every replayed row's own (rollouts enter the update in groups,
+  replayed rows may each be another prompt's). Whole groups (train.shuffle=group): rows / G groups where the slices
+  cut at group boundaries (every group of G rows, none replayed, rows a multiple of G), else the groups inside the
+  slice, a partial one at each end, and the replayed rows."""
+  G, prompts = c.rollout.num_generations, c.rollout.num_prompts
+  replayed = replay.max_replay_rows(c.replay, prompts * G)
+  if c.train.shuffle == "row":
+    return prompts + replayed
+  rows = rows or c.minibatch_size
+  if not replayed and rows % G == 0:
+    return min(prompts, rows // G)
+  return min(prompts, rows // G + 2) + replayed
 
 
 def unshared(batch: UpdateBatch) -> UpdateBatch:
@@ -99,9 +109,10 @@ def token_counts(batch: UpdateBatch) -> tuple[int, int]:
 
 
 def field_shardings(batch, split, rep):
-  """Each present field's sharding: the prompt table replicated, every other field split over the batch axes."""
-  return type(batch)(**{f: None if v is None else rep if f in TABLE_FIELDS else split
-                        for f, v in vars(batch).items()})
+  """Each present field's sharding: the prompt table replicated, every other field (a packing's arrays too: its
+  buffer rows) split over the batch axes."""
+  one = lambda f, v: None if v is None else rep if f in TABLE_FIELDS else jax.tree.map(lambda _: split, v)
+  return type(batch)(**{f: one(f, v) for f, v in vars(batch).items()})
 
 
 def activation_shape(batch: UpdateBatch, microbatches: int, shards: int) -> tuple[int, int]:

@@ -44,6 +44,22 @@ class Micro:
     """What a compiled program of this microbatch depends on: (rows, cap, table length or 0)."""
     return len(self.rows), self.cap, 0 if self.table is None else len(self.table)
 
+  @property
+  def layout(self) -> Columns:
+    return Columns(self.cap)
+
+  def computed_positions(self, prompt_len: int) -> int:
+    """Token positions it computes: rows x (P + cap), shared its table entries x P + rows x cap."""
+    if self.table is None:
+      return len(self.rows) * (prompt_len + self.cap)
+    return len(self.table) * prompt_len + len(self.rows) * self.cap
+
+  def describe(self) -> str:
+    shared = "" if self.table is None else f", {len(self.table)} prompts"
+    return f"token budget: {len(self.rows)} rows x {self.cap} completion tokens{shared}"
+
+  split_arrays = ()  # arrays() split over the mesh's batch axes: none, every device gathers the same rows
+
   def arrays(self) -> dict[str, np.ndarray]:
     """The index arrays a packed program takes (replicated on the mesh)."""
     out = {"rows": self.rows, "live": self.live}
@@ -123,10 +139,9 @@ def positions(micros: list[Micro], prompt_len: int) -> int:
   return sum(m.shape[0] * (prompt_len + m.cap) for m in micros)
 
 
-def computed_positions(micros: list[Micro], prompt_len: int) -> int:
-  """Token positions the microbatches compute: a shared one's table entries x P + rows x cap."""
-  return sum(len(m.rows) * (prompt_len + m.cap) if m.table is None else len(m.table) * prompt_len + len(m.rows) * m.cap
-             for m in micros)
+def computed_positions(micros: list, prompt_len: int) -> int:
+  """Token positions the microbatches (bucketed or packed) compute."""
+  return sum(m.computed_positions(prompt_len) for m in micros)
 
 
 def step_tokens(batches: list[UpdateBatch], plans: list) -> tuple[int, int]:
@@ -157,6 +172,24 @@ def gather(batch: UpdateBatch, idx: dict, cap: int) -> UpdateBatch:
     fields.update(prompt_table=jnp.take(batch.prompt_ids, idx["table"], axis=0),
                   prompt_table_mask=jnp.take(batch.prompt_mask, idx["table"], axis=0), prompt_index=idx["index"])
   return UpdateBatch(**fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class Columns:
+  """How a bucketed microbatch is read out of its minibatch (its rows, completions cut to cap) and its per-token
+  values written back (static: a packed program's layout, rl/packing.py's Packed the other)."""
+
+  cap: int
+
+  def gather(self, batch: UpdateBatch, idx: dict) -> UpdateBatch:
+    return gather(batch, idx, self.cap)
+
+  def scatter(self, acc_BN, idx: dict, values_RC):
+    return scatter(acc_BN, idx, values_RC)
+
+  def values(self, x_BN, idx: dict):
+    """A minibatch's [B, N] values as the microbatch's [R, cap]."""
+    return x_BN[idx["rows"], :self.cap]
 
 
 def scatter(acc_BN, idx: dict, values_RC):

@@ -13,7 +13,7 @@ import optax
 from hilore_jax import model
 from hilore_jax.model import LayerPolicy, ModelConfig, lora
 from hilore_jax.optim.config import KLControlConfig
-from hilore_jax.rl import grpo, kl_control, logprobs, token_budget
+from hilore_jax.rl import grpo, kl_control, logprobs, packing
 from hilore_jax.rl.config import GRPOConfig
 from hilore_jax.rl.update_batch import UpdateBatch
 
@@ -58,7 +58,9 @@ def completion_logprobs(cfg: ModelConfig, params, batch: UpdateBatch, policies=N
                         temperature: float = 1.0, probe=None):
   """(log pi(completion token), entropy) [B, N] with chunked log-softmax over the vocabulary; a batch with a
   prompt table computes each distinct prompt once (model.shared_hidden_states; a calibration probe reads every
-  row's own)."""
+  row's own); a packed one runs its buffer (rl/packing.py) and is 0 outside the buffer's rows."""
+  if batch.packing is not None and probe is None:
+    return packing.completion_logprobs(cfg, params, batch, policies, chunk, temperature)
   if batch.prompt_index is not None and probe is None:
     h = model.shared_hidden_states(cfg, params, batch.prompt_table, batch.prompt_table_mask, batch.prompt_index,
                                    batch.tokens, batch.mask, policies)
@@ -161,18 +163,19 @@ def gradient_step(params, batch: UpdateBatch, spec: StepSpec):
   return grads, step_metrics(stats)
 
 
-def packed_gradient(params, batch: UpdateBatch, idx: dict, norm, acc, spec: StepSpec, cap: int):
-  """The packed gradient program (the token budget): one microbatch of batch (token_budget.gather of a Micro's
-  arrays idx, with its prompt table where it has one) added to acc = (grads, loss sums, token log-probs [B, N]
-  scattered to the minibatch's rows); norm = the whole minibatch's (num_seqs, num_tokens), so the sum over its
-  microbatches is the unpacked minibatch's gradient and loss."""
-  mb = token_budget.gather(batch, idx, cap)
+def packed_gradient(params, batch: UpdateBatch, idx: dict, norm, acc, spec: StepSpec, layout):
+  """The packed gradient program (the token budget): one microbatch of batch (layout.gather of its arrays idx: a
+  bucket's rows, token_budget.Columns, or a packed buffer, packing.Packed; with its prompt table where it has one)
+  added to acc = (grads, loss sums, token log-probs [B, N] written back to the minibatch's rows); norm = the whole
+  minibatch's (num_seqs, num_tokens), so the sum over its microbatches is the unpacked minibatch's gradient and
+  loss."""
+  mb = layout.gather(batch, idx)
   grads, stats = grads_and_stats(params, mb, spec, norm=(norm[0], norm[1]))
   logp = stats.pop(TOKEN_LOGP)
   acc_grads, acc_stats, acc_logp = acc
   grads = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_grads, grads)
   stats = jax.tree.map(jnp.add, acc_stats, stats)
-  return grads, stats, token_budget.scatter(acc_logp, idx, logp)
+  return grads, stats, layout.scatter(acc_logp, idx, logp)
 
 
 def packed_start(params, batch: UpdateBatch):
@@ -182,11 +185,11 @@ def packed_start(params, batch: UpdateBatch):
   return acc, jnp.stack(grpo.normalisers(batch.mask))
 
 
-def packed_logprobs(spec: StepSpec, params, batch: UpdateBatch, idx: dict, acc_BN, cap: int):
+def packed_logprobs(spec: StepSpec, params, batch: UpdateBatch, idx: dict, acc_BN, layout):
   """The packed log-prob forward: one microbatch's log-probs written into acc [B, N] at its rows."""
-  mb = token_budget.gather(batch.sequences(), idx, cap)
+  mb = layout.gather(batch.sequences(), idx)
   logp = completion_logprobs(spec.model_cfg, params, mb, None, spec.logprob_chunk, spec.temperature)[0]
-  return token_budget.scatter(acc_BN, idx, logp)
+  return layout.scatter(acc_BN, idx, logp)
 
 
 # the loss sums a packed minibatch accumulates over its microbatches (grads_and_stats' stats but token_logp)

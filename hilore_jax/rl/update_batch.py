@@ -1,5 +1,6 @@
 """One step's update rows on the host, as typed minibatches: advantages, zero-std filtering, fresh-anchored replay,
-shuffled fixed-size minibatches (a short last one padded with masked rows).
+shuffled fixed-size minibatches (a short last one padded with masked rows): whole groups shuffled (`train.shuffle:
+group`, so a minibatch's prompt table serves G rows), or rows.
 
 `UpdateBatch` is the one type the gradient program, the log-prob forward and the memory manager read. It is built
 completely on the host (numpy) and placed on the devices with one `device_put` per minibatch; only what needs the
@@ -16,10 +17,27 @@ import jax
 import numpy as np
 
 from hilore_jax.rl import grpo, replay
+from hilore_jax.rl.config import SHUFFLES
 from hilore_jax.rl.rollout import Rollout
 
 Array = Any  # numpy on the host, jax.Array once placed
 SEQUENCE_FIELDS = ("prompt_ids", "prompt_mask", "tokens", "mask")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Packing:
+  """A packed microbatch (rl/packing.py): S buffer rows of L positions holding some of the minibatch's rows end to
+  end, each position's source. The buffer's rows are the batch's rows with a completion token in it."""
+
+  row: Array  # [S, L] int32: the batch row a position holds (B, past the end, on padding)
+  column: Array  # [S, L] int32: its column in the row's prompt + completion [P + N] (0 on padding)
+  segment: Array  # [S, L] int32: its row's ordinal in the buffer row, from 1 (0 on padding)
+  position: Array  # [S, L] int32: its RoPE position, the row's real tokens before it (restarts at each row)
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    return tuple(self.row.shape)
 
 
 @jax.tree_util.register_dataclass
@@ -43,6 +61,9 @@ class UpdateBatch:
   prompt_table: Array | None = None
   prompt_table_mask: Array | None = None
   prompt_index: Array | None = None  # [B] int32
+  # a packed microbatch of this minibatch (rl/packing.py): its rows (mask and adv zero on the others) end to end in
+  # buffer rows; with a prompt table, the buffer holds completions only and the table is the buffer's own
+  packing: Packing | None = None
 
   @property
   def rows(self) -> int:
@@ -60,16 +81,18 @@ class UpdateBatch:
     """Only the token fields and a prompt table (what a log-prob forward reads: one compilation whatever else the
     batch carries)."""
     return UpdateBatch(self.prompt_ids, self.prompt_mask, self.tokens, self.mask, prompt_table=self.prompt_table,
-                       prompt_table_mask=self.prompt_table_mask, prompt_index=self.prompt_index)
+                       prompt_table_mask=self.prompt_table_mask, prompt_index=self.prompt_index, packing=self.packing)
 
   def split(self, n: int) -> UpdateBatch:
     """Every field reshaped [n, B / n, ...]: n row slices (microbatches) for a scan or map."""
     return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), self)
 
   def signature(self) -> tuple:
-    """(field, shape, dtype) of every present field: what a compiled program depends on."""
-    return tuple((f.name, tuple(getattr(self, f.name).shape), str(getattr(self, f.name).dtype))
-                 for f in dataclasses.fields(self) if getattr(self, f.name) is not None)
+    """(field, shape, dtype) of every present field (`packing.row` etc. for a packing's): what a compiled program
+    depends on."""
+    leaves = jax.tree_util.tree_flatten_with_path(self)[0]
+    name = lambda path: ".".join(getattr(k, "name", str(k)) for k in path)
+    return tuple((name(path), tuple(x.shape), str(x.dtype)) for path, x in leaves)
 
   def replace(self, **kw) -> UpdateBatch:
     return dataclasses.replace(self, **kw)
@@ -111,9 +134,7 @@ def minibatches(c, roll: Rollout, rng: np.random.Generator, buffer: replay.Repla
   stats["rows_updated"] = n
   if n == 0:
     return [], stats
-  # a permutation of positions: with no replayed rows it reorders keep_rows exactly as shuffling them would
-  order = np.arange(n)
-  rng.shuffle(order)
+  order = shuffled(full["prompt_ids"], full["prompt_mask"], rng, c.train.shuffle)
   mb = c.minibatch_size
   n_pad = -n % mb
   rows = np.concatenate([order, np.full(n_pad, order[0])])
@@ -138,6 +159,27 @@ def minibatches(c, roll: Rollout, rng: np.random.Generator, buffer: replay.Repla
       part.pop("replayed", None)
     out.append(UpdateBatch(**part))
   return out, stats
+
+
+def shuffled(prompt_ids_BP, prompt_mask_BP, rng: np.random.Generator, mode: str) -> np.ndarray:
+  """A permutation of the rows: `row` shuffles rows (with no replayed rows it reorders keep_rows exactly as
+  shuffling them would); `group` shuffles whole groups, the rows of one prompt kept together in their order (a
+  replayed row joins its prompt's rows, if any), so cutting the order into minibatches splits a group only where a
+  minibatch is not a multiple of G."""
+  order = np.arange(len(prompt_ids_BP))
+  if mode == "row":
+    rng.shuffle(order)
+    return order
+  if mode != "group":
+    raise ValueError(f"train.shuffle must be one of {list(SHUFFLES)}, got {mode!r}")
+  key = np.concatenate([np.asarray(prompt_ids_BP), np.asarray(prompt_mask_BP)], axis=1)
+  _, first, group = np.unique(key, axis=0, return_index=True, return_inverse=True)
+  group = group.reshape(-1)
+  units = np.argsort(first, kind="stable")  # groups in order of first appearance, then shuffled
+  rng.shuffle(units)
+  rank = np.empty(len(units), np.int64)
+  rank[units] = np.arange(len(units))
+  return np.argsort(rank[group], kind="stable")
 
 
 def needs_old_forward(batch: UpdateBatch, index: int, later_passes: bool) -> bool:

@@ -150,3 +150,29 @@ def test_a_budgeted_plan_stays_within_its_ratio_of_gc(tiny):
   planned = grid.point(shape, "hilore", 1.0, "xla", 1, 24)
   assert planned["peak_bytes"] <= gc["peak_bytes"]
   assert planned["device_bytes"] <= gc["device_bytes"] + (gc["device_bytes"] - gc["peak_bytes"]) * 0.01
+
+
+def test_a_packed_point_is_one_buffer_per_device_with_a_cache_of_its_own():
+  batch = C.abstract_batch(8, 8, 128, True, packed_devices=1)
+  assert batch.packing.shape == (1, 1024) and batch.prompt_table.shape == (1, 8)  # one group: one prompt
+  assert C.abstract_batch(16, 8, 128, True, packed_devices=8).packing.shape == (8, 256)
+  assert C.Settings(packed=True).programs() != C.Settings().programs()
+
+
+@pytest.mark.slow
+def test_packed_microbatches_are_priced_as_one_buffer_per_device(tmp_path):
+  # 8 rows of 128-token completions: packed, one buffer of 1,024 positions and the group's prompt once. Blockwise
+  # attention holds less than the padded rows (no per-row prompt, one row of score blocks); xla holds the buffer's
+  # 1,024 x 1,032 scores, far more: what the tool is for
+  shape = str(tmp_path / "tiny.json")
+  with open(shape, "w") as f:
+    json.dump({**TINY, "max_position_embeddings": 256}, f)
+  settings = C.Settings(prompt_len=8, rows=8, grid=8, budget_probes=1)
+  peak = {}
+  for packed in (False, True):
+    m = C.Measurer(dataclasses.replace(settings, packed=packed))
+    for attention in ("xla", "blockwise"):
+      mcfg = C.load_shape(shape, settings).replace(attention=attention)
+      peak[packed, attention] = m.measure(mcfg, "gc", None, 1, 128)["peak_bytes"]
+  assert peak[True, "blockwise"] < 0.7 * peak[False, "blockwise"]  # measured 0.48
+  assert peak[True, "xla"] > 3 * peak[True, "blockwise"]  # measured 13.7

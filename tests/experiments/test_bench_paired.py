@@ -31,3 +31,15 @@ def test_paired_bench_refuses_an_arm_with_nothing_to_time(tmp_path):
   base = [o for o in BASE if o != "grpo.filter_zero_std=false"]  # an untrained tiny model: every reward 0
   with pytest.raises(ValueError, match="arm a made no update"):
     paired.run(None, base, paired.Arm("a", ()), paired.Arm("b", ()), 1, 1, str(tmp_path))
+
+
+def test_the_noise_floor_times_arm_a_compiled_again(tmp_path):
+  out = paired.run(None, BASE, paired.Arm("padded", ()), paired.Arm("packed", (
+      "train.packing=true", "train.max_tokens_per_microbatch=36")), rollouts=1, reps=2, out_dir=str(tmp_path),
+      floor=True)
+  assert set(out["update_s"]) == {"padded", "packed", "padded_again"} and out["floor_ratio"]["n"] == 2
+  assert "noise floor, padded compiled again / padded" in paired.table(out)
+  # the arms' counts: the packed one (12 rows of up to 3 tokens in one buffer of 36) computes no more positions
+  rows = out["rows"]
+  assert rows["packed"]["tokens/computed"] <= rows["padded"]["tokens/computed"]
+  assert rows["padded"] == rows["padded_again"] and 0 < rows["padded"]["tokens/fill"] <= rows["packed"]["tokens/fill"]

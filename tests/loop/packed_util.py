@@ -17,11 +17,12 @@ def rel(a, b) -> float:
   return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
 
 
-def stepper(params) -> engine.Stepper:
-  """A one-device Stepper holding params (SGD)."""
+def stepper(params, with_state: bool = False):
+  """A one-device Stepper holding params (SGD); with_state: (the Stepper, its state)."""
   mesh, opt = sharding.make_mesh(), optax.sgd(0.1)
   state, shardings = engine.init_state(mesh, opt, jax.eval_shape(lambda: params), lambda sh: jax.device_put(params, sh))
-  return engine.Stepper(mesh, opt, state, shardings)
+  st = engine.Stepper(mesh, opt, state, shardings)
+  return (st, state) if with_state else st
 
 
 def spec(cfg, loss_agg: str, N: int) -> train_step.StepSpec:
@@ -34,10 +35,11 @@ def spec(cfg, loss_agg: str, N: int) -> train_step.StepSpec:
 def assert_packed_equals_unpacked(params, batch, packed_batch, micros, spec) -> dict:
   """The packed gradient over micros (of packed_batch) equals batch's unpacked one to 1e-5; its metrics."""
   want_g, want_m = jax.jit(lambda p, b: train_step.gradient_step(p, b, spec))(params, batch)
-  run = jax.jit(lambda p, b, i, n, a, cap: train_step.packed_gradient(p, b, i, n, a, spec, cap), static_argnums=5)
+  run = jax.jit(lambda p, b, i, n, a, layout: train_step.packed_gradient(p, b, i, n, a, spec, layout),
+                static_argnums=5)
   acc, norm = jax.jit(train_step.packed_start)(params, packed_batch)
   for m in micros:
-    acc = run(params, packed_batch, m.arrays(), norm, acc, m.cap)
+    acc = run(params, packed_batch, m.arrays(), norm, acc, m.layout)
   grads, stats, logp = acc
   got_m = train_step.step_metrics({**stats, train_step.TOKEN_LOGP: logp})
   assert rel(got_m["loss"], want_m["loss"]) <= 1e-5

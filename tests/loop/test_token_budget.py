@@ -123,7 +123,8 @@ def test_a_run_with_the_budget_updates_as_one_without_on_fewer_positions(tmp_pat
   # 3 rows at the cap (6 + 7 tokens) per microbatch; the log-prob passes 2
   on, rows_on = _run(tmp_path / "on", "train.max_tokens_per_microbatch=40", "train.max_tokens_per_logprob_pass=26")
   assert off.packer is None and "budget/microbatches" not in rows_off[0]
-  budget_keys = ("budget/", "completion_len/", "tokens/computed")  # both share the prompt: packed, fewer positions
+  # both share the prompt: packed, fewer positions (and another share of them real)
+  budget_keys = ("budget/", "completion_len/", "tokens/computed", "tokens/real", "tokens/fill")
   for a, b in zip(stable(rows_off), stable(rows_on)):
     assert set(a) - {k for k in a if k.startswith(budget_keys)} == set(b) - {k for k in b if k.startswith(budget_keys)}
     for k, v in a.items():
