@@ -141,7 +141,8 @@ class Measurer:
       mesh = make_mesh(devices)
       lr = optim.schedule(cfg.optimizer, 1000)
       opt = optim.make_optimizer(cfg.optimizer, 1000, lr)
-      params = jax.eval_shape(lambda k: model.init_params(mcfg, k, cfg.model.init_std), jax.random.PRNGKey(0))
+      params = jax.eval_shape(lambda k: model.stacked(model.init_params(mcfg, k, cfg.model.init_std)),
+                              jax.random.PRNGKey(0))  # the train layout, as engine.build holds it
       state, state_sh = engine.init_state(mesh, opt, params, None)
       stepper = engine.Stepper(mesh, opt, state, state_sh, probe_cache=4)
       self._engines[key] = (cfg, stepper)

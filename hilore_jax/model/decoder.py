@@ -12,13 +12,14 @@ from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from hilore_jax.model import lowp
 from hilore_jax.model import units as U
 from hilore_jax.model.attention import attention_context, attention_probs, blockwise_kernel, fused_attention
 from hilore_jax.model.config import ModelConfig
-from hilore_jax.model.policy import NO_REMAT, LayerPolicy, Residual, remat, saved_residuals, uniform
+from hilore_jax.model.policy import NO_REMAT, LayerPolicy, Residual, ordered, remat, saved_residuals, uniform
 
 # ----------------------------------------------------------------------------- params
 
@@ -52,18 +53,82 @@ def init_params(cfg: ModelConfig, rng: jax.Array, init_std: float = 0.02) -> dic
   return params
 
 
-def stack_layers(layers: Sequence[dict]) -> dict:
-  """Per-layer param dicts -> one dict whose leaves carry a leading layer axis (what a layer scan runs over)."""
-  return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
+def stack_layers(layers: Sequence[dict] | dict) -> dict:
+  """Per-layer param dicts -> one dict whose leaves carry a leading layer axis (what a layer scan runs over); a
+  stacked dict as it is."""
+  if isinstance(layers, dict):
+    return layers
+  # host arrays (a loaded checkpoint) stay on the host until placed with their shardings
+  return jax.tree_util.tree_map(lambda *xs: (np.stack if isinstance(xs[0], np.ndarray) else jnp.stack)(xs), *layers)
+
+
+def unstack_layers(layers: Sequence[dict] | dict) -> list[dict]:
+  """A stacked layers dict -> the per-layer list (HF's order); a list as it is."""
+  if not isinstance(layers, dict):
+    return list(layers)
+  n = jax.tree_util.tree_leaves(layers)[0].shape[0]
+  return [jax.tree_util.tree_map(lambda x, i=i: x[i], layers) for i in range(n)]
+
+
+def stacked(params: dict) -> dict:
+  """params (or anything shaped like them: gradients, optimizer moments) with the layers stacked: the train
+  layout, which the layer scans read without a copy (model.scan_layers; docs/design.md#layers-under-laxscan)."""
+  return {**params, "layers": stack_layers(params["layers"])}
+
+
+def unstacked(params: dict) -> dict:
+  """params with the layers as a per-layer list: the layout of init_params, HF checkpoints and per-layer readers."""
+  return {**params, "layers": unstack_layers(params["layers"])}
+
+
+def is_stacked(params: dict) -> bool:
+  return isinstance(params["layers"], dict)
 
 
 def layer_params(params: dict, layer: int) -> dict:
-  """One layer's params (or gradients: any pytree shaped like params)."""
-  return params["layers"][layer]
+  """One layer's params (or gradients: any pytree shaped like params), from either layout."""
+  layers = params["layers"]
+  if isinstance(layers, dict):
+    return jax.tree_util.tree_map(lambda x: x[layer], layers)
+  return layers[layer]
 
 
 def num_layers(params: dict) -> int:
-  return len(params["layers"])
+  layers = params["layers"]
+  return jax.tree_util.tree_leaves(layers)[0].shape[0] if isinstance(layers, dict) else len(layers)
+
+
+def _layer_slice(layers, start: int, end: int):
+  """Layers start..end-1 stacked: a slice of a stacked dict, or a stack of the list's (a copy: train stacked)."""
+  if isinstance(layers, dict):
+    if (start, end) == (0, jax.tree_util.tree_leaves(layers)[0].shape[0]):
+      return layers
+    return jax.tree_util.tree_map(lambda x: x[start:end], layers)
+  return stack_layers(layers[start:end])
+
+
+def _layer_at(layers, i: int) -> dict:
+  return jax.tree_util.tree_map(lambda x: x[i], layers) if isinstance(layers, dict) else layers[i]
+
+
+def run_layers(make_step, policies: Sequence[LayerPolicy], layers, carry, scan: bool = True):
+  """carry through every layer in order; make_step(policy) -> step(layer params, carry) -> carry.
+
+  Each run of consecutive layers with one policy (policy_runs) is one `lax.scan` under the policy's remat, so the
+  program holds one copy of the layer per run, whatever the depth: compile time and the compiler's memory follow
+  the number of runs. A one-layer run (or every layer, with scan=False) is a plain call whose backward reruns it
+  only after its output's cotangent exists (policy.ordered); without that XLA:CPU reran it before the loops behind
+  it (docs/design.md#layers-under-laxscan). Stacked layers scan without a copy; a per-layer list is stacked here.
+  """
+  for start, end, policy in policy_runs(policies):
+    step = remat(make_step(policy), policy)
+    if scan and end - start > 1:
+      carry, _ = jax.lax.scan(lambda c, p, step=step: (step(p, c), None), carry, _layer_slice(layers, start, end))
+      continue
+    call = ordered(step) if policy.remat else step
+    for i in range(start, end):
+      carry = call(_layer_at(layers, i), carry)
+  return carry
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -301,10 +366,8 @@ def hidden_states(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array, atten
                   taps: dict | None = None, probe=None) -> jax.Array:
   """Final-norm hidden states [B, T, D]; each layer runs under its own remat policy.
 
-  Consecutive layers with the same policy run as one `lax.scan` over a stacked copy of their params, so compile
-  time grows with the number of distinct policy runs, not with depth; a one-layer run is a plain call. Params stay
-  stored per layer, so each layer's gradient is its own buffer: assembling them into one stacked buffer made
-  XLA:CPU defer weight gradients to the end of backward (measured: up to 2x the peak on mixed plans). taps, if a
+  Consecutive layers with the same policy run as one `lax.scan` (run_layers), so compile time grows with the
+  number of policy runs, not with depth; params in the train layout (stacked) scan without a copy. taps, if a
   dict, receives each unit's tensor for every layer, stacked [L, B, T, ...] (no remat then). probe=(format,
   group size, mix [L, len(UNITS)]) runs every layer without remat, each unit read in backward as exact + mix *
   (decoded - exact): one program measures the gradient error of any set of L units (calibration).
@@ -324,24 +387,15 @@ def hidden_states(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array, atten
       t: dict = {}
       return decoder_layer(cfg, p, x, ctx, taps=t)[0], t
 
-    x, stacked = jax.lax.scan(tapped, x, stack_layers(params["layers"]))
-    taps.update(stacked)
+    x, taps_L = jax.lax.scan(tapped, x, stack_layers(params["layers"]))
+    taps.update(taps_L)
   elif probe is not None:
     fmt, group_size, mix_LU = probe
     x, _ = jax.lax.scan(lambda x, pm: (decoder_layer(cfg, pm[0], x, ctx, probe=(fmt, group_size, pm[1]))[0], None),
                         x, (stack_layers(params["layers"]), mix_LU))
   else:
-    runs = policy_runs(policies)
-    if len(runs) == 1 and len(policies) > 1:  # one policy: one scan, compiled once whatever the depth
-      layer = remat(lambda p, x, ctx: decoder_layer(cfg, p, x, ctx, policy=policies[0])[0], policies[0])
-      x, _ = jax.lax.scan(lambda x, p: (layer(p, x, ctx), None), x, stack_layers(params["layers"]))
-    else:
-      # mixed plans unroll: XLA:CPU's peak of a single layer followed by a scan of the next ones is ~30% above
-      # full checkpointing's even when every layer is full checkpointing (4 layers: 46.1 vs 34.0 MB), unrolled
-      # it is GC's (34.1 MB)
-      for i, policy in enumerate(policies):
-        layer = remat(lambda p, x, ctx, policy=policy: decoder_layer(cfg, p, x, ctx, policy=policy)[0], policy)
-        x = layer(params["layers"][i], x, ctx)
+    x = run_layers(lambda policy: lambda p, x: decoder_layer(cfg, p, x, ctx, policy=policy)[0], policies,
+                   params["layers"], x, cfg.scan_layers)
   return rms_norm(x, params["final_norm_D"], cfg.rms_norm_eps)
 
 

@@ -18,9 +18,8 @@ import jax.numpy as jnp
 
 from hilore_jax.model import units as U
 from hilore_jax.model.config import ModelConfig
-from hilore_jax.model.decoder import (decoder_layer, default_positions, embed, layer_ctx, policy_runs, rms_norm,
-                                      stack_layers)
-from hilore_jax.model.policy import NO_REMAT, LayerPolicy, remat, uniform
+from hilore_jax.model.decoder import decoder_layer, default_positions, embed, layer_ctx, rms_norm, run_layers
+from hilore_jax.model.policy import NO_REMAT, LayerPolicy, uniform
 
 
 def completion_ctx(cfg: ModelConfig, prompt_mask_BP: jax.Array, mask_BN: jax.Array):
@@ -33,18 +32,19 @@ def completion_ctx(cfg: ModelConfig, prompt_mask_BP: jax.Array, mask_BN: jax.Arr
   return layer_ctx(cfg, positions_BN, key_mask_BS, P)
 
 
-def _layer(cfg: ModelConfig, policy: LayerPolicy):
-  """One layer over both streams under the policy's remat: the prompts', then the completions' over their
-  prompt's k, v (the prompt stream's own, tagged with the same checkpoint names)."""
+def _layer(cfg: ModelConfig, policy: LayerPolicy, ctx_prompt, ctx_completion, index_B):
+  """One layer over both streams (run_layers applies the policy's remat): the prompts', then the completions' over
+  their prompt's k, v (the prompt stream's own, tagged with the same checkpoint names)."""
 
-  def fn(p, x_UPD, x_BND, ctx_prompt, ctx_completion, index_B):
+  def fn(p, xs):
+    x_UPD, x_BND = xs
     taps: dict = {}
     x_UPD = decoder_layer(cfg, p, x_UPD, ctx_prompt, policy=policy, taps=taps)[0]
     prefix = (jnp.take(taps[U.K], index_B, axis=0), jnp.take(taps[U.V], index_B, axis=0))
     x_BND = decoder_layer(cfg, p, x_BND, ctx_completion, policy=policy, prefix_kv=prefix)[0]
     return x_UPD, x_BND
 
-  return remat(fn, policy)
+  return fn
 
 
 def shared_hidden_states(cfg: ModelConfig, params: dict, prompt_table_UP: jax.Array, prompt_table_mask_UP: jax.Array,
@@ -59,13 +59,7 @@ def shared_hidden_states(cfg: ModelConfig, params: dict, prompt_table_UP: jax.Ar
   ctx_p = layer_ctx(cfg, default_positions(prompt_table_mask_UP), prompt_table_mask_UP)
   ctx_c = completion_ctx(cfg, jnp.take(prompt_table_mask_UP, index_B, axis=0), mask_BN)
   xs = (embed(cfg, params, prompt_table_UP), embed(cfg, params, tokens_BN))
-  runs = policy_runs(policies)
-  if len(runs) == 1 and len(policies) > 1:  # one policy: one scan, as hidden_states
-    layer = _layer(cfg, policies[0])
-    xs, _ = jax.lax.scan(lambda xs, p: (layer(p, *xs, ctx_p, ctx_c, index_B), None), xs,
-                         stack_layers(params["layers"]))
-  else:
-    for i, policy in enumerate(policies):
-      xs = _layer(cfg, policy)(params["layers"][i], *xs, ctx_p, ctx_c, index_B)
+  xs = run_layers(lambda policy: _layer(cfg, policy, ctx_p, ctx_c, index_B), policies, params["layers"], xs,
+                  cfg.scan_layers)
   last_BD = jnp.take(xs[0][:, -1:], index_B, axis=0)
   return rms_norm(jnp.concatenate([last_BD, xs[1][:, :-1]], axis=1), params["final_norm_D"], cfg.rms_norm_eps)
