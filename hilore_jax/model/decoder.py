@@ -19,7 +19,8 @@ from hilore_jax.model import lowp
 from hilore_jax.model import units as U
 from hilore_jax.model.attention import attention_context, attention_probs, blockwise_kernel, fused_attention
 from hilore_jax.model.config import ModelConfig
-from hilore_jax.model.policy import NO_REMAT, LayerPolicy, Residual, ordered, remat, saved_residuals, uniform
+from hilore_jax.model.policy import (NO_REMAT, LayerPolicy, Residual, bit_residuals, ordered, remat, saved_residuals,
+                                     uniform)
 
 # ----------------------------------------------------------------------------- params
 
@@ -123,7 +124,8 @@ def run_layers(make_step, policies: Sequence[LayerPolicy], layers, carry, scan: 
   for start, end, policy in policy_runs(policies):
     step = remat(make_step(policy), policy)
     if scan and end - start > 1:
-      carry, _ = jax.lax.scan(lambda c, p, step=step: (step(p, c), None), carry, _layer_slice(layers, start, end))
+      body = bit_residuals(step)
+      carry, _ = jax.lax.scan(lambda c, p, body=body: (body(p, c), None), carry, _layer_slice(layers, start, end))
       continue
     call = ordered(step) if policy.remat else step
     for i in range(start, end):
