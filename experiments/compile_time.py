@@ -101,8 +101,9 @@ def _point(shape: str, layers: int, completion: int, attention: str, scan: bool 
 
 
 def manager_plan(shape: str, layers: int, completion: int, attention: str, method: str, ratio: float):
-  """A capacity method's (capacity/measure.py METHODS) plan: the memory manager's at ratio x GC's compiled peak (capacity's budget fit: projected op times, for hilore
-  an uncalibrated risk), compile-only; its probe compiles are not the measured one."""
+  """A capacity method's (capacity/measure.py METHODS) plan: the memory manager's at ratio x GC's compiled peak
+  (capacity's budget fit: projected op times, for hilore an uncalibrated risk), compile-only; its probe compiles
+  are not the measured one."""
   m, cfg, stepper, spec, batch = _point(shape, layers, completion, attention)
   return m.policies(cfg, stepper, spec, batch, method, ratio)
 
@@ -183,8 +184,8 @@ def depth_rows(out_path: str, shape: str, depths, completion: int, attention: st
 
 def depth_table(rows: list[dict]) -> str:
   """Markdown: one row per (shape, depth): runs, compile s, peak RSS, compiled peak (and unrolled where measured)."""
-  lines = ["| shape | layers | T | attention | plan | runs | compile s | peak RSS GiB | peak GiB | unrolled compile s | "
-           "unrolled peak RSS GiB | unrolled peak GiB | scanned / unrolled peak |", "|---|" + "---:|" * 12]
+  lines = ["| shape | layers | T | attention | plan | runs | compile s | peak RSS GiB | peak GiB | unrolled compile s "
+           "| unrolled peak RSS GiB | unrolled peak GiB | scanned / unrolled peak |", "|---|" + "---:|" * 12]
   for r in rows:
     un = [f"{r['unrolled_compile_s']:.1f}", f"{r['unrolled_peak_rss_gib']:.2f}",
           f"{r['unrolled_peak_bytes'] / 2**30:.3f}", f"{r['peak_bytes'] / r['unrolled_peak_bytes']:.3f}"] \

@@ -12,15 +12,15 @@ from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from hilore_jax.model import lowp
 from hilore_jax.model import units as U
 from hilore_jax.model.attention import attention_context, attention_probs, blockwise_kernel, fused_attention
 from hilore_jax.model.config import ModelConfig
-from hilore_jax.model.policy import (NO_REMAT, LayerPolicy, Residual, bit_residuals, ordered, remat, saved_residuals,
-                                     uniform)
+from hilore_jax.model.layers import (is_stacked, layer_at, policy_runs, run_layers, stack_layers, stacked,  # noqa: F401
+                                     unstack_layers, unstacked)
+from hilore_jax.model.policy import NO_REMAT, LayerPolicy, Residual, remat, saved_residuals, uniform
 
 # ----------------------------------------------------------------------------- params
 
@@ -54,83 +54,14 @@ def init_params(cfg: ModelConfig, rng: jax.Array, init_std: float = 0.02) -> dic
   return params
 
 
-def stack_layers(layers: Sequence[dict] | dict) -> dict:
-  """Per-layer param dicts -> one dict whose leaves carry a leading layer axis (what a layer scan runs over); a
-  stacked dict as it is."""
-  if isinstance(layers, dict):
-    return layers
-  # host arrays (a loaded checkpoint) stay on the host until placed with their shardings
-  return jax.tree_util.tree_map(lambda *xs: (np.stack if isinstance(xs[0], np.ndarray) else jnp.stack)(xs), *layers)
-
-
-def unstack_layers(layers: Sequence[dict] | dict) -> list[dict]:
-  """A stacked layers dict -> the per-layer list (HF's order); a list as it is."""
-  if not isinstance(layers, dict):
-    return list(layers)
-  n = jax.tree_util.tree_leaves(layers)[0].shape[0]
-  return [jax.tree_util.tree_map(lambda x, i=i: x[i], layers) for i in range(n)]
-
-
-def stacked(params: dict) -> dict:
-  """params (or anything shaped like them: gradients, optimizer moments) with the layers stacked: the train
-  layout, which the layer scans read without a copy (model.scan_layers; docs/design.md#layers-under-laxscan)."""
-  return {**params, "layers": stack_layers(params["layers"])}
-
-
-def unstacked(params: dict) -> dict:
-  """params with the layers as a per-layer list: the layout of init_params, HF checkpoints and per-layer readers."""
-  return {**params, "layers": unstack_layers(params["layers"])}
-
-
-def is_stacked(params: dict) -> bool:
-  return isinstance(params["layers"], dict)
-
-
 def layer_params(params: dict, layer: int) -> dict:
   """One layer's params (or gradients: any pytree shaped like params), from either layout."""
-  layers = params["layers"]
-  if isinstance(layers, dict):
-    return jax.tree_util.tree_map(lambda x: x[layer], layers)
-  return layers[layer]
+  return layer_at(params["layers"], layer)
 
 
 def num_layers(params: dict) -> int:
   layers = params["layers"]
   return jax.tree_util.tree_leaves(layers)[0].shape[0] if isinstance(layers, dict) else len(layers)
-
-
-def _layer_slice(layers, start: int, end: int):
-  """Layers start..end-1 stacked: a slice of a stacked dict, or a stack of the list's (a copy: train stacked)."""
-  if isinstance(layers, dict):
-    if (start, end) == (0, jax.tree_util.tree_leaves(layers)[0].shape[0]):
-      return layers
-    return jax.tree_util.tree_map(lambda x: x[start:end], layers)
-  return stack_layers(layers[start:end])
-
-
-def _layer_at(layers, i: int) -> dict:
-  return jax.tree_util.tree_map(lambda x: x[i], layers) if isinstance(layers, dict) else layers[i]
-
-
-def run_layers(make_step, policies: Sequence[LayerPolicy], layers, carry, scan: bool = True):
-  """carry through every layer in order; make_step(policy) -> step(layer params, carry) -> carry.
-
-  Each run of consecutive layers with one policy (policy_runs) is one `lax.scan` under the policy's remat, so the
-  program holds one copy of the layer per run, whatever the depth: compile time and the compiler's memory follow
-  the number of runs. A one-layer run (or every layer, with scan=False) is a plain call whose backward reruns it
-  only after its output's cotangent exists (policy.ordered); without that XLA:CPU reran it before the loops behind
-  it (docs/design.md#layers-under-laxscan). Stacked layers scan without a copy; a per-layer list is stacked here.
-  """
-  for start, end, policy in policy_runs(policies):
-    step = remat(make_step(policy), policy)
-    if scan and end - start > 1:
-      body = bit_residuals(step)
-      carry, _ = jax.lax.scan(lambda c, p, body=body: (body(p, c), None), carry, _layer_slice(layers, start, end))
-      continue
-    call = ordered(step) if policy.remat else step
-    for i in range(start, end):
-      carry = call(_layer_at(layers, i), carry)
-  return carry
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -352,17 +283,6 @@ def lm_head_weight(cfg: ModelConfig, params: dict) -> jax.Array:
   return params["embed_VD"].T if cfg.tie_word_embeddings else params["lm_head_DV"]
 
 
-def policy_runs(policies: Sequence[LayerPolicy]) -> list[tuple[int, int, LayerPolicy]]:
-  """Maximal runs of consecutive layers with the same policy, as (start, end, policy)."""
-  runs: list[tuple[int, int, LayerPolicy]] = []
-  for i, pol in enumerate(policies):
-    if runs and runs[-1][2] == pol:
-      runs[-1] = (runs[-1][0], i + 1, pol)
-    else:
-      runs.append((i, i + 1, pol))
-  return runs
-
-
 def hidden_states(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array, attention_mask_BT=None, *,
                   positions_BT=None, layer_policies: Sequence[LayerPolicy] | None = None,
                   taps: dict | None = None, probe=None) -> jax.Array:
@@ -396,8 +316,8 @@ def hidden_states(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array, atten
     x, _ = jax.lax.scan(lambda x, pm: (decoder_layer(cfg, pm[0], x, ctx, probe=(fmt, group_size, pm[1]))[0], None),
                         x, (stack_layers(params["layers"]), mix_LU))
   else:
-    x = run_layers(lambda policy: lambda p, x: decoder_layer(cfg, p, x, ctx, policy=policy)[0], policies,
-                   params["layers"], x, cfg.scan_layers)
+    x = run_layers(lambda policy: lambda p, x, ctx: decoder_layer(cfg, p, x, ctx, policy=policy)[0], policies,
+                   params["layers"], x, ctx, cfg.scan_layers)
   return rms_norm(x, params["final_norm_D"], cfg.rms_norm_eps)
 
 

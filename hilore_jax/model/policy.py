@@ -83,8 +83,8 @@ def offload_supported() -> bool:
 
 
 def ordered(fn: Callable) -> Callable:
-  """fn(p, x) -> y (a remat'd layer; x and y may be tuples) called outside a loop) whose backward reruns its forward only once the output's
-  cotangent exists.
+  """fn(p, x) -> y (a remat'd layer called outside a loop; x, y may be tuples) whose backward reruns its forward
+  only once the output's cotangent exists, and passes its input's cotangent on only with its weight gradients.
 
   XLA:CPU drops the optimization barriers that order recomputation, and its scheduler then runs a plain layer's
   recompute as early as its inputs allow: before a later loop's backward (the next layers' scan, a blockwise
@@ -103,76 +103,23 @@ def ordered(fn: Callable) -> Callable:
 
   def bwd(vjp, ct):
     leaves, tree = jax.tree_util.tree_flatten(vjp)
-    ct_p, ct_x = jax.tree_util.tree_unflatten(tree, _tie(leaves, _zero_of([jax.tree_util.tree_leaves(ct)[0]])))(ct)
+    ct_p, ct_x = jax.tree_util.tree_unflatten(tree, tie(leaves, jax.tree_util.tree_leaves(ct)))(ct)
     # and what flows on to the layers before it waits for this layer's weight gradients: else XLA:CPU deferred
     # them (and the activations they read) past the next loop's backward
-    return ct_p, jax.tree_util.tree_unflatten(*_unflat_tie(ct_x, _zero_of(jax.tree_util.tree_leaves(ct_p))))
+    treedef = jax.tree_util.tree_structure(ct_x)
+    return ct_p, jax.tree_util.tree_unflatten(treedef, tie(jax.tree_util.tree_leaves(ct_x),
+                                                           jax.tree_util.tree_leaves(ct_p)))
 
   call.defvjp(fwd, bwd)
   return call
 
 
-def bit_residuals(fn: Callable) -> Callable:
-  """fn(p, x) -> y (a remat'd layer under a layer scan) whose 2-byte float residuals the scan stacks as uint16.
-
-  XLA:CPU has no bf16 dynamic-slice or dynamic-update-slice: it converts the operand to float32, so a scan's
-  stacked bf16 residuals (every layer's input, every kept unit) got a float32 copy of the whole stack, hoisted out of
-  the backward loop (measured: 288 MiB for 8 layers' inputs at 8 x 2048 tokens, the whole scan's residual bytes
-  twice over). Bit patterns are moved unchanged; other backends see free bitcasts.
-  """
-
-  @jax.custom_vjp
-  def call(p, x):
-    return fn(p, x)
-
-  def fwd(p, x):
-    y, vjp = jax.vjp(fn, p, x)
-    leaves, tree = jax.tree_util.tree_flatten(vjp)
-    dtypes = tuple(r.dtype for r in leaves)
-    bits = [jax.lax.bitcast_convert_type(r, jnp.uint16) if _half(r.dtype) else r for r in leaves]
-    return y, (bits, _Static((tree, dtypes)))
-
-  def bwd(res, ct):
-    bits, static = res
-    tree, dtypes = static.value
-    leaves = [jax.lax.bitcast_convert_type(r, d) if _half(d) else r for r, d in zip(bits, dtypes)]
-    return jax.tree_util.tree_unflatten(tree, leaves)(ct)
-
-  call.defvjp(fwd, bwd)
-  return call
-
-
-def _half(dtype) -> bool:
-  return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 2
-
-
-@jax.tree_util.register_static
-class _Static:
-  """A hashable value carried through a residual pytree as static metadata (no leaves)."""
-
-  def __init__(self, value):
-    self.value = value
-
-  def __hash__(self):
-    return hash(self.value)
-
-  def __eq__(self, other):
-    return isinstance(other, _Static) and other.value == self.value
-
-
-def _zero_of(arrays) -> jax.Array:
-  """A float32 zero that depends on every element of the arrays (zero also where they are not finite)."""
-  total = sum(jnp.sum(a.astype(jnp.float32)) for a in arrays)
-  return jnp.where(jnp.isfinite(total), total * 0.0, 0.0)
-
-
-def _tie(leaves, zero):
+def tie(leaves, on) -> list:
+  """leaves (arrays), each plus a zero computed from every element of the arrays `on`: a data dependency no
+  scheduler can move (an add, fused into each leaf's first reader); zero also where `on` is not finite."""
+  total = sum(jnp.sum(a.astype(jnp.float32)) for a in on)
+  zero = jnp.where(jnp.isfinite(total), total * 0.0, 0.0)
   return [r + zero.astype(r.dtype) if jnp.issubdtype(r.dtype, jnp.floating) else r for r in leaves]
-
-
-def _unflat_tie(tree, zero):
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  return treedef, _tie(leaves, zero)
 
 
 def remat(fn: Callable, policy: LayerPolicy) -> Callable:

@@ -32,12 +32,13 @@ def completion_ctx(cfg: ModelConfig, prompt_mask_BP: jax.Array, mask_BN: jax.Arr
   return layer_ctx(cfg, positions_BN, key_mask_BS, P)
 
 
-def _layer(cfg: ModelConfig, policy: LayerPolicy, ctx_prompt, ctx_completion, index_B):
+def _layer(cfg: ModelConfig, policy: LayerPolicy):
   """One layer over both streams (run_layers applies the policy's remat): the prompts', then the completions' over
   their prompt's k, v (the prompt stream's own, tagged with the same checkpoint names)."""
 
-  def fn(p, xs):
+  def fn(p, xs, consts):
     x_UPD, x_BND = xs
+    ctx_prompt, ctx_completion, index_B = consts
     taps: dict = {}
     x_UPD = decoder_layer(cfg, p, x_UPD, ctx_prompt, policy=policy, taps=taps)[0]
     prefix = (jnp.take(taps[U.K], index_B, axis=0), jnp.take(taps[U.V], index_B, axis=0))
@@ -59,7 +60,7 @@ def shared_hidden_states(cfg: ModelConfig, params: dict, prompt_table_UP: jax.Ar
   ctx_p = layer_ctx(cfg, default_positions(prompt_table_mask_UP), prompt_table_mask_UP)
   ctx_c = completion_ctx(cfg, jnp.take(prompt_table_mask_UP, index_B, axis=0), mask_BN)
   xs = (embed(cfg, params, prompt_table_UP), embed(cfg, params, tokens_BN))
-  xs = run_layers(lambda policy: _layer(cfg, policy, ctx_p, ctx_c, index_B), policies, params["layers"], xs,
+  xs = run_layers(lambda policy: _layer(cfg, policy), policies, params["layers"], xs, (ctx_p, ctx_c, index_B),
                   cfg.scan_layers)
   last_BD = jnp.take(xs[0][:, -1:], index_B, axis=0)
   return rms_norm(jnp.concatenate([last_BD, xs[1][:, :-1]], axis=1), params["final_norm_D"], cfg.rms_norm_eps)
