@@ -198,35 +198,33 @@ def depth_table(rows: list[dict]) -> str:
 
 
 def constraint_cost(shape: str, layers: int, completion: int, attention: str, method: str = "hilore",
-                    ratio: float = 1.1, runs=(0, 2, 3, 4, 6)) -> list[dict]:
-  """The cost of memory.plan_runs: per value (0: any number of runs), the manager's fitted plan's runs, its
-  predicted rerun + codec seconds per microbatch (the cost model on projected op times) and its compiled peak;
-  GC's predicted seconds beside them. Compile-only."""
+                    ratio: float = 1.1, runs=(0, 1, 2, 3, 4, 8)) -> list[dict]:
+  """The cost of memory.plan_runs, compile-only: per value (0: any number of runs) the method's plan at one byte
+  allowance (ratio x GC's compiled peak, less GC's: the budget fit's first probe), its runs, its predicted rerun +
+  codec seconds per microbatch (the cost model on H200-projected op times; hilore uncalibrated) and its compiled
+  peak against the budget; GC's predicted seconds beside them."""
   from hilore_jax.capacity import measure as C
   from hilore_jax.capacity import projection
+  from hilore_jax.loop import step_hooks
   from hilore_jax.memory import ManagerState, MemoryManager
   from hilore_jax.memory import budget as budgets
 
   m, cfg, stepper, spec, batch = _point(shape, layers, completion, attention)
-  hooks = step_hooks_for(stepper, spec)
+  hooks = step_hooks.memory_hooks(stepper, spec)
   L = spec.model_cfg.num_hidden_layers
   gc_bytes = hooks.compile_peak(model.uniform(L, model.FULL_REMAT), batch)
+  budget = budgets.budget_bytes(gc_bytes, ratio)
   prof = projection.projected_profile(spec.model_cfg, *hooks.batch_shape(batch), m.settings.group_size)
   policy = C.METHODS[method][0]
   cal = C.uncalibrated(L, cfg.memory.grad_err_tolerance) if policy in ("hilore", "hilore_static") else None
   out = []
   for r in runs:
-    mc = dataclasses.replace(cfg.memory, plan_runs=r).at_budget(ratio, policy)
-    mm = MemoryManager(mc, hooks)
-    mm.load_state(ManagerState(gc_bytes, budgets.budget_bytes(gc_bytes, ratio), prof, 0, cal), "projected profile")
+    mm = MemoryManager(dataclasses.replace(cfg.memory, plan_runs=r).at_budget(ratio, policy), hooks)
+    # the allowance given as fitted: the plan is solved at it, with no probe compiles
+    mm.load_state(ManagerState(gc_bytes, budget, prof, 0, cal, buckets=[[]], allowance={"0": budget - gc_bytes},
+                               verified=[0]), "constraint cost")
     (alloc,) = mm.allocate([batch])
     out.append({"plan_runs": r, "policy_runs": len(model.policy_runs(alloc.policies)),
                 "predicted_s": alloc.plan.time_s, "gc_predicted_s": mm.gc_plan().time_s,
-                "peak_bytes": hooks.compile_peak(alloc.policies, batch), "budget_bytes": mm.state.budget_bytes})
+                "peak_bytes": hooks.compile_peak(alloc.policies, batch), "budget_bytes": budget})
   return out
-
-
-def step_hooks_for(stepper, spec):
-  from hilore_jax.loop import step_hooks
-
-  return step_hooks.memory_hooks(stepper, spec)

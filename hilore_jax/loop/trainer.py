@@ -159,7 +159,8 @@ class Trainer:
     meta = {"step": step, "data_position": self.data_position,
             "rng": np.asarray(jax.random.key_data(self.rng)).tolist(), "eval_before": self.eval_before,
             "warmstart_losses": self.warmstart_losses, "config": self.config.to_dict(),
-            "memory_manager": self.memory.state_json() if self.memory is not None else None}
+            "memory_manager": self.memory.state_json() if self.memory is not None else None,
+            checkpointing.LAYERS_KEY: checkpointing.STACKED}
     self.checkpointer.save(step, self._checkpoint()[0], meta)
     runtime.release_host_memory()  # the save's host copies, freed
 
@@ -167,8 +168,8 @@ class Trainer:
     """Restore the newest intact checkpoint (a damaged newer one is reported and skipped); False if none."""
     if self.config.grpo.beta > 0:
       self.ref_params = self.state["params"]  # shape donor; replaced by the restored reference
-    abstract = engine.abstract(*self._checkpoint())
-    found = self.checkpointer.restore_newest(lambda meta: abstract)
+    tree, shardings = self._checkpoint()
+    found = checkpointing.restore_train_layout(self.checkpointer, engine.abstract(tree, shardings), shardings)
     if found is None:
       self.ref_params = None
       return False

@@ -146,6 +146,7 @@ def exact(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: fl
   """Optimal allocation (within a proven relative gap, HiGHS' default 1e-4) by a mixed-integer program
   (scipy.optimize.milp): one binary per group and option. runs > 0: at most `runs` runs of consecutive groups
   with one choice (a change variable c_k >= x[k, o] - x[k-1, o] for every choice o, sum of c <= runs - 1)."""
+  from scipy import sparse
   from scipy.optimize import Bounds, LinearConstraint, milp
 
   _start(groups, budget_bytes)  # raises on an infeasible budget
@@ -162,7 +163,7 @@ def exact(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: fl
   # scale rows so HiGHS' tolerances mean the same for bytes (1e9) and seconds (1e-3)
   mscale, rscale = max(mem.max(), 1.0), max(risk.max(), 1e-30)
   changes = len(groups) - 1 if 0 < runs < len(groups) else 0
-  pad = lambda a: np.concatenate([a, np.zeros((a.shape[0], changes))], axis=1)
+  pad = lambda a: sparse.hstack([sparse.csr_array(a), sparse.csr_array((a.shape[0], changes))]).tocsr()
   constraints = [LinearConstraint(pad(mem[None] / mscale), -np.inf, budget_bytes / mscale),
                  LinearConstraint(pad(risk[None] / rscale), -np.inf, (risk_budget + 1e-12) / rscale),
                  LinearConstraint(pad(one), 1, 1)]
@@ -181,19 +182,24 @@ def exact(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: fl
 
 def _run_constraints(groups, start, runs: int) -> list:
   """c_k >= x[k, o] - x[k-1, o] for every group k > 0 and choice o of group k (c_k: column n + k - 1), and
-  sum(c) <= runs - 1: a new run starts wherever a group's choice differs from its predecessor's."""
+  sum(c) <= runs - 1: a new run starts wherever a group's choice differs from its predecessor's. Sparse: three
+  entries a row, whatever the number of options (dense, 30 layers of a few hundred options took gigabytes)."""
+  from scipy import sparse
   from scipy.optimize import LinearConstraint
 
   n, G = sum(len(g) for g in groups), len(groups)
   index = [{o.choice: int(start[k]) + i for i, o in enumerate(g)} for k, g in enumerate(groups)]
-  rows = []
+  rows, cols, vals, r = [], [], [], -1
   for k in range(1, G):
     for choice, col in index[k].items():
-      row = np.zeros(n + G - 1)
-      row[n + k - 1], row[col] = 1.0, -1.0
+      r += 1
+      rows += [r, r]
+      cols += [n + k - 1, col]
+      vals += [1.0, -1.0]
       if choice in index[k - 1]:
-        row[index[k - 1][choice]] = 1.0
-      rows.append(row)
-  total = np.zeros(n + G - 1)
-  total[n:] = 1.0
-  return [LinearConstraint(np.array(rows), 0.0, np.inf), LinearConstraint(total[None], -np.inf, runs - 1)]
+        rows.append(r)
+        cols.append(index[k - 1][choice])
+        vals.append(1.0)
+  a = sparse.csr_array((vals, (rows, cols)), shape=(r + 1, n + G - 1))
+  total = sparse.csr_array((np.ones(G - 1), (np.zeros(G - 1, int), np.arange(n, n + G - 1))), shape=(1, n + G - 1))
+  return [LinearConstraint(a, 0.0, np.inf), LinearConstraint(total, -np.inf, runs - 1)]
