@@ -16,9 +16,10 @@ ATTENTION=${ATTENTION:-"blockwise xla"}
 METHODS=${METHODS:-"nogc hilore optimal_hr sac gc_int8"}
 BUDGETS=${BUDGETS:-"24,80,141"}
 PIECE_TIMEOUT=${PIECE_TIMEOUT:-4h}
+GROWTH=${GROWTH:-1}  # 0: no growth piece (GC's bytes by tokens per row) in this call
 for devices in $DEVICES; do
   for shape in $SHAPES; do
-    if [ "$devices" = 1 ] && [ ! -f "$OUT/$shape/pieces/growth.json" ]; then  # GC's bytes at 1024/2048/4096 tokens
+    if [ "$GROWTH" = 1 ] && [ "$devices" = 1 ] && [ ! -f "$OUT/$shape/pieces/growth.json" ]; then  # GC's bytes at 1024/2048/4096 tokens
       mkdir -p "$OUT/$shape/pieces"
       echo "$(date +%T) piece $shape growth"
       flock "$LOCK" nice -n 15 timeout "$PIECE_TIMEOUT" python -m train.capacity --out "$OUT/$shape" --shapes "$shape" \

@@ -1,5 +1,5 @@
 """python -m train.capacity --out DIR [--shapes smollm2-135m,qwen2.5-1.5b] [--methods gc,hilore] [--budgets-gib 24,80]
-    [--devices 1,8] [--attention xla,blockwise] [--growth-methods gc]
+    [--devices 1,8] [--attention xla,blockwise] [--growth-methods gc] [--microbatch-rows 8]
 
 The longest completion whose whole GRPO step (gradient and update programs, old and reference log-prob passes)
 compiles within each per-device budget, compile-only (hilore_jax/capacity/measure.py; docs/capacity.md). Every
@@ -55,7 +55,8 @@ def body(args):
       (f"--xla_force_host_platform_device_count={max(devices)}",)):
     raise ConfigError("JAX started before train.capacity could force its CPU devices")
   runtime.enable_compilation_cache()
-  settings = capacity.Settings(grid=args.grid, max_completion=args.max_completion)
+  settings = capacity.Settings(grid=args.grid, max_completion=args.max_completion,
+                               microbatch_rows=args.microbatch_rows)
   capacity_run.run(args.out, shapes, methods, budgets, devices, attention, growth, settings, cli.progress)
   cli.print_files(args.out, "capacity.md")
 
@@ -74,7 +75,9 @@ def main(argv=None):
                        "tokens per row ('' for none)"),
                cli.arg("--grid", default=64, type=int, help="the search's step in completion tokens"),
                cli.arg("--max-completion", type=int, help="the search's cap in completion tokens (default: the "
-                       "shape's max_position_embeddings - 256)")])
+                       "shape's max_position_embeddings - 256)"),
+               cli.arg("--microbatch-rows", type=int, help="rows per microbatch of the group's 8 (fewer: "
+                       "the token budget's lever, the same step in more microbatches)")])
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ def growth_check(peak: dict) -> dict:
 def markdown(result: dict) -> str:
   s = result["settings"]
   lines = ["# Capacity (compile-only): the longest completion whose whole GRPO step fits one device",
-           "", f"Prompt {s['prompt_len']} tokens, {s['rows']} rows (one group) per microbatch, {s['dtype']} compute, "
+           "", f"Prompt {s['prompt_len']} tokens, {s['rows']} rows (one group) in microbatches of "
+           f"{s.get('microbatch_rows') or s['rows']}, {s['dtype']} compute, "
            f"{s['param_dtype']} params and AdamW state, KL beta {s['beta']} (reference weights resident); completion "
            f"lengths searched on a {s['grid']}-token grid. A cell is the longest completion in tokens (>= at the "
            "cap: the shape's max_position_embeddings - prompt), 0 when none fits.", ""]
