@@ -228,3 +228,17 @@ def constraint_cost(shape: str, layers: int, completion: int, attention: str, me
                 "predicted_s": alloc.plan.time_s, "gc_predicted_s": mm.gc_plan().time_s,
                 "peak_bytes": hooks.compile_peak(alloc.policies, batch), "budget_bytes": budget})
   return out
+
+
+def cost_table(rows: list[dict]) -> str:
+  """Markdown: per depth and memory.plan_runs, the plan's runs, predicted seconds (and against GC's, against any
+  number of runs) and compiled peak against the budget."""
+  free = {r["layers"]: r["predicted_s"] for r in rows if r["plan_runs"] == 0}
+  lines = ["| layers | plan_runs | runs | predicted ms | vs GC | vs any runs | compiled peak / budget |",
+           "|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    vs_free = f"{r['predicted_s'] / free[r['layers']]:.3f}" if r["layers"] in free else "-"
+    lines.append(f"| {r['layers']} | {r['plan_runs'] or 'any'} | {r['policy_runs']} | {1e3 * r['predicted_s']:.2f} | "
+                 f"{r['predicted_s'] / r['gc_predicted_s']:.3f} | {vs_free} | "
+                 f"{r['peak_bytes'] / r['budget_bytes']:.3f} |")
+  return "\n".join(lines)
