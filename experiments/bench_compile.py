@@ -39,7 +39,8 @@ def body(args):
       print(compile_time.cost_table(rows))
       return
     rows = compile_time.depth_rows(os.path.join(args.out, "depth.json"), args.shape, layers, args.completion,
-                                   args.attention, args.method, args.ratio, args.unrolled, cli.progress)
+                                   args.attention, args.method, args.ratio, args.unrolled, cli.progress,
+                                   args.repeats)
     table = compile_time.depth_table(rows)
     with open(os.path.join(args.out, "depth.md"), "w") as f:
       f.write(table + "\n")
@@ -63,6 +64,8 @@ def main(argv=None):
                  cli.arg("--method", default="hilore", help="--shape: a capacity method (its plan is measured)"),
                  cli.arg("--ratio", type=float, default=1.1, help="--shape: its budget, x GC's compiled peak"),
                  cli.arg("--unrolled", action="store_true", help="--shape: also every layer a plain call"),
+                 cli.arg("--repeats", type=int, default=1, help="--shape: compiles per program, fresh processes "
+                         "(the least seconds is kept)"),
                  cli.arg("--runs", help="--shape: memory.plan_runs values (0: any): the plan's predicted seconds "
                          "and compiled peak at each, at one allowance (plan_runs.json), instead of the depth table"),
                  cli.arg("--out", help="--shape: directory for depth.json and depth.md")])

@@ -9,8 +9,9 @@ allocator's `memory.plan_runs`), not the number of layers. One custom VJP covers
 that on XLA:CPU the scanned plan keeps what the same plan unrolled keeps (docs/design.md#layers-under-laxscan):
 - each step reads its layer from the stack by index, forward and backward: a run is never a sliced copy of the
   layers (a scan over `layers[a:b]` held that copy from the forward to the backward: +33% measured);
-- its residuals are stacked as bit patterns: XLA:CPU has no bf16 dynamic-slice, so a stack of bf16 residuals got a
-  float32 copy of the whole stack, hoisted out of the backward loop (+288 MiB for 8 layers at 8 x 2048 tokens);
+- its residuals are stacked as bit patterns: XLA:CPU has no bf16 (or fp8) dynamic-slice, so a stack of bf16
+  residuals got a float32 copy of the whole stack, hoisted out of the backward loop (+288 MiB for 8 layers at
+  8 x 2048 tokens);
 - the layers' gradients are written into one stacked buffer that every run's backward loop carries on to the next,
   so no run's weight gradients wait past another run's loop (XLA:CPU deferred them and the activations they read);
 - a one-layer run (XLA inlines a loop of one) reruns its forward only once its output's cotangent exists.
@@ -91,7 +92,9 @@ def run_layers(make_step: Callable, policies: Sequence[LayerPolicy], layers, car
         carry = call(layer_at(layers, i), carry)
     return carry
   layers = stack_layers(layers)
-  if not all(policy.remat for _, _, policy in runs):  # no remat keeps every activation: JAX's own scan, one run
+  # no remat keeps every activation (JAX's scan hoists what is loop-invariant), and offloaded residuals live in host
+  # memory: both under JAX's own scan, over a slice of the stack per run (a copy, unless one run covers the stack)
+  if not all(policy.remat and not policy.offload for _, _, policy in runs):
     for start, end, policy in runs:
       part = layers if end - start == _depth(layers) else jax.tree_util.tree_map(lambda x: x[start:end], layers)
       step = make_step(policy)
@@ -105,13 +108,17 @@ def _depth(layers: dict) -> int:
   return jax.tree_util.tree_leaves(layers)[0].shape[0]
 
 
-def _half(dtype) -> bool:
+_UINT = {1: jnp.uint8, 2: jnp.uint16}
+
+
+def _narrow(dtype) -> bool:
+  """A float type XLA:CPU has no native dynamic-slice for (bf16, f16, the fp8 formats of L codes)."""
   dtype = jnp.dtype(dtype)
-  return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2
+  return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize in _UINT
 
 
 def _bits(x):
-  return jax.lax.bitcast_convert_type(x, jnp.uint16) if _half(x.dtype) else x
+  return jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]) if _narrow(x.dtype) else x
 
 
 @jax.tree_util.register_static
@@ -177,7 +184,7 @@ def _stack(spans: tuple[tuple[int, int], ...], steps: tuple[Callable, ...]):
         i, own = xs
         p = jax.tree_util.tree_leaves(layer_at(layers, i))
         leaves = [p[w[1]] if w[0] == "p" else const_leaves[w[1]] if w[0] == "c" else
-                  (jax.lax.bitcast_convert_type(own[w[1]], w[2]) if _half(w[2]) else own[w[1]]) for w in where]
+                  (jax.lax.bitcast_convert_type(own[w[1]], w[2]) if _narrow(w[2]) else own[w[1]]) for w in where]
         if single:  # a loop of one is inlined: its rerun must wait for the cotangent (policy.ordered)
           leaves = tie(leaves, jax.tree_util.tree_leaves(ct_c))
         # the consts' cotangents are dropped unread (XLA does not compute them): the layer context is not trained
