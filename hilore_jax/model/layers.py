@@ -14,7 +14,8 @@ that on XLA:CPU the scanned plan keeps what the same plan unrolled keeps (docs/d
   8 x 2048 tokens);
 - the layers' gradients are written into one stacked buffer that every run's backward loop carries on to the next,
   so no run's weight gradients wait past another run's loop (XLA:CPU deferred them and the activations they read);
-- a one-layer run (XLA inlines a loop of one) reruns its forward only once its output's cotangent exists.
+- a one-layer run (XLA inlines a loop of one) reruns its forward only once its output's cotangent exists, and passes
+  its input's cotangent on only with its weight gradients (policy.tie).
 """
 
 from __future__ import annotations
@@ -189,6 +190,9 @@ def _stack(spans: tuple[tuple[int, int], ...], steps: tuple[Callable, ...]):
           leaves = tie(leaves, jax.tree_util.tree_leaves(ct_c))
         # the consts' cotangents are dropped unread (XLA does not compute them): the layer context is not trained
         g_p, ct_c, _ = jax.tree_util.tree_unflatten(tree, leaves)(ct_c)
+        if single:  # and what flows on waits for its weight gradients (no loop of its own carries them on)
+          ct_c = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(ct_c),
+                                              tie(jax.tree_util.tree_leaves(ct_c), jax.tree_util.tree_leaves(g_p)))
         acc = jax.tree_util.tree_map(lambda a, g: jax.lax.dynamic_update_index_in_dim(a, g.astype(a.dtype), i, 0),
                                      acc, g_p)
         return (ct_c, acc), None
