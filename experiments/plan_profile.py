@@ -137,7 +137,7 @@ def add_controls(stepper: engine.Stepper, plans: list[Plan], batch) -> list[Plan
     b = next((p for p in plans if p.method == base), None)
     if b is None or len(b.spec.policies) < 2:
       continue
-    spec = dataclasses.replace(b.spec, policies=projection.unrolled(b.spec.policies))
+    spec = projection.unrolled(b.spec)
     row = {k: b.row.get(k) for k in ("frac_H", "frac_L", "frac_R", "predicted_rerun_s", "flops")}
     out.append(Plan(name, name, None, spec, stepper.get(spec, batch, reason=f"profile {name}"), row, control=True))
   return out

@@ -30,7 +30,7 @@ from hilore_jax.tasks.config import TaskConfig
 
 _KERNEL_FIELDS = ("attention", "attention_block_q", "attention_block_k")  # how attention runs, not the shape
 _ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig)
-                     if f.name not in ("dtype", "param_dtype", "lora") + _KERNEL_FIELDS)
+                     if f.name not in ("dtype", "param_dtype", "lora", "scan_layers") + _KERNEL_FIELDS)
 
 
 @dataclasses.dataclass(frozen=True)

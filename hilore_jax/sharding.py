@@ -47,6 +47,8 @@ def param_spec(path, leaf, fsdp_size: int) -> P:
   """Spec of one param; a dim that fsdp does not divide is replicated instead."""
   name = getattr(path[-1], "key", None)
   spec = PARAM_RULES.get(name, REPLICATED)
+  if spec and leaf.ndim == len(spec) + 1:  # the train layout's stacked layers: a leading layer axis
+    spec = P(None, *spec)
   for dim, axis in enumerate(spec):
     if axis == FSDP and leaf.shape[dim] % fsdp_size:
       log.info("replicating %s %s: dim %d not divisible by fsdp=%d", name, leaf.shape, dim, fsdp_size)

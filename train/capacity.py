@@ -1,6 +1,6 @@
 """python -m train.capacity --out DIR [--shapes smollm2-135m,qwen2.5-1.5b] [--methods gc,hilore] [--budgets-gib 24,80]
     [--devices 1,8] [--attention xla,blockwise] [--growth-methods gc] [--lora RANK]
-    [--packed]
+    [--packed] [--microbatch-rows 8]
 
 The longest completion whose whole GRPO step (gradient and update programs, old and reference log-prob passes)
 compiles within each per-device budget, compile-only (hilore_jax/capacity/measure.py; docs/capacity.md). Every
@@ -59,7 +59,7 @@ def body(args):
     raise ConfigError("JAX started before train.capacity could force its CPU devices")
   runtime.enable_compilation_cache()
   settings = capacity.Settings(grid=args.grid, max_completion=args.max_completion, lora_rank=args.lora,
-                               packed=args.packed)
+                               packed=args.packed, microbatch_rows=args.microbatch_rows)
   capacity_run.run(args.out, shapes, methods, budgets, devices, attention, growth, settings, cli.progress)
   cli.print_files(args.out, "capacity.md")
 
@@ -82,7 +82,10 @@ def main(argv=None):
                cli.arg("--lora", default=0, type=int, help="LoRA rank: adapters on all seven projections of a "
                        "frozen base, AdamW over them, the base as the KL reference (0: full fine-tuning)"),
                cli.arg("--packed", action="store_true", help="price packed microbatches: the rows' completions end "
-                       "to end in one buffer per device, each group's prompt once (train.packing)")])
+                       "to end in one buffer per device, each group's prompt once (train.packing)"),
+
+               cli.arg("--microbatch-rows", type=int, help="rows per microbatch of the group's 8 (fewer: "
+                       "the token budget's lever, the same step in more microbatches)")])
 
 
 if __name__ == "__main__":

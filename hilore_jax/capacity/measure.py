@@ -52,6 +52,8 @@ class Settings:
 
   prompt_len: int = 256
   rows: int = 8  # one group of G = 8 completions per microbatch
+  # rows a microbatch's forward and backward hold at a time (the token budget's lever); None: every row at once
+  microbatch_rows: int | None = None
   beta: float = 0.04  # a KL term: reference log-probs in the batch, the reference weights resident
   logprob_chunk: int = 128
   dtype: str = "bfloat16"  # compute; params and AdamW state float32
@@ -66,6 +68,10 @@ class Settings:
   # the rows' completions end to end in packed buffers (rl/packing.py: one buffer row of rows x T / devices
   # positions per device), each group's prompt once in a table; False: rows padded to prompt + T, every row its own
   packed: bool = False
+
+  def __post_init__(self):
+    if self.microbatch_rows is not None and (self.microbatch_rows <= 0 or self.rows % self.microbatch_rows):
+      raise ConfigError(f"--microbatch-rows must divide the {self.rows} rows of a group, got {self.microbatch_rows}")
 
   def programs(self) -> dict:
     """The fields the compiled programs depend on (the point cache's settings): not the search's grid or cap."""
@@ -157,7 +163,8 @@ class Measurer:
       mesh = make_mesh(devices)
       lr = optim.schedule(cfg.optimizer, 1000)
       opt = optim.make_optimizer(cfg.optimizer, 1000, lr)
-      params = jax.eval_shape(lambda k: model.init_params(mcfg, k, cfg.model.init_std), jax.random.PRNGKey(0))
+      params = jax.eval_shape(lambda k: model.stacked(model.init_params(mcfg, k, cfg.model.init_std)),
+                              jax.random.PRNGKey(0))  # the train layout, as engine.build holds it
       state, state_sh = engine.init_state(mesh, opt, params, None)
       stepper = engine.Stepper(mesh, opt, state, state_sh, probe_cache=4)
       self._engines[key] = (cfg, stepper)
@@ -165,8 +172,10 @@ class Measurer:
 
   def spec(self, cfg: Config, mcfg: model.ModelConfig, completion_len: int) -> train_step.StepSpec:
     grpo = dataclasses.replace(cfg.grpo, max_completion_len=completion_len)
-    return train_step.StepSpec(mcfg, grpo, model.uniform(mcfg.num_hidden_layers, model.NO_REMAT), 1,
-                               self.settings.logprob_chunk, use_old_logp=True, use_ref_logp=self.settings.beta > 0)
+    s = self.settings
+    return train_step.StepSpec(mcfg, grpo, model.uniform(mcfg.num_hidden_layers, model.NO_REMAT),
+                               s.rows // (s.microbatch_rows or s.rows), s.logprob_chunk, use_old_logp=True,
+                               use_ref_logp=s.beta > 0)
 
   def policies(self, cfg, stepper, spec, batch, method: str, ratio: float | None):
     L = spec.model_cfg.num_hidden_layers

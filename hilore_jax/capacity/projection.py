@@ -3,8 +3,8 @@ plans or any model shape: matmul FLOPs from the gradient program's jaxpr (capaci
 XLA's cost analysis of the compiled programs (capacity/roofline.py turns them into projected seconds).
 
 XLA's cost analysis counts a loop body once, so the counted program is the plan's with its loops unrolled: the
-layer scan (`unrolled`) and the log-prob chunks (one chunk). It keeps the same tensors and does the same work as the
-timed program; only the loop structure differs.
+layer runs (`unrolled`: every layer a plain call) and the log-prob chunks (one chunk). It keeps the same tensors and
+does the same work as the timed program; only the loop structure differs.
 """
 
 from __future__ import annotations
@@ -29,24 +29,10 @@ from hilore_jax.rl import train_step
 log = logging.getLogger(__name__)
 
 
-def unrolled(policies) -> tuple[model.LayerPolicy, ...]:
-  """The same per-layer computation without the layer scan: the decoder scans only when every layer has one policy,
-  so the last layer gets an equal-in-effect but unequal value (a group size no L code reads, its default int8
-  format spelled out, or its saved names in another order)."""
-  policies = tuple(policies)
-  if len(policies) < 2 or len(set(policies)) > 1:
-    return policies  # one layer, or a mixed plan: no scan
-  p = policies[-1]
-  if not p.lowp:
-    q = dataclasses.replace(p, group_size=p.group_size + 1)
-  elif not p.formats or set(p.formats) == {"int8"}:
-    q = dataclasses.replace(p, formats=() if p.formats else ("int8",) * len(p.lowp))
-  elif len(set(p.save)) > 1:
-    q = dataclasses.replace(p, save=tuple(reversed(p.save)))  # saved by name: the order is not read
-  else:  # counts() then reports XLA's FLOPs below the matmuls': the loop body counted once
-    log.warning("projection: no equivalent policy breaks the layer scan of %s; its bytes count one layer", p)
-    return policies
-  return policies[:-1] + (q,)
+def unrolled(spec: train_step.StepSpec) -> train_step.StepSpec:
+  """The same step with every layer a plain call (model.scan_layers off): the same tensors kept, the same work, no
+  layer scan for XLA's cost analysis to count once."""
+  return dataclasses.replace(spec, model_cfg=spec.model_cfg.replace(scan_layers=False))
 
 
 def plan_codec_bytes(mcfg: model.ModelConfig, rows: int, seq: int, policies) -> float:
@@ -60,7 +46,7 @@ def plan_codec_bytes(mcfg: model.ModelConfig, rows: int, seq: int, policies) -> 
 def counts(stepper: engine.Stepper, spec: train_step.StepSpec, batch, params) -> tuple[roofline.Counts, dict]:
   """A plan's counts (spec carries its policies) and a check: XLA's FLOPs of the unrolled program over the jaxpr's
   matmul FLOPs (below 1, a loop body was still counted once and the bytes are undercounted)."""
-  flat = dataclasses.replace(spec, policies=unrolled(spec.policies), logprob_chunk=max(batch.completion_len, 1))
+  flat = dataclasses.replace(unrolled(spec), logprob_chunk=max(batch.completion_len, 1))
   step = stepper.get(flat, batch, count=False)
   grad_bytes, update_bytes = step.program_costs("bytes accessed")
   matmul = flops.program_flops(lambda p, b: train_step.grads_and_stats(p, b, flat)[0], params, batch)

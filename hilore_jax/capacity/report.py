@@ -27,7 +27,8 @@ def growth_check(peak: dict) -> dict:
 def markdown(result: dict) -> str:
   s = result["settings"]
   lines = ["# Capacity (compile-only): the longest completion whose whole GRPO step fits one device",
-           "", f"Prompt {s['prompt_len']} tokens, {s['rows']} rows (one group) per microbatch, {s['dtype']} compute, "
+           "", f"Prompt {s['prompt_len']} tokens, {s['rows']} rows (one group) in microbatches of "
+           f"{s.get('microbatch_rows') or s['rows']}, {s['dtype']} compute, "
            + (f"LoRA rank {s['lora_rank']} on all seven projections of a frozen {s['param_dtype']} base (AdamW "
               f"state of the adapters alone, the base is the KL reference)" if s.get("lora_rank") else
               f"{s['param_dtype']} params and AdamW state") + f", KL beta {s['beta']}" +

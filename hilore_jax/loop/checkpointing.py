@@ -186,3 +186,47 @@ def run_tree(train, ref=None, replay=None) -> dict:
   if replay is not None:
     tree["replay"] = replay
   return tree
+
+
+# What a checkpoint's meta says of its params' layout: the train layout (every layer leaf stacked along a leading
+# axis, model/layers.py). Checkpoints written before it hold the layers as a list and are stacked on restore.
+LAYERS_KEY, STACKED = "layers", "stacked"
+
+
+def _layer_dicts(tree, fn):
+  """fn applied to every params-shaped dict of tree (the params, the reference, each optimizer moment)."""
+  return jax.tree_util.tree_map(lambda x: fn(x) if isinstance(x, dict) and "layers" in x else x, tree,
+                                is_leaf=lambda x: isinstance(x, dict) and "layers" in x)
+
+
+def per_layer_abstract(abstract):
+  """The abstract tree of a checkpoint written with per-layer params: each stacked abstract leaf of a layers dict
+  becomes L leaves without the leading axis, sharded as the stacked one less that axis."""
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  def one(s, i):
+    del i
+    sh = s.sharding
+    if isinstance(sh, NamedSharding):
+      sh = NamedSharding(sh.mesh, PartitionSpec(*tuple(sh.spec)[1:]))
+    return jax.ShapeDtypeStruct(s.shape[1:], s.dtype, sharding=sh)
+
+  def unstack(d):
+    layers = d["layers"]
+    n = jax.tree_util.tree_leaves(layers)[0].shape[0]
+    return {**d, "layers": [jax.tree_util.tree_map(lambda s, i=i: one(s, i), layers) for i in range(n)]}
+
+  return _layer_dicts(abstract, unstack)
+
+
+def restore_train_layout(checkpointer: Checkpointer, abstract, shardings) -> tuple[int, dict, dict] | None:
+  """restore_newest into abstract (the train layout, shardings its shardings), whichever layout each checkpoint was
+  written in: a per-layer one is restored as such and stacked once, in one program (a transient copy)."""
+  from hilore_jax.model.layers import stacked
+
+  is_stacked = lambda meta: meta.get(LAYERS_KEY) == STACKED
+  found = checkpointer.restore_newest(lambda meta: abstract if is_stacked(meta) else per_layer_abstract(abstract))
+  if found is None or is_stacked(found[2]):
+    return found
+  step, tree, meta = found
+  return step, jax.jit(lambda t: _layer_dicts(t, stacked), out_shardings=shardings)(tree), meta

@@ -290,12 +290,14 @@ def build(cfg: Config, model_cfg: model.ModelConfig, total_updates: int, host_pa
   lr = optim.schedule(cfg.optimizer, total_updates)
   optimizer = optim.make_optimizer(cfg.optimizer, total_updates, lr)
   rng = jax.random.PRNGKey(cfg.seed) if rng is None else rng
-  init = lambda k: model.init_params(model_cfg, k, cfg.model.init_std)
+  # the train layout: each layer leaf stacked [L, ...], which the layer scans read without a copy (stacking per
+  # call held a second copy of the layers through the step, and fragmented XLA:CPU's heap: +19-28% peak measured)
+  init = lambda k: model.stacked(model.init_params(model_cfg, k, cfg.model.init_std))
   params_shape = jax.eval_shape(init, rng)
   if abstract:
     make = None
   elif host_params is not None:
-    make = lambda sh: jax.device_put(host_params, sh)
+    make = lambda sh: jax.device_put(model.stacked(host_params), sh)
   else:
     make = lambda sh: jax.jit(init, out_shardings=sh)(rng)
   state, state_sh = init_state(mesh, optimizer, params_shape, make)

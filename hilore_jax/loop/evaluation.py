@@ -83,6 +83,8 @@ def restore_params(run_dir: str, config: Config) -> tuple[model.ModelConfig, dic
     chosen["model_cfg"] = model_cfg
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     params = jax.eval_shape(lambda: model.init_params(model_cfg, jax.random.PRNGKey(0)))
+    if meta.get(checkpointing.LAYERS_KEY) == checkpointing.STACKED:  # the train layout (older runs: per layer)
+      params = jax.eval_shape(model.stacked, params)
     opt = optim.make_optimizer(run_config.optimizer, 1)
     train = {"params": params, "opt_state": jax.eval_shape(opt.init, lora.trainable(params)),
              "step": jax.ShapeDtypeStruct((), jnp.int32)}

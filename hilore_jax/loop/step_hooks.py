@@ -19,21 +19,36 @@ from hilore_jax.rl import packing, prompt_share, train_step
 from hilore_jax.rl.train_step import StepSpec
 from hilore_jax.rl.update_batch import UpdateBatch
 
-# one jitted gradient for the module: specs are static, so repeated specs compile once
-_grad = jax.jit(lambda p, b, s, mix: train_step.grads_and_stats(p, b, s, mix)[0], static_argnums=2)
+# one jitted gradient for the module: specs are static, so repeated specs compile once. The manager reads gradients
+# per layer: from params in the train layout (stacked layers) they come back unstacked
+_grad = jax.jit(lambda p, b, s, mix: model.unstacked(train_step.grads_and_stats(p, b, s, mix)[0]), static_argnums=2)
 
 
 @functools.partial(jax.jit, static_argnums=2)
 def _weight_errors(params, batch, spec: StepSpec):
   """(exact gradient, [L, len(WEIGHT_READS)] ||dg_u||): the probe at zero mix, each weight-read unit's error channel
   (zeros shaped like its projections' weights) differentiated alongside the params."""
-  L, layer = spec.model_cfg.num_hidden_layers, params["layers"][0]
+  L, layer = spec.model_cfg.num_hidden_layers, model.layer_params(params, 0)
   channels = {kind: tuple(jnp.zeros((L,) + layer[blk][n].shape, jnp.float32) for n in names)
               for kind, (blk, names) in WEIGHT_READS.items()}
   probe = {"mix": jnp.zeros((L, len(model.UNITS)), jnp.float32), "channels": channels}
   (g, g_probe), _ = train_step.grads_and_stats(params, batch, spec, probe, wrt_probe=True)
   sq = lambda c: jnp.sum(jnp.square(c), axis=tuple(range(1, c.ndim)))
-  return g, jnp.stack([jnp.sqrt(sum(sq(c) for c in g_probe["channels"][kind])) for kind in WEIGHT_READS], axis=1)
+  return model.unstacked(g), jnp.stack([jnp.sqrt(sum(sq(c) for c in g_probe["channels"][kind]))
+                                        for kind in WEIGHT_READS], axis=1)
+
+
+def _per_layer_update(update):
+  """optimizer.update taking and giving per-layer gradients and updates (what the manager reads), whatever the
+  layout of the params and optimizer state it is given (the train layout stacks the layers)."""
+
+  def call(grads, opt_state, params):
+    if not model.is_stacked(params):
+      return update(grads, opt_state, params)
+    updates, opt_state = update(model.stacked(grads), opt_state, params)
+    return model.unstacked(updates), opt_state
+
+  return call
 
 
 def memory_hooks(stepper: Stepper | None, spec: StepSpec, max_grad_norm: float = 0.0) -> StepHooks:
@@ -90,4 +105,5 @@ def memory_hooks(stepper: Stepper | None, spec: StepSpec, max_grad_norm: float =
       probe_errors=None if cfg.lora is not None else (
           lambda p, b, fmt, group: _weight_errors(p, b, dataclasses.replace(probe_spec, lowp_probe=(fmt, group)))),
       token_weights=token_weights, unit_tensors=unit_tensors, logprobs=logprobs,
-      optimizer_update=None if stepper is None else optimizer_update, max_grad_norm=max_grad_norm)
+      optimizer_update=None if stepper is None else _per_layer_update(optimizer_update),
+      max_grad_norm=max_grad_norm)

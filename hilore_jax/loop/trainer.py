@@ -181,7 +181,8 @@ class Trainer:
             "rng": np.asarray(jax.random.key_data(self.rng)).tolist(), "eval_before": self.eval_before,
             "warmstart_losses": self.warmstart_losses, "config": self.config.to_dict(),
             "memory_manager": self.memory.state_json() if self.memory is not None else None,
-            "lora": adapters.checkpoint_meta(self.model_cfg, self.base)}
+            "lora": adapters.checkpoint_meta(self.model_cfg, self.base),
+            checkpointing.LAYERS_KEY: checkpointing.STACKED}
     self.checkpointer.save(step, self._checkpoint()[0], meta)
     runtime.release_host_memory()  # the save's host copies, freed
 
@@ -192,8 +193,8 @@ class Trainer:
       adapters.check_checkpoint(self.checkpointer.restore_meta(latest), self.model_cfg, self.base, latest)
     if self.config.grpo.beta > 0 and not self.config.lora.enabled:
       self.ref_params = self.state["params"]  # shape donor; replaced by the restored reference
-    abstract = engine.abstract(*self._checkpoint())
-    found = self.checkpointer.restore_newest(lambda meta: abstract)
+    tree, shardings = self._checkpoint()
+    found = checkpointing.restore_train_layout(self.checkpointer, engine.abstract(tree, shardings), shardings)
     if found is None:
       self.ref_params = None
       return False

@@ -1,5 +1,8 @@
 """H/L/R/O allocation: per group (a layer, or a single unit) pick one option so total time is minimal under a
-memory budget and a risk budget (a multiple-choice knapsack with two constraints)."""
+memory budget and a risk budget (a multiple-choice knapsack with two constraints), and, where groups are the layers
+in order, of a run shape: consecutive layers with the same choice form a run, and each run compiles once, as one
+layer scan (model.run_layers), so a plan of at most `runs` runs compiles in the same time at any depth; no run is one
+layer long (a loop of one, which XLA inlines: on XLA:CPU it kept more than the same layer in a loop)."""
 
 from __future__ import annotations
 
@@ -69,9 +72,64 @@ def _start(groups, budget_bytes) -> list[int]:
   return picks
 
 
-def greedy(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: float) -> Allocation:
+def run_spans(groups: Sequence[Sequence[Option]], picks: Sequence[int]) -> list[tuple[int, int]]:
+  """(start, end) of each run of consecutive groups whose picked options make the same choice."""
+  choices = [g[i].choice for g, i in zip(groups, picks)]
+  bounds = [k for k in range(len(choices) + 1) if k in (0, len(choices)) or choices[k] != choices[k - 1]]
+  return list(zip(bounds[:-1], bounds[1:]))
+
+
+def num_runs(groups: Sequence[Sequence[Option]], picks: Sequence[int]) -> int:
+  return len(run_spans(groups, picks))
+
+
+def shaped(groups: Sequence[Sequence[Option]], picks: Sequence[int], runs: int) -> bool:
+  """Whether picks are a plan of the run shape: at most `runs` runs, none one group long (with two or more)."""
+  spans = run_spans(groups, picks)
+  return len(spans) <= runs and (len(groups) < 2 or all(e - s > 1 for s, e in spans))
+
+
+def _merge_runs(groups, picks: list[int], runs: int, budget_bytes: int, risk_budget: float) -> list[int]:
+  """The run shape (`shaped`) by merging runs into a neighbour's choice: each time the feasible merge (both budgets)
+  that adds the fewest seconds, of a one-group run while there is one; if none is feasible, every group takes its
+  fewest-bytes option (one run)."""
+  while not shaped(groups, picks, runs):
+    choices = [g[i].choice for g, i in zip(groups, picks)]
+    spans = run_spans(groups, picks)
+    singles = [r for r, (s, e) in enumerate(spans) if e - s == 1]
+    best = None
+    for r, (s, e) in enumerate(spans):
+      if singles and r not in singles:
+        continue
+      for nb in (r - 1, r + 1):
+        if not 0 <= nb < len(spans):
+          continue
+        target = choices[spans[nb][0]]
+        idx = [next((j for j, o in enumerate(groups[k]) if o.choice == target), None) for k in range(s, e)]
+        if None in idx:
+          continue
+        trial = picks[:s] + idx + picks[e:]
+        summary = _summary(groups, trial)
+        if summary.bytes <= budget_bytes and summary.risk <= risk_budget + 1e-12:
+          if best is None or summary.time_s < best[0]:
+            best = (summary.time_s, trial)
+    if best is None:
+      return _start(groups, budget_bytes)
+    picks = best[1]
+  return picks
+
+
+def greedy(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: float, runs: int = 0) -> Allocation:
   """Start from the fewest bytes; repeatedly take the option change with the most seconds saved per extra byte
-  that fits both budgets (moves that save time without extra bytes or risk come first)."""
+  that fits both budgets (moves that save time without extra bytes or risk come first). runs > 0: then merge runs
+  into their neighbours until the plan has the run shape (_merge_runs; a heuristic, as the rest of greedy)."""
+  picks = _greedy_picks(groups, budget_bytes, risk_budget)
+  if runs > 0:
+    picks = _merge_runs(groups, picks, runs, budget_bytes, risk_budget)
+  return _summary(groups, picks)
+
+
+def _greedy_picks(groups, budget_bytes: int, risk_budget: float) -> list[int]:
   picks = _start(groups, budget_bytes)
   arrays = [(np.array([o.bytes for o in g], float), np.array([o.time_s for o in g]), np.array([o.risk for o in g]))
             for g in groups]
@@ -90,7 +148,7 @@ def greedy(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: f
       if gain[j] > best_gain:
         best, best_gain = (gi, j), gain[j]
     if best is None:
-      return _summary(groups, picks)
+      return picks
     gi, j = best
     b, t, r = arrays[gi]
     used += b[j] - b[picks[gi]]
@@ -99,9 +157,12 @@ def greedy(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: f
 
 
 def exact(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: float,
-          mip_gap: float = 1e-4) -> Allocation:
+          mip_gap: float = 1e-4, runs: int = 0) -> Allocation:
   """Optimal allocation (within a proven relative gap, HiGHS' default 1e-4) by a mixed-integer program
-  (scipy.optimize.milp): one binary per group and option."""
+  (scipy.optimize.milp): one binary per group and option. runs > 0: the run shape, at most `runs` runs of
+  consecutive groups with one choice, each at least two long (a change variable c_k >= x[k, o] - x[k-1, o] for
+  every choice o, sum of c <= runs - 1, c_k + c_{k+1} <= 1, no change at either end)."""
+  from scipy import sparse
   from scipy.optimize import Bounds, LinearConstraint, milp
 
   _start(groups, budget_bytes)  # raises on an infeasible budget
@@ -117,12 +178,53 @@ def exact(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: fl
     one[gi, s:s + k] = 1.0
   # scale rows so HiGHS' tolerances mean the same for bytes (1e9) and seconds (1e-3)
   mscale, rscale = max(mem.max(), 1.0), max(risk.max(), 1e-30)
-  res = milp(cost / max(cost.max(), 1e-30), integrality=np.ones(n), bounds=Bounds(np.zeros(n), np.ones(n)),
-             constraints=[LinearConstraint(mem[None] / mscale, -np.inf, budget_bytes / mscale),
-                          LinearConstraint(risk[None] / rscale, -np.inf, (risk_budget + 1e-12) / rscale),
-                          LinearConstraint(one, 1, 1)], options={"mip_rel_gap": mip_gap})
+  changes = len(groups) - 1 if runs > 0 and len(groups) > 1 else 0
+  pad = lambda a: sparse.hstack([sparse.csr_array(a), sparse.csr_array((a.shape[0], changes))]).tocsr()
+  constraints = [LinearConstraint(pad(mem[None] / mscale), -np.inf, budget_bytes / mscale),
+                 LinearConstraint(pad(risk[None] / rscale), -np.inf, (risk_budget + 1e-12) / rscale),
+                 LinearConstraint(pad(one), 1, 1)]
+  if changes:
+    constraints += _run_constraints(groups, start, runs)
+  res = milp(np.concatenate([cost / max(cost.max(), 1e-30), np.zeros(changes)]),
+             integrality=np.concatenate([np.ones(n), np.zeros(changes)]),
+             bounds=Bounds(np.zeros(n + changes), np.ones(n + changes)), constraints=constraints,
+             options={"mip_rel_gap": mip_gap})
   if not res.success:
     raise RuntimeError(f"MILP failed: {res.message}")
-  x = np.round(res.x).astype(int)
+  x = np.round(res.x[:n]).astype(int)
   picks = [int(np.argmax(x[s:s + k])) for s, k in zip(start, sizes)]
   return _summary(groups, picks)
+
+
+def _run_constraints(groups, start, runs: int) -> list:
+  """c_k >= x[k, o] - x[k-1, o] for every group k > 0 and choice o of group k (c_k: column n + k - 1), and
+  sum(c) <= runs - 1: a new run starts wherever a group's choice differs from its predecessor's; and every run at
+  least two groups long. Sparse: three entries a row, whatever the number of options (dense, 30 layers of a few
+  hundred options took gigabytes)."""
+  from scipy import sparse
+  from scipy.optimize import LinearConstraint
+
+  n, G = sum(len(g) for g in groups), len(groups)
+  index = [{o.choice: int(start[k]) + i for i, o in enumerate(g)} for k, g in enumerate(groups)]
+  rows, cols, vals, r = [], [], [], -1
+  for k in range(1, G):
+    for choice, col in index[k].items():
+      r += 1
+      rows += [r, r]
+      cols += [n + k - 1, col]
+      vals += [1.0, -1.0]
+      if choice in index[k - 1]:
+        rows.append(r)
+        cols.append(index[k - 1][choice])
+        vals.append(1.0)
+  a = sparse.csr_array((vals, (rows, cols)), shape=(r + 1, n + G - 1))
+  total = sparse.csr_array((np.ones(G - 1), (np.zeros(G - 1, int), np.arange(n, n + G - 1))), shape=(1, n + G - 1))
+  # no run of one layer: no change at the first or last boundary (c_1, c_{G-1}), none at two boundaries in a row
+  pairs = [(k, k + 1) for k in range(1, G - 1)]
+  rows = [r for r, pair in enumerate(pairs) for _ in pair]
+  cols = [n + k - 1 for pair in pairs for k in pair]
+  short = sparse.csr_array((np.ones(len(cols)), (rows, cols)), shape=(len(pairs), n + G - 1))
+  ends = sparse.csr_array((np.ones(2), ([0, 1], [n, n + G - 2])), shape=(2, n + G - 1))
+  out = [LinearConstraint(a, 0.0, np.inf), LinearConstraint(total, -np.inf, runs - 1),
+         LinearConstraint(ends, 0.0, 0.0)]
+  return out + ([LinearConstraint(short, -np.inf, 1.0)] if pairs else [])

@@ -128,6 +128,9 @@ class MemoryConfig:
   # exact: the relative optimality gap HiGHS must prove (0: proven optimal). Below ~0.5% some two-budget plans took
   # minutes to prove (measured: 217 s at 0.1%, 0.7 s at 0.5%, the same plan time to 0.06%)
   mip_gap: float = 0.005
+  # a solved method's plan has at most this many runs of consecutive layers with one policy (0: any): each run
+  # compiles once, as a layer scan, so compile time and the compiler's memory stay flat in depth (docs/hilore.md)
+  plan_runs: int = 4
   offload: bool = False  # allow O (offload to host memory); GPU/TPU only
   budget_probes: int = 4  # compiles per bucket to fit the plan's byte allowance to the compiled peak
   # what runs before set-up (budget, op profile, calibration) has measured anything: gc trains the first step with
@@ -184,6 +187,8 @@ class MemoryConfig:
                         f"{self.calib_layers}")
     check_choice("memory.solver", self.solver, ("exact", "greedy"))
     check_positive("memory.budget_probes", self.budget_probes)
+    if isinstance(self.plan_runs, bool) or not isinstance(self.plan_runs, int) or self.plan_runs < 0:
+      raise ConfigError(f"memory.plan_runs must be an integer >= 0 (0: any number of runs), got {self.plan_runs!r}")
     check_choice("memory.warmup", self.warmup, ("gc", "none"))
     check_positive("memory.verify_steps", self.verify_steps, allow_zero=True)
     if not 0.0 <= self.mip_gap < 1.0:

@@ -273,7 +273,7 @@ class MemoryManager(Lifecycle):
     cal = self.state.calibration
     return dict(risk_of=risk_of, delta=cal.delta if cal else 0.0, fmt=self.mc.lowp_format, allow_o=self.mc.offload,
                 sensitivity=sens, group_size=self.mc.group_size, solver=solver or self.mc.solver,
-                mip_gap=self.mc.mip_gap)
+                mip_gap=self.mc.mip_gap, max_runs=self.mc.plan_runs)
 
   def _plan(self, bucket: int, allowance: int, solver: str | None = None, delta: float | None = None,
             method: str | None = None, zero_risk: bool = False) -> methods.Plan:

@@ -48,16 +48,22 @@ def _median_time(fn: Callable, args, reps: int) -> tuple[float, float]:
   return med, (1.2533 * 1.4826 * mad / np.sqrt(reps) / med if med > 0 else 0.0)
 
 
-def _op_calls(cfg: model.ModelConfig, batch: int, seq: int) -> dict[str, tuple[Callable, tuple]]:
-  """Each producer op of the table as a jitted call of the decoder's own function on inputs of the real shapes."""
+def _op_calls(cfg: model.ModelConfig, batch: int, seq: int, abstract: bool = False
+              ) -> dict[str, tuple[Callable, tuple]]:
+  """Each producer op of the table as a jitted call of the decoder's own function on inputs of the real shapes
+  (abstract: their shapes only, to compile; the real ones of a long sequence are many GiB: [B, K, G, T, S] probs)."""
   sizes = U.dims(cfg, batch, seq)
   layer_cfg = cfg.replace(num_hidden_layers=1)
-  params = model.layer_params(model.init_params(layer_cfg, jax.random.PRNGKey(0)), 0)
-  keys = iter(jax.random.split(jax.random.PRNGKey(1), len(U.TABLE)))
-  tensors = {t.name: jax.random.normal(next(keys), U.shape(t.name, sizes), cfg.compute_dtype) for t in U.TABLE}
-  tensors[U.ATTN_PROBS] = jax.nn.softmax(tensors[U.ATTN_PROBS].astype(jnp.float32), -1).astype(cfg.compute_dtype)
-  pos = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
-  ctx = model.layer_ctx(cfg, pos, jnp.ones((batch, seq), bool))
+
+  def inputs():
+    params = model.layer_params(model.init_params(layer_cfg, jax.random.PRNGKey(0)), 0)
+    keys = iter(jax.random.split(jax.random.PRNGKey(1), len(U.TABLE)))
+    tensors = {t.name: jax.random.normal(next(keys), U.shape(t.name, sizes), cfg.compute_dtype) for t in U.TABLE}
+    tensors[U.ATTN_PROBS] = jax.nn.softmax(tensors[U.ATTN_PROBS].astype(jnp.float32), -1).astype(cfg.compute_dtype)
+    pos = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+    return params, tensors, model.layer_ctx(cfg, pos, jnp.ones((batch, seq), bool))
+
+  params, tensors, ctx = jax.eval_shape(inputs) if abstract else inputs()
   calls = {}
   for op, reads in producers(cfg).items():
     fn = jax.jit(lambda p, t, ctx, op=op: model.OPS[op](cfg, p, t, ctx))
@@ -75,7 +81,7 @@ def op_costs(cfg: model.ModelConfig, batch: int, seq: int) -> dict[str, tuple[fl
   """XLA's (FLOPs, bytes accessed) of each producer op at these shapes, compile-only: to project op times on a
   device that is not here."""
   out = {}
-  for op, (fn, args) in _op_calls(cfg, batch, seq).items():
+  for op, (fn, args) in _op_calls(cfg, batch, seq, abstract=True).items():
     cost = fn.lower(*args).compile().cost_analysis() or {}
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     out[op] = (float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)))

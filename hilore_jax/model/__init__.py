@@ -7,11 +7,12 @@ from hilore_jax.model.config import ModelConfig
 from hilore_jax.model.cache import decode_step, filled_attention, forward_cached, init_cache
 from hilore_jax.model.decoder import (OPS, LayerCtx, apply_rope, attention_context, attention_probs, default_positions,
                                       embed, forward, head_logits, hidden_states, layer_ctx,
-                                      init_params, layer_params, layer_residuals, lm_head_weight, logits, num_layers,
-                                      policy_runs, rms_norm, rope_cos_sin, stack_layers)
+                                      init_params, is_stacked, layer_params, layer_residuals, lm_head_weight, logits,
+                                      num_layers, policy_runs, rms_norm, rope_cos_sin, run_layers, stack_layers,
+                                      stacked, unstack_layers, unstacked)
 from hilore_jax.model.shared import packed_shared_hidden_states, shared_hidden_states
-from hilore_jax.model.policy import (FULL_REMAT, NO_REMAT, LayerPolicy, offload_supported, remat, saved_residuals,
-                                     uniform)
+from hilore_jax.model.policy import (FULL_REMAT, NO_REMAT, LayerPolicy, offload_supported, ordered, remat,
+                                     saved_residuals, uniform)
 from hilore_jax.model.units import (ATTN_CTX, ATTN_NORM, ATTN_OUT, ATTN_PROBS, CHECKPOINT_NAMES, LAYER_INPUT,
                                     LOWP_UNITS, MLP_DOWN_IN, MLP_GATE, MLP_INPUT, MLP_NORM, MLP_OUT, MLP_SILU, MLP_UP,
                                     UNITS, K, Q, V)

@@ -91,6 +91,10 @@ class ModelConfig:
   # adapters on frozen projections (model/lora.py); None: every forward ignores any adapter in the params (the
   # frozen base alone: the KL reference of a LoRA run)
   lora: LoraSpec | None = None
+  # runs of layers with one remat policy as lax.scan over their stacked params (compile time and the compiler's
+  # memory follow the number of runs, not depth); False: every layer a plain call, so XLA's cost analysis, which
+  # counts a loop body once, counts each layer (the roofline projection's counts)
+  scan_layers: bool = True
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -113,6 +117,8 @@ class ModelConfig:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"model.scan_layers must be true or false, got {self.scan_layers!r}")
     if self.model_type not in ("qwen2", "llama"):
       raise ValueError(f"model.model_type must be one of ['llama', 'qwen2'], got {self.model_type!r}")
     object.__setattr__(self, "dtype", dtype_name(self.dtype))

@@ -19,6 +19,8 @@ from hilore_jax.model import units as U
 from hilore_jax.model.attention import (Segments, attention_context, attention_probs, blockwise_kernel, fused_attention,
                                        segment_mask)
 from hilore_jax.model.config import ModelConfig
+from hilore_jax.model.layers import (is_stacked, layer_at, policy_runs, run_layers, stack_layers, stacked,  # noqa: F401
+                                     unstack_layers, unstacked)
 from hilore_jax.model.policy import NO_REMAT, LayerPolicy, Residual, remat, saved_residuals, uniform
 
 # ----------------------------------------------------------------------------- params
@@ -53,18 +55,14 @@ def init_params(cfg: ModelConfig, rng: jax.Array, init_std: float = 0.02) -> dic
   return params if cfg.lora is None else lora.add_adapters(cfg, params, rng)
 
 
-def stack_layers(layers: Sequence[dict]) -> dict:
-  """Per-layer param dicts -> one dict whose leaves carry a leading layer axis (what a layer scan runs over)."""
-  return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
-
-
 def layer_params(params: dict, layer: int) -> dict:
-  """One layer's params (or gradients: any pytree shaped like params)."""
-  return params["layers"][layer]
+  """One layer's params (or gradients: any pytree shaped like params), from either layout."""
+  return layer_at(params["layers"], layer)
 
 
 def num_layers(params: dict) -> int:
-  return len(params["layers"])
+  layers = params["layers"]
+  return jax.tree_util.tree_leaves(layers)[0].shape[0] if isinstance(layers, dict) else len(layers)
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -318,26 +316,13 @@ def lm_head_weight(cfg: ModelConfig, params: dict) -> jax.Array:
   return params["embed_VD"].T if cfg.tie_word_embeddings else params["lm_head_DV"]
 
 
-def policy_runs(policies: Sequence[LayerPolicy]) -> list[tuple[int, int, LayerPolicy]]:
-  """Maximal runs of consecutive layers with the same policy, as (start, end, policy)."""
-  runs: list[tuple[int, int, LayerPolicy]] = []
-  for i, pol in enumerate(policies):
-    if runs and runs[-1][2] == pol:
-      runs[-1] = (runs[-1][0], i + 1, pol)
-    else:
-      runs.append((i, i + 1, pol))
-  return runs
-
-
 def hidden_states(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array, attention_mask_BT=None, *,
                   positions_BT=None, layer_policies: Sequence[LayerPolicy] | None = None,
                   taps: dict | None = None, probe=None, segment_ids_BT=None) -> jax.Array:
   """Final-norm hidden states [B, T, D]; each layer runs under its own remat policy.
 
-  Consecutive layers with the same policy run as one `lax.scan` over a stacked copy of their params, so compile
-  time grows with the number of distinct policy runs, not with depth; a one-layer run is a plain call. Params stay
-  stored per layer, so each layer's gradient is its own buffer: assembling them into one stacked buffer made
-  XLA:CPU defer weight gradients to the end of backward (measured: up to 2x the peak on mixed plans). taps, if a
+  Consecutive layers with the same policy run as one `lax.scan` (run_layers), so compile time grows with the
+  number of policy runs, not with depth; params in the train layout (stacked) scan without a copy. taps, if a
   dict, receives each unit's tensor for every layer, stacked [L, B, T, ...] (no remat then). probe=(format,
   group size, mix [L, len(UNITS)]) runs every layer without remat, each unit read in backward as exact + mix *
   (decoded - exact): one program measures the gradient error of any set of L units (calibration).
@@ -360,24 +345,15 @@ def hidden_states(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array, atten
       t: dict = {}
       return decoder_layer(cfg, p, x, ctx, taps=t)[0], t
 
-    x, stacked = jax.lax.scan(tapped, x, stack_layers(params["layers"]))
-    taps.update(stacked)
+    x, taps_L = jax.lax.scan(tapped, x, stack_layers(params["layers"]))
+    taps.update(taps_L)
   elif probe is not None:
     fmt, group_size, mix_LU = probe
     x, _ = jax.lax.scan(lambda x, pm: (decoder_layer(cfg, pm[0], x, ctx, probe=(fmt, group_size, pm[1]))[0], None),
                         x, (stack_layers(params["layers"]), mix_LU))
   else:
-    runs = policy_runs(policies)
-    if len(runs) == 1 and len(policies) > 1:  # one policy: one scan, compiled once whatever the depth
-      layer = remat(lambda p, x, ctx: decoder_layer(cfg, p, x, ctx, policy=policies[0])[0], policies[0])
-      x, _ = jax.lax.scan(lambda x, p: (layer(p, x, ctx), None), x, stack_layers(params["layers"]))
-    else:
-      # mixed plans unroll: XLA:CPU's peak of a single layer followed by a scan of the next ones is ~30% above
-      # full checkpointing's even when every layer is full checkpointing (4 layers: 46.1 vs 34.0 MB), unrolled
-      # it is GC's (34.1 MB)
-      for i, policy in enumerate(policies):
-        layer = remat(lambda p, x, ctx, policy=policy: decoder_layer(cfg, p, x, ctx, policy=policy)[0], policy)
-        x = layer(params["layers"][i], x, ctx)
+    x = run_layers(lambda policy: lambda p, x, ctx: decoder_layer(cfg, p, x, ctx, policy=policy)[0], policies,
+                   params["layers"], x, ctx, cfg.scan_layers)
   return rms_norm(x, params["final_norm_D"], cfg.rms_norm_eps)
 
 

@@ -16,6 +16,7 @@ from safetensors.flax import save_file
 
 from hilore_jax.model import config as model_config
 from hilore_jax.model.config import ModelConfig
+from hilore_jax.model.decoder import unstacked
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -156,7 +157,7 @@ def from_state_dict(cfg: ModelConfig, state: dict, where: str = "state dict") ->
 def save_hf(cfg: ModelConfig, params: dict, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
             tokenizer=None) -> str:
   """Write a transformers-loadable directory atomically (a half-written export never replaces a good one)."""
-  params = jax.device_get(params)
+  params = unstacked(jax.device_get(params))  # HF's layout: one tensor per layer (the train layout stacks them)
   shards: list[dict[str, np.ndarray]] = [{}]
   size = 0
   for hf_name, ours, shape, _, to_hf in _entries(cfg):

@@ -23,9 +23,8 @@ import jax.numpy as jnp
 from hilore_jax.model import units as U
 from hilore_jax.model.config import ModelConfig
 from hilore_jax.model.attention import Segments
-from hilore_jax.model.decoder import (decoder_layer, default_positions, embed, layer_ctx, policy_runs, rms_norm,
-                                      stack_layers)
-from hilore_jax.model.policy import NO_REMAT, LayerPolicy, remat, uniform
+from hilore_jax.model.decoder import decoder_layer, default_positions, embed, layer_ctx, rms_norm, run_layers
+from hilore_jax.model.policy import NO_REMAT, LayerPolicy, uniform
 
 
 def completion_ctx(cfg: ModelConfig, prompt_mask_BP: jax.Array, mask_BN: jax.Array):
@@ -53,11 +52,13 @@ def packed_ctx(cfg: ModelConfig, prompt_table_mask_UP: jax.Array, positions_SL: 
 
 
 def _layer(cfg: ModelConfig, policy: LayerPolicy):
-  """One layer over both streams under the policy's remat: the prompts', then the completions' over their
-  prompt's k, v (the prompt stream's own, tagged with the same checkpoint names): gathered per row by index_B, or
-  packed (index_B None) the whole table's, flattened, ahead of every buffer row."""
+  """One layer over both streams (run_layers applies the policy's remat): the prompts', then the completions' over
+  their prompt's k, v (the prompt stream's own, tagged with the same checkpoint names): gathered per row by index_B,
+  or packed (index_B None) the whole table's, flattened, ahead of every buffer row."""
 
-  def fn(p, x_UPD, x_BND, ctx_prompt, ctx_completion, index_B):
+  def fn(p, xs, consts):
+    x_UPD, x_BND = xs
+    ctx_prompt, ctx_completion, index_B = consts
     taps: dict = {}
     x_UPD = decoder_layer(cfg, p, x_UPD, ctx_prompt, policy=policy, taps=taps)[0]
     if index_B is None:
@@ -69,7 +70,7 @@ def _layer(cfg: ModelConfig, policy: LayerPolicy):
     x_BND = decoder_layer(cfg, p, x_BND, ctx_completion, policy=policy, prefix_kv=prefix)[0]
     return x_UPD, x_BND
 
-  return remat(fn, policy)
+  return fn
 
 
 def _policies(cfg: ModelConfig, layer_policies) -> tuple[LayerPolicy, ...]:
@@ -80,16 +81,9 @@ def _policies(cfg: ModelConfig, layer_policies) -> tuple[LayerPolicy, ...]:
 
 
 def _layers(cfg: ModelConfig, params: dict, xs, ctx_p, ctx_c, index_B, policies):
-  """Every layer over both streams: one scan under a single policy (as hidden_states), unrolled otherwise."""
-  runs = policy_runs(policies)
-  if len(runs) == 1 and len(policies) > 1:  # one policy: one scan, as hidden_states
-    layer = _layer(cfg, policies[0])
-    xs, _ = jax.lax.scan(lambda xs, p: (layer(p, *xs, ctx_p, ctx_c, index_B), None), xs,
-                         stack_layers(params["layers"]))
-    return xs
-  for i, policy in enumerate(policies):
-    xs = _layer(cfg, policy)(params["layers"][i], *xs, ctx_p, ctx_c, index_B)
-  return xs
+  """Every layer over both streams, each run of one policy a scan (model/layers.py)."""
+  return run_layers(lambda policy: _layer(cfg, policy), policies, params["layers"], xs, (ctx_p, ctx_c, index_B),
+                    cfg.scan_layers)
 
 
 def shared_hidden_states(cfg: ModelConfig, params: dict, prompt_table_UP: jax.Array, prompt_table_mask_UP: jax.Array,

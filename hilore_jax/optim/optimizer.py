@@ -24,6 +24,12 @@ def schedule(oc: OptimizerConfig, total_updates: int) -> optax.Schedule:
   return optax.constant_schedule(oc.lr)
 
 
+def stacked_layers(path) -> int:
+  """LoGRA's batch axes: the leading layer axis of the train layout's stacked layers (a per-layer list has none)."""
+  keys = [getattr(k, "key", None) for k in path[:2]]
+  return int(len(keys) == 2 and keys[0] == "layers" and isinstance(keys[1], str))
+
+
 def make_optimizer(oc: OptimizerConfig, total_updates: int,
                    lr: optax.Schedule | None = None) -> optax.GradientTransformation:
   """chain(clip_by_global_norm, adamw | logra): one schedule (lr, or built from oc), betas, eps and weight decay (on
@@ -33,7 +39,7 @@ def make_optimizer(oc: OptimizerConfig, total_updates: int,
   if oc.kind == "logra":
     lc = oc.logra
     parts.append(logra.logra(lr, lc.rank, lc.refresh_every, oc.b1, oc.b2, oc.eps, oc.weight_decay, lc.scale, lc.seed,
-                             lc.oversample, lc.power_iters, lc.min_dim, DENSE_NAMES))
+                             lc.oversample, lc.power_iters, lc.min_dim, DENSE_NAMES, stacked_layers))
   else:
     parts.append(optax.adamw(lr, oc.b1, oc.b2, oc.eps, weight_decay=oc.weight_decay))
   return optax.chain(*parts)

@@ -39,6 +39,8 @@ def dataclasses_frozen_error():
     ("memory.exposure.kll=false", r"unknown config key 'memory.exposure.kll'"),
     ("memory.budget_ratio=0.9", r"budget_ratio must be >= 1.0"),
     ("memory.mip_gap=1.5", r"memory.mip_gap must be in \[0, 1\)"),
+    ("memory.plan_runs=-1", r"memory.plan_runs must be an integer >= 0 \(0: any number of runs\), got -1"),
+    ("model.scan_layers=true", r"unknown config key 'model.scan_layers'"),
     ("rollout.num_generations=1", r"num_generations must be > 1"),
     ("train.steps=ten", r"train.steps must be an integer"),
     ("model.num_key_value_heads=3", r"num_attention_heads .* multiple of num_key_value_heads"),

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -219,3 +221,35 @@ def test_a_failed_restores_leftover_read_reports_stay_quiet(monkeypatch, capsys)
   leave_reports(3)
   err = capsys.readouterr().err
   assert err.count("Exception ignored") == 1 and "a real bug elsewhere" in err and "read_chunk" not in err
+
+
+def test_a_checkpoint_with_per_layer_params_restores_into_the_train_layout(tmp_path):
+  """Checkpoints written before the train layout (every layer leaf stacked) hold the layers as a list: they
+  restore, stacked; one written now restores as it is."""
+  import optax
+
+  from hilore_jax import model
+
+  cfg = model.ModelConfig(vocab_size=29, hidden_size=12, intermediate_size=19, num_hidden_layers=3,
+                          num_attention_heads=2, num_key_value_heads=1)
+  params = model.init_params(cfg, jax.random.PRNGKey(0), 0.3)
+  opt = optax.adam(0.1)
+  opt_state = opt.update(params, opt.init(params), params)[1]  # non-zero moments
+  old = checkpointing.run_tree({"params": params, "opt_state": opt_state, "step": jnp.int32(2)}, params)
+  new = checkpointing.run_tree({"params": model.stacked(params), "opt_state": opt.init(model.stacked(params)),
+                                "step": jnp.int32(0)}, model.stacked(params))
+  shardings = jax.tree.map(lambda x: x.sharding, new)
+  abstract = engine.abstract(new, shardings)
+  ckpt = checkpointing.Checkpointer(str(tmp_path), keep=3)
+  ckpt.save(2, old, {"step": 2})  # no layout in its meta: per layer
+  step, tree, _ = checkpointing.restore_train_layout(ckpt, abstract, shardings)
+  moments = optax.tree_utils.tree_set(opt_state, mu=model.stacked(opt_state[0].mu), nu=model.stacked(opt_state[0].nu))
+  want = checkpointing.run_tree({"params": model.stacked(params), "opt_state": moments, "step": jnp.int32(2)},
+                                model.stacked(params))
+  assert step == 2 and jax.tree.structure(tree) == jax.tree.structure(new)
+  chex.assert_trees_all_equal(tree, want)
+  ckpt.save(3, tree, {"step": 3, checkpointing.LAYERS_KEY: checkpointing.STACKED})
+  step, again, _ = checkpointing.restore_train_layout(ckpt, abstract, shardings)
+  assert step == 3
+  chex.assert_trees_all_equal(again, want)
+  ckpt.close()

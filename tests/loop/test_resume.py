@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from trainer_util import stable, tiny_config
 
+from hilore_jax import model
 from hilore_jax.loop import metrics
 from hilore_jax.optim import logra
 from hilore_jax.rl.replay import STAT_KEYS
@@ -53,7 +54,7 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_metrics(tmp_path):
   restored = logra.find_state(t.state["opt_state"])
   done = sum(r["updates"] for r in full[:2])
   assert int(restored.count) == done and float(np.abs(jax.device_get(
-      restored.proj["layers"][1]["mlp"]["wgate_DF"])).max()) > 0
+      model.layer_params(restored.proj, 1)["mlp"]["wgate_DF"])).max()) > 0
   assert t.replay.size > 0 and t.ref_params is not None and t.memory.state is not None  # the manager's, restored
   t.train()
   resumed = metrics.read_metrics(tmp_path / "b" / "metrics.jsonl")

@@ -45,3 +45,23 @@ def test_four_device_fsdp_matches_one_device(tmp_path):
   assert resolved.mean() > 0.9
   np.testing.assert_allclose(four["new_wgate"][resolved], one["new_wgate"][resolved], rtol=1e-5, atol=5e-6)
   assert np.abs(four["new_wgate"] - one["new_wgate"]).max() <= 1e-3
+
+
+def test_a_stacked_layer_leaf_keeps_its_rule_behind_the_layer_axis():
+  import jax
+  from jax.sharding import PartitionSpec as P
+
+  from hilore_jax import model, sharding
+
+  cfg = model.ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2)
+  shapes = jax.eval_shape(lambda: model.init_params(cfg, jax.random.PRNGKey(0)))
+  specs = {jax.tree_util.keystr(p): sharding.param_spec(p, x, 2)
+           for p, x in jax.tree_util.tree_leaves_with_path(jax.eval_shape(model.stacked, shapes))}
+  assert specs["['layers']['attn']['wq_DNH']"] == P(None, sharding.FSDP, None, None)
+  assert specs["['layers']['mlp']['wdown_FD']"] == P(None, None, sharding.FSDP)
+  assert specs["['layers']['attn_norm_D']"] == P() and specs["['embed_VD']"] == P(sharding.FSDP, None)
+  per_layer = {jax.tree_util.keystr(p): sharding.param_spec(p, x, 2)
+               for p, x in jax.tree_util.tree_leaves_with_path(shapes)}
+  assert per_layer["['layers'][1]['attn']['wq_DNH']"] == P(sharding.FSDP, None, None)
+  assert specs["['layers']['attn']['bq_NH']"] == P() and specs["['final_norm_D']"] == P()
