@@ -98,7 +98,8 @@ def restore_params(run_dir: str, config: Config) -> tuple[model.ModelConfig, dic
       raise CheckpointError(f"{directory} holds no checkpoint")
     params = found[1]["train"]["params"]
     if "base" in chosen:
-      params = lora.Split(chosen["base"], params).combined()
+      base = chosen["base"]  # per layer as loaded; the adapters in the layout they were saved in
+      params = lora.Split(model.stacked(base) if model.is_stacked(params) else base, params).combined()
     return chosen["model_cfg"], params
   finally:
     ckpt.close()

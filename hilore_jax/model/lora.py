@@ -27,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from hilore_jax.model import lowp
 from hilore_jax.model import units as U
 from hilore_jax.model.config import LORA_TARGETS, ModelConfig
+from hilore_jax.model.layers import stack_layers
 
 
 class Target(NamedTuple):
@@ -102,9 +103,13 @@ def add_adapters(cfg: ModelConfig, params: dict, rng: jax.Array, adapters: list[
   layer), else freshly initialised from rng (folded, so the base's own draws are untouched)."""
   if adapters is None:
     adapters = init_adapters(cfg, jax.random.fold_in(rng, _SALT))
-  if len(adapters) != len(params["layers"]):
-    raise ValueError(f"{len(adapters)} layers of adapters for {len(params['layers'])} layers")
-  return {**params, "layers": [{**layer, KEY: ad} for layer, ad in zip(params["layers"], adapters)]}
+  layers = params["layers"]
+  depth = len(layers) if not isinstance(layers, dict) else jax.tree.leaves(layers)[0].shape[0]
+  if len(adapters) != depth:
+    raise ValueError(f"{len(adapters)} layers of adapters for {depth} layers")
+  if isinstance(layers, dict):  # the train layout: the adapters stacked along the layer axis too
+    return {**params, "layers": {**layers, KEY: stack_layers(adapters)}}
+  return {**params, "layers": [{**layer, KEY: ad} for layer, ad in zip(layers, adapters)]}
 
 
 def adapted_inputs(spec) -> tuple[str, ...] | None:
@@ -116,12 +121,15 @@ def adapted_inputs(spec) -> tuple[str, ...] | None:
 
 def has_adapters(params) -> bool:
   layers = params["layers"] if isinstance(params, dict) else ()
+  if isinstance(layers, dict):  # stacked (model/layers.py)
+    return KEY in layers
   return bool(layers) and isinstance(layers[0], dict) and KEY in layers[0]
 
 
 class Split(NamedTuple):
   """A params tree as its frozen part and what trains: without adapters everything trains (frozen None); with them
-  only the adapters do ({"layers": [each layer's adapters]}). Any leaves: arrays, shardings, abstract values."""
+  only the adapters do ({"layers": [each layer's adapters]}, or stacked in the train layout). Any leaves: arrays,
+  shardings, abstract values."""
 
   frozen: Any
   trainable: Any
@@ -131,6 +139,8 @@ class Split(NamedTuple):
     t = self.trainable if trainable is None else trainable
     if self.frozen is None:
       return t
+    if isinstance(self.frozen["layers"], dict):
+      return {**self.frozen, "layers": {**self.frozen["layers"], KEY: t["layers"]}}
     return {**self.frozen, "layers": [{**layer, KEY: ad} for layer, ad in zip(self.frozen["layers"], t["layers"])]}
 
 
@@ -138,6 +148,9 @@ def partition(params) -> Split:
   """The params' frozen base and trainable part (module docstring)."""
   if not has_adapters(params):
     return Split(None, params)
+  layers = params["layers"]
+  if isinstance(layers, dict):
+    return Split({**params, "layers": {k: v for k, v in layers.items() if k != KEY}}, {"layers": layers[KEY]})
   frozen = {**params, "layers": [{k: v for k, v in layer.items() if k != KEY} for layer in params["layers"]]}
   return Split(frozen, {"layers": [layer[KEY] for layer in params["layers"]]})
 
@@ -184,8 +197,13 @@ def layer_adapters(cfg: ModelConfig, p: dict) -> dict | None:
 def with_dropout(params: dict, key: jax.Array) -> dict:
   """params with a dropout key in each layer's adapters (fold_in(key, layer)): the gradient program's forward then
   drops the adapters' inputs (cfg.lora.dropout); the forward-only passes never carry one (peft's eval mode)."""
+  layers = params["layers"]
+  if isinstance(layers, dict):
+    depth = jax.tree.leaves(layers)[0].shape[0]
+    keys = jnp.stack([jax.random.key_data(jax.random.fold_in(key, i)) for i in range(depth)])
+    return {**params, "layers": {**layers, KEY: {**layers[KEY], DROPOUT_KEY: keys}}}
   layers = [{**layer, KEY: {**layer[KEY], DROPOUT_KEY: jax.random.key_data(jax.random.fold_in(key, i))}}
-            for i, layer in enumerate(params["layers"])]
+            for i, layer in enumerate(layers)]
   return {**params, "layers": layers}
 
 
@@ -244,8 +262,20 @@ def _merged_weight(cfg: ModelConfig, layer: dict, target: str) -> jax.Array:
   return (w.astype(jnp.float32) + cfg.lora.scale * delta).astype(jnp.promote_types(w.dtype, cfg.compute_dtype))
 
 
-def _with_weights(params: dict, weights: list[dict]) -> dict:
-  """params without adapters, each layer's adapted weights replaced by weights[layer][target]."""
+def _layer_weights(cfg: ModelConfig, layers) -> list[dict] | dict:
+  """Every layer's merged weights by target: a list per layer, or stacked (one vmapped program) for stacked layers."""
+  one = lambda layer: {t: _merged_weight(cfg, layer, t) for t in cfg.lora.targets}
+  return jax.vmap(one)(layers) if isinstance(layers, dict) else [one(layer) for layer in layers]
+
+
+def _with_weights(params: dict, weights: list[dict] | dict) -> dict:
+  """params without adapters, each layer's adapted weights replaced by weights[layer][target] (or weights[target]
+  stacked, for stacked layers)."""
+  if isinstance(params["layers"], dict):
+    new = {k: (dict(v) if isinstance(v, dict) else v) for k, v in params["layers"].items() if k != KEY}
+    for t, w in weights.items():
+      new[TARGETS[t].block][TARGETS[t].weight] = w
+    return {**params, "layers": new}
   layers = []
   for layer, ws in zip(params["layers"], weights):
     new = {k: (dict(v) if isinstance(v, dict) else v) for k, v in layer.items() if k != KEY}
@@ -260,13 +290,12 @@ def merged(cfg: ModelConfig, params: dict) -> tuple[ModelConfig, dict]:
   the merged model is the adapted one up to float rounding."""
   if cfg.lora is None or not has_adapters(params):
     return cfg.replace(lora=None), base_of(params)
-  weights = [{t: _merged_weight(cfg, layer, t) for t in cfg.lora.targets} for layer in params["layers"]]
-  return cfg.replace(lora=None), _with_weights(params, weights)
+  return cfg.replace(lora=None), _with_weights(params, _layer_weights(cfg, params["layers"]))
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _merged_weights(cfg: ModelConfig, params: dict) -> list[dict]:
-  return [{t: _merged_weight(cfg, layer, t) for t in cfg.lora.targets} for layer in params["layers"]]
+def _merged_weights(cfg: ModelConfig, params: dict) -> list[dict] | dict:
+  return _layer_weights(cfg, params["layers"])
 
 
 def sampling_model(cfg: ModelConfig, params: dict) -> tuple[ModelConfig, dict]:

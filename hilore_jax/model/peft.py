@@ -20,6 +20,7 @@ from safetensors.numpy import save_file
 
 from hilore_jax.model import lora
 from hilore_jax.model.config import LORA_TARGETS, LoraSpec, ModelConfig
+from hilore_jax.model.layers import unstack_layers
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -38,7 +39,7 @@ def key(layer: int, target: str, which: str) -> str:
 def state_dict(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
   """peft-named float32 arrays of every adapter of params."""
   out = {}
-  for i, layer in enumerate(jax.device_get(params["layers"])):
+  for i, layer in enumerate(unstack_layers(jax.device_get(params["layers"]))):
     for t in cfg.lora.targets:
       a, b = (np.asarray(layer[lora.KEY][t][w], np.float32) for w in ("A", "B"))
       r = a.shape[-1]

@@ -38,8 +38,8 @@ def test_a_lora_run_trains_its_adapters_on_a_frozen_base_and_resumes_exactly(tmp
   base_dir = str(tmp_path / "a" / "base")
   assert t.base.path == base_dir and t.base.sha256 == adapters.files_sha256(base_dir)
   _, on_disk = hf.load_hf(base_dir)
-  params = jax.device_get(t.state["params"])
-  for a, b in zip(jax.tree.leaves(lora.base_of(params)), jax.tree.leaves(on_disk)):
+  params = jax.device_get(t.state["params"])  # the train layout: layers stacked
+  for a, b in zip(jax.tree.leaves(lora.base_of(model.unstacked(params))), jax.tree.leaves(on_disk)):
     np.testing.assert_array_equal(a, b)  # the base the run wrote before step 0 is the one it ends with: frozen
   # the optimizer holds AdamW's two moments of the adapters alone, and no reference copy exists
   assert 2 * _size(lora.trainable(params)) <= _size(t.state["opt_state"]) <= 2 * _size(lora.trainable(params)) + 8
@@ -116,8 +116,8 @@ def test_lora_init_from_loads_a_peft_directory_and_refuses_another(tmp_path):
          "lora.alpha=6", "lora.targets=[q,v]", "lora.init_from=" + made]
   overrides = list(run)
   t = Trainer(_from_path(tmp_path / "r", *overrides))
-  got = jax.device_get(lora.trainable(t.state["params"]))
-  for mine, theirs in zip(got["layers"], params["layers"]):
+  got = jax.device_get(lora.trainable(t.state["params"]))  # the train layout: adapters stacked
+  for mine, theirs in zip(model.unstack_layers(got["layers"]), params["layers"]):
     for tg in ("q", "v"):
       np.testing.assert_array_equal(mine[tg]["B"], np.asarray(theirs[lora.KEY][tg]["B"]))
   assert t.base.path == str(tmp_path / "base")
