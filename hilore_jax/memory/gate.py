@@ -7,7 +7,10 @@ switches exposure buckets on only where calibration measures all three (threshol
   spread     median over units of the within-unit p90 / p10 of the measured error   >= gate.spread_min (2x)
   unclipped  share of calibration minibatches with ||g|| < c (the clip)              >= gate.unclipped_min (30%)
   loo_rho    median over units of the leave-one-out within-unit Spearman rho of the
-             predictor's score against the measured error                           >= gate.rho_min (0.4)"""
+             predictor's score against the measured error                           >= gate.rho_min (0.4)
+and, where the caller knows it, that the risk budget binds: the fastest plan memory allows is over the tolerance on
+most calibration minibatches (issue 47). Where memory alone binds, every risk score gives the same plan, so exposure
+cannot change a decision however well it ranks."""
 
 from __future__ import annotations
 
@@ -69,16 +72,21 @@ def loo_within_unit_rho(raw_KU: np.ndarray, err_KU: np.ndarray) -> float:
   return float(np.nanmedian(rho)) if np.isfinite(rho).any() else float("nan")
 
 
-def decide(spread: float, unclipped: float, loo_rho: float, gc: GateConfig, buckets: int = 2) -> dict:
+def decide(spread: float, unclipped: float, loo_rho: float, gc: GateConfig, buckets: int = 2,
+           risk_binds: bool | None = None) -> dict:
   """The gate's record: its inputs, thresholds, each test, what they decide (`measured_on`) and whether exposure
-  buckets run (`on`): mode always / never forces it (the benchmark's arms); buckets <= 1 keeps exposure off."""
+  buckets run (`on`): mode always / never forces it (the benchmark's arms); buckets <= 1 keeps exposure off.
+  risk_binds: whether the risk budget binds (None: not measured, no such test)."""
   passed = {"spread": bool(spread >= gc.spread_min), "unclipped": bool(unclipped >= gc.unclipped_min),
             "loo_rho": bool(loo_rho >= gc.rho_min)}
+  if risk_binds is not None:
+    passed["risk_binds"] = bool(risk_binds)
   measured = all(passed.values()) and buckets > 1
   on = {"auto": measured, "always": True, "never": False}[gc.mode] and buckets > 1
   return {"spread": float(spread), "unclipped_share": float(unclipped), "loo_rho": float(loo_rho),
           "spread_min": gc.spread_min, "unclipped_min": gc.unclipped_min, "rho_min": gc.rho_min, "mode": gc.mode,
-          "passed": passed, "measured_on": bool(measured), "on": bool(on)}
+          "risk_binds": risk_binds if risk_binds is None else bool(risk_binds), "passed": passed,
+          "measured_on": bool(measured), "on": bool(on)}
 
 
 def gate_metrics(record: dict) -> dict[str, float]:
@@ -90,8 +98,8 @@ def gate_metrics(record: dict) -> dict[str, float]:
 
 
 def evaluate(err_KU: np.ndarray, raw_KU: np.ndarray, grad_norms: Sequence[float], max_grad_norm: float,
-             gc: GateConfig, buckets: int = 2) -> dict:
+             gc: GateConfig, buckets: int = 2, risk_binds: bool | None = None) -> dict:
   """The gate's record from calibration's arrays: measured unit errors [K, U], the predictor's raw scores [K, U]
-  (without susceptibility) and each minibatch's ||g||."""
+  (without susceptibility) and each minibatch's ||g||; risk_binds as decide takes it."""
   return decide(within_unit_spread(err_KU), unclipped_share(grad_norms, max_grad_norm),
-                loo_within_unit_rho(raw_KU, err_KU), gc, buckets)
+                loo_within_unit_rho(raw_KU, err_KU), gc, buckets, risk_binds)
