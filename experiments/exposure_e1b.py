@@ -34,7 +34,8 @@ from hilore_jax import model
 from hilore_jax.errors import ConfigError
 from hilore_jax.memory import MemoryManager, calibration, gate, predictors, probe, risk
 
-ARMS = ("hilore_exposure_off", "static_clip", "hilore_exposure_on", "oracle")
+ARMS = ("hilore_exposure_off", "static_clip", "hilore_exposure_on", "oracle_bucketed", "oracle")
+STATIC_DELTA = ("hilore_exposure_off", "static_clip", "oracle")  # arms whose risks are errors: static's delta
 BIG = 1 << 50  # bytes: an allowance no plan reaches (does memory bind a plan?)
 
 
@@ -164,8 +165,8 @@ def compare(s: exposure_study.Study, h: exposure_study.HeldOut, b: dict, arrays:
   static_mm, cals, sw = b["static_mm"], b["cals"], mc.exposure
   err_MU = np.asarray(h.err_by[metric], float)
   buckets = {}
-  for arm in ("hilore_exposure_on", "oracle"):
-    make = probe.oracle if arm == "oracle" else MemoryManager
+  for arm in ("hilore_exposure_on", "oracle_bucketed"):
+    make = probe.oracle if arm == "oracle_bucketed" else MemoryManager
     mm = make(dataclasses.replace(b["mc_tol"], gate=exposure_study.ALWAYS), hooks)
     probe.use_forward_errors(mm)
     mm.setup(s.cal[0].params, [r.batch for r in s.cal], 0, calibration_state=cals["always"])
@@ -173,11 +174,21 @@ def compare(s: exposure_study.Study, h: exposure_study.HeldOut, b: dict, arrays:
     mm.defer_fits = True  # a new bucket takes the shared allowance (below), never a fit of its own
     ids = []
     for i, r in enumerate(held):
-      if arm == "oracle":
+      if arm == "oracle_bucketed":
         probe.give_errors(mm, err_MU[i])
       ids.append(mm.allocate([r.batch], [r.logp], [h.token_err[i]])[0].bucket)
       _assume_fitted(mm, ids[-1], allowance)
     buckets[arm] = (mm, ids)
+  # the oracle: each minibatch planned from its own measured unit errors, no buckets (whose sqrt(2) grid floors a
+  # unit at a quarter of its calibration level: the most any predictor could know); oracle_bucketed is E1's oracle
+  exact = []
+  for i, r in enumerate(held):
+    mm = MemoryManager(dataclasses.replace(b["mc_tol"], buckets=1), hooks)
+    mm.setup(s.cal[0].params, [q.batch for q in s.cal], 0,
+             calibration_state=dataclasses.replace(cals["never"], static_risk=err_MU[i].tolist()))
+    _assume_fitted(mm, 0, allowance)
+    mm.allocate([r.batch])  # its shape known: plans at any delta without a compile
+    exact.append(mm)
   on_mm = buckets["hilore_exposure_on"][0]
   logp = [r.logp for r in held]
   g_hat = cals["always"].grad_scale * probe.l1(on_mm, [r.batch for r in held], sw, logp)
@@ -186,6 +197,7 @@ def compare(s: exposure_study.Study, h: exposure_study.HeldOut, b: dict, arrays:
   # row scaled), exactly; f_i = 0 (no updated token) lets every unit be L
   plan_of = {"hilore_exposure_off": lambda i, d, a: static_mm.plan_at(0, d, a),
              "static_clip": lambda i, d, a: static_mm.plan_at(0, d / f[i] if f[i] > 0 else float("inf"), a),
+             "oracle": lambda i, d, a: exact[i].plan_at(0, d, a),
              **{arm: (lambda i, d, a, mm=mm, ids=ids: mm.plan_at(ids[i], d, a)) for arm, (mm, ids) in buckets.items()}}
   L = hooks.model_cfg.num_hidden_layers
   flops = PlanFlops(hooks.gradient, L, held[0].params, held[0].batch)
@@ -221,7 +233,7 @@ def compare(s: exposure_study.Study, h: exposure_study.HeldOut, b: dict, arrays:
     progress(f"E1b: sweeping {arm} from {e.sweep_start:g} x delta {delta0:.3g}, doubling")
     sweeps[arm], status[arm] = crit.sweep_until(lambda d, a=arm: point_at(a, d), delta0, e)
     reads[arm] = crit.read(sweeps[arm], e.violation_target)
-    d_cal = cals["never" if arm in ("hilore_exposure_off", "static_clip") else "always"].delta
+    d_cal = cals["never" if arm in STATIC_DELTA else "always"].delta
     at_cal[arm] = {k: v for k, v in point_at(arm, d_cal).items() if k not in ("per_minibatch", "_lsets")}
     at_cal[arm]["active"] = active_at(arm, d_cal)
   for arm in ARMS:  # the active constraints where each arm crossed
@@ -236,8 +248,8 @@ def compare(s: exposure_study.Study, h: exposure_study.HeldOut, b: dict, arrays:
   clusters = [f"{r.step}:{r.index}" for r in held]
   prim = crit.primary(sweeps, ceiling, floor, clusters, tol, e, s.be.bootstrap)
   sec = crit.secondary(sweeps, at_cal, clusters, tol, e, s.be.bootstrap)
-  on_share = crit.secondary(sweeps | {"static_clip": sweeps["hilore_exposure_on"]},
-                            at_cal | {"static_clip": at_cal["hilore_exposure_on"]}, clusters, tol, e, s.be.bootstrap)
+  shares = {a: crit.secondary(sweeps | {"static_clip": sweeps[a]}, at_cal | {"static_clip": at_cal[a]}, clusters,
+                              tol, e, s.be.bootstrap) for a in ("hilore_exposure_on", "oracle_bucketed")}
   scores = {"run-time score": on_mm.unit_scores([r.batch for r in held], logp, h.token_err),
             "baseline: static per unit": np.tile(arrays["static_p90"], (M, 1)),
             "static_clip": risk.static_clip(arrays["static_p90"], g_hat, hooks.max_grad_norm)}
@@ -256,7 +268,7 @@ def compare(s: exposure_study.Study, h: exposure_study.HeldOut, b: dict, arrays:
   return {"held_out": {"minibatches": M, "clusters": len(set(clusters)), "rollouts": sorted({r.step for r in held}),
                        "zero_gradient_skipped": h.skipped},
           "reference": {"ceiling_removed_pct": ceiling, "optimal_hr_removed_pct": floor},
-          "arms": arms, "sweeps": sweeps, "primary": prim, "secondary": sec, "exposure_on_share": on_share,
+          "arms": arms, "sweeps": sweeps, "primary": prim, "secondary": sec, "shares_reported": shares,
           "g_hat_vs_grad_norm_rho": gate.spearman(g_hat, [r.grad_norm for r in h.refs]), "P4": p4}
 
 

@@ -182,15 +182,17 @@ def markdown(s: dict) -> str:
       out.append(f"| {a} | {r['sweep_status']} ({r['points']} points) | {f(t['delta'])} | "
                  f"{f(t['recompute_removed_pct'])}% | {f(t['frac_L'])} | {act} | {f(c['violation_rate'])}, "
                  f"{f(c['recompute_removed_pct'])}%, {f(c['frac_L'])} |")
-    p, q, o = s["primary"], s["secondary"], s["exposure_on_share"]
+    p, q = s["primary"], s["secondary"]
     ci = lambda c: f"{f(c['value'])} [{f(c['ci_low'])}, {f(c['ci_high'])}]"
     out += ["", "| criterion | value [95% CI] | target | verdict |", "|---|---|---|---|",
             f"| primary: (oracle - static) / (ceiling - optimal_hr) | {ci(p)} | >= {f(p['target'])}, CI low > 0 | "
             f"{verdict(p)} |",
             f"| secondary: static_clip's share of oracle - static | {ci(q)} | >= {f(q['target'])}, violations at "
             f"the calibrated delta {f(100 * q['violation_points_over_static'])} points over static's (<= "
-            f"{f(100 * q['violation_points_max'])}) | {verdict(q)} |",
-            f"| (reported) exposure on's share of oracle - static | {ci(o)} | | |"]
+            f"{f(100 * q['violation_points_max'])}) | {verdict(q)} |"]
+    out += [f"| (reported) {a}'s share of oracle - static | {ci(o)} | violations at the calibrated delta "
+            f"{f(100 * o['violation_points_over_static'])} points over static's | |"
+            for a, o in s.get("shares_reported", {}).items()]
   g = cal["gate"]
   out += ["", f"Gate on the calibration rollout: spread {f(g['spread'])}, unclipped share {f(g['unclipped_share'])}, "
               f"leave-one-out rho {f(g['loo_rho'])}, risk binds {g.get('risk_binds')}: "

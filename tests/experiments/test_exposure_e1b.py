@@ -126,7 +126,7 @@ def test_the_markdown_carries_the_regime_and_the_verdicts(tmp_path):
        "reference": {"ceiling_removed_pct": 50.0, "optimal_hr_removed_pct": 10.0},
        "arms": {a: {"at_target": {**crit.read(sweeps[a], 0.1), "active_around": [{"memory": 3, "risk": 9}]},
                     "sweep_status": "crossed", "points": 5, "at_calibrated_delta": at_cal[a]} for a in sweeps},
-       "primary": prim, "secondary": sec, "exposure_on_share": sec,
+       "primary": prim, "secondary": sec, "shares_reported": {"hilore_exposure_on": sec},
        "calibration": {"gate": {"spread": 2.5, "unclipped_share": 0.5, "loo_rho": 0.1, "risk_binds": True,
                                 "measured_on": False}},
        "decision": crit.decision(regime, prim, sec)}
