@@ -213,6 +213,7 @@ def compare(s: exposure_study.Study, h: exposure_study.HeldOut, b: dict, arrays:
     free = [plan_of[arm](i, float("inf"), allowance)[1] for i in range(M)]
     return {"delta": float(d), "violation_rate": float(np.mean(np.asarray(err) > tol)), "err_mean": float(np.mean(err)),
             "recompute_removed_pct": float(np.mean(rem)), "frac_L": float(np.mean(frac_l)),
+            "l_units": float(np.mean([len(ls) for ls in lsets])),
             "predicted_removed_pct": 100 * (gc_s - float(np.mean([p.time_s for p, _ in plans]))) / max(gc_s, 1e-12),
             "saturated": all(pols == fr for (_, pols), fr in zip(plans, free)),
             "per_minibatch": {"err": err, "removed_pct": rem, "frac_L": frac_l}, "_lsets": lsets}
