@@ -114,6 +114,12 @@ def budget(s: exposure_study.Study, progress=print) -> dict:
   gate_rec = gate.evaluate(m.err, raw_KU, norms, c, dataclasses.replace(mc.gate, mode="auto"), mc.buckets,
                            binds["binds"])
   g_hat = cals["never"].grad_scale * probe.l1(mm, m.batches, sw, logp)
+  # the same predictor under the other token-norm coherence, its grad_scale refitted: whether the calibration's
+  # ranking (the gate's leave-one-out rho) follows the normaliser rather than the errors (a diagnosis, no arm)
+  other = dataclasses.replace(sw, coherence="incoherent" if sw.coherence == "coherent" else "coherent")
+  cal_other = mm.fit_calibration(m, other)
+  raw_other = probe.scores(mm, m.batches, inputs._replace(grad_scale=cal_other.grad_scale), other, logp,
+                           m.token_err)
   regime = {"memory_binds": bool(none_peak > st.budget_bytes), "none_over_gc": none_peak / st.gc_bytes,
             "budget_bytes": st.budget_bytes, "gc_bytes": st.gc_bytes, "allowance_bytes": allowance,
             "plan_fits_budget": fits, "tolerance": tol, "tolerance_rule": f"{e.tolerance_share} x median",
@@ -123,26 +129,14 @@ def budget(s: exposure_study.Study, progress=print) -> dict:
   calib = {"delta_static": cals["never"].delta, "delta_exposure": cals["always"].delta,
            "coherence": cals["never"].coherence, "grad_scale": cals["never"].grad_scale, "gate": gate_rec,
            "grad_norms": norms, "g_hat": g_hat.tolist(),
-           "loo": {"loo_rho_U": _loo_per_unit(raw_KU, m.err), "within_rho_U":
-                   predictors.within_unit_spearman(raw_KU, m.err).tolist()}}
+           "ranking": {sw.coherence: crit.ranking(raw_KU, m.err), other.coherence: crit.ranking(raw_other, m.err)}}
   arrays = {"units": np.array([f"{layer}:{k}" for layer, k in s.units]), "cal_err": m.err, "cal_raw": raw_KU,
-            "cal_grad_norm": np.asarray(norms), "cal_g_hat": g_hat, "static_p90": np.asarray(cals["never"].static_risk),
+            "cal_grad_norm": np.asarray(norms), "cal_g_hat": g_hat,
+            f"cal_raw_{other.coherence}": raw_other, "static_p90": np.asarray(cals["never"].static_risk),
             "aggressive_lset": _mask([lset], len(s.units))[0], "tolerance": np.float64(tol)}
   return {"regime": regime, "calibration": calib, "arrays": arrays, "static_mm": static_mm, "cals": cals,
-          "allowance": allowance, "aggressive": aggressive.policies, "mc_tol": mc_tol}
-
-
-def _loo_per_unit(raw_KU, err_KU) -> list:
-  """[U] the gate's leave-one-out within-unit rho, unit by unit (its median is the gate's input)."""
-  raw_KU, err_KU = np.asarray(raw_KU, float), np.asarray(err_KU, float)
-  K = len(err_KU)
-  if K < 3:
-    return [float("nan")] * err_KU.shape[1]
-  from hilore_jax.memory.riskfit import fit_susceptibility
-
-  pred = np.stack([raw_KU[k] * fit_susceptibility(np.delete(raw_KU, k, 0), np.delete(err_KU, k, 0))
-                   for k in range(K)])
-  return [gate.spearman(pred[:, u], err_KU[:, u]) for u in range(err_KU.shape[1])]
+          "allowance": allowance, "aggressive": aggressive.policies, "mc_tol": mc_tol,
+          "other": (other, cal_other)}
 
 
 def _mask(lsets, U: int) -> np.ndarray:
@@ -254,11 +248,19 @@ def compare(s: exposure_study.Study, h: exposure_study.HeldOut, b: dict, arrays:
   scores = {"run-time score": on_mm.unit_scores([r.batch for r in held], logp, h.token_err),
             "baseline: static per unit": np.tile(arrays["static_p90"], (M, 1)),
             "static_clip": risk.static_clip(arrays["static_p90"], g_hat, hooks.max_grad_norm)}
+  m, (other, cal_other) = s.measured, b["other"]
+  inputs = predictors.ScoreInputs(m.prompt_profile, m.profile, np.ones(U), cals["always"].grad_scale)
+  batches = [r.batch for r in held]
+  raw_held = {sw.coherence: probe.scores(on_mm, batches, inputs, sw, logp, h.token_err),
+              other.coherence: probe.scores(on_mm, batches, inputs._replace(grad_scale=cal_other.grad_scale), other,
+                                            logp, h.token_err)}
+  ranking_held = {k: {key: v for key, v in crit.ranking(r, err_MU).items() if key != "loo_rho_U"}
+                  for k, r in raw_held.items()}
   p4 = exposure_e1.p4_paper(scores, err_MU, clusters, s.be.criteria, s.be.bootstrap, "run-time score")
   arrays.update(err_clipped=h.err_by.get("clipped", err_MU), err_relative=h.err_by["relative"],
                 grad_norm=np.asarray([r.grad_norm for r in h.refs]), g_hat=g_hat, clusters=np.array(clusters),
                 rollouts=np.array([r.step for r in held]), passes=np.array([r.pass_ for r in held]),
-                score_runtime=scores["run-time score"],
+                score_runtime=scores["run-time score"], **{f"raw_{k}": r for k, r in raw_held.items()},
                 **{f"bucket_{a}": np.array(ids) for a, (_, ids) in buckets.items()},
                 **{f"{a}_delta": np.array([p["delta"] for p in sweeps[a]]) for a in ARMS},
                 **{f"{a}_lsets": np.stack([_mask(p.pop("_lsets"), U) for p in sweeps[a]]) for a in ARMS},
@@ -270,7 +272,8 @@ def compare(s: exposure_study.Study, h: exposure_study.HeldOut, b: dict, arrays:
                        "zero_gradient_skipped": h.skipped},
           "reference": {"ceiling_removed_pct": ceiling, "optimal_hr_removed_pct": floor},
           "arms": arms, "sweeps": sweeps, "primary": prim, "secondary": sec, "shares_reported": shares,
-          "g_hat_vs_grad_norm_rho": gate.spearman(g_hat, [r.grad_norm for r in h.refs]), "P4": p4}
+          "g_hat_vs_grad_norm_rho": gate.spearman(g_hat, [r.grad_norm for r in h.refs]), "P4": p4,
+          "ranking_held_out": ranking_held}
 
 
 def write(s: exposure_study.Study, out: dict, arrays: dict) -> dict:

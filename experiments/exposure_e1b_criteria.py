@@ -153,6 +153,30 @@ def decision(regime: dict, prim: dict | None, sec: dict | None) -> dict:
           "default": "unchanged: static calibrated risk, exposure behind its gate"}
 
 
+def ranking(raw_KU, err_KU) -> dict:
+  """How a score ranks a unit's error across minibatches (the gate's leave-one-out rho, issue 47's question why it
+  was exactly 0.0 on 8 minibatches): the gate's leave-one-out rho and the plain within-unit rho (medians over units),
+  how many distinct values the per-unit rhos take and the share of units at the median (one shared ranking of the
+  minibatches makes them one value), and the rho of the minibatch-level factors (each unit over its own mean,
+  averaged over units) of score and error."""
+  from hilore_jax.memory import gate
+  from hilore_jax.memory.predictors import within_unit_spearman
+  from hilore_jax.memory.riskfit import fit_susceptibility
+
+  raw, err = np.atleast_2d(np.asarray(raw_KU, float)), np.atleast_2d(np.asarray(err_KU, float))
+  K = len(err)
+  pred = np.stack([raw[k] * fit_susceptibility(np.delete(raw, k, 0), np.delete(err, k, 0)) for k in range(K)])
+  loo = np.array([gate.spearman(pred[:, u], err[:, u]) for u in range(err.shape[1])])
+  within = within_unit_spearman(raw, err)
+  live = loo[np.isfinite(loo)]
+  level = lambda x: (x / np.maximum(x.mean(0, keepdims=True), 1e-30)).mean(1)
+  return {"loo_rho": gate.loo_within_unit_rho(raw, err),
+          "within_rho": float(np.nanmedian(within)) if np.isfinite(within).any() else NAN,
+          "distinct_unit_rhos": int(len(np.unique(np.round(live, 9)))),
+          "share_units_at_median": float(np.mean(np.isclose(live, np.median(live)))) if live.size else NAN,
+          "minibatch_level_rho": gate.spearman(level(raw), level(err)), "loo_rho_U": loo.tolist()}
+
+
 def markdown(s: dict) -> str:
   """The E1b summary as the tables docs/exposure.md carries."""
   f = lambda x: "nan" if x is None or not np.isfinite(float(x)) else f"{float(x):.3g}"
