@@ -228,3 +228,31 @@ def test_e1b_stops_before_the_held_out_pass_where_the_risk_budget_does_not_bind(
   assert not out["regime"]["risk"]["binds"] and out["decision"]["verdict"] == crit.UNTESTABLE
   assert "arms" not in out and out["calibration"]["gate"]["risk_binds"] is False
   assert not out["calibration"]["gate"]["measured_on"]
+
+
+@pytest.mark.slow
+def test_static_clips_plan_is_statics_at_delta_over_the_clip_share(tmp_path):
+  # the study plans static_clip as static at delta / f (f = min(1, g_hat / c)); that is the plan of risks static x f
+  # at delta, solved as such
+  import dataclasses
+
+  from experiments import exposure_e1b
+  from hilore_jax.memory import MemoryManager, risk
+
+  s = _study(tmp_path)
+  mc = dataclasses.replace(s.cfg.memory, buckets=1)
+  cal = s.calib_mm.fit_calibration(s.measured, mc.exposure)
+  batches = [r.batch for r in s.cal]
+  static = MemoryManager(mc, s.hooks)
+  static.setup(s.cal[0].params, batches, 0, calibration_state=cal)
+  static.allocate(batches[:1])
+  allowance = static.state.allowance["0"]
+  for f in (0.5, 0.125):
+    scaled = MemoryManager(mc, s.hooks)
+    scaled.setup(s.cal[0].params, batches, 0, calibration_state=dataclasses.replace(
+        cal, static_risk=list(risk.static_clip(cal.static_risk, f, 1.0))))
+    exposure_e1b._assume_fitted(scaled, 0, allowance)
+    scaled.allocate(batches[:1])
+    for d in (0.5 * cal.delta, cal.delta, 4 * cal.delta):
+      assert scaled.plan_at(0, d, allowance)[1] == static.plan_at(0, d / f, allowance)[1]
+  assert static.plan_at(0, 0.25 * cal.delta, allowance)[1] != static.plan_at(0, 4 * cal.delta, allowance)[1]
