@@ -41,7 +41,7 @@ BIG = 1 << 50  # bytes: an allowance no plan reaches (does memory bind a plan?)
 
 def run(cfg, be, out_dir: str, progress=print) -> dict:
   """The whole study; the records' params (on disk) are removed at the end, whatever happens."""
-  s = exposure_study.prepare(cfg, be, out_dir, progress)
+  s = exposure_study.prepare(cfg, be, out_dir, progress, keep_state=False)
   try:
     return study(s, progress)
   finally:
@@ -53,7 +53,6 @@ def study(s: exposure_study.Study, progress=print) -> dict:
   if not (mc.calib_decompose and calibration.additive(s.units, (mc.risk_metric,))):
     raise ConfigError("E1b reads every plan's error from its units' (memory.lowp_kinds: weight-read kinds only, "
                       "memory.calib_decompose: true)")
-  s.trainer.state, s.trainer.ref_params = None, None  # the policy's copies: every record keeps its own on disk
   b = budget(s, progress)
   regime = {**exposure_e1.regime(s.cal, s.be.criteria), **b["regime"]}
   regime["e1_met"] = regime.pop("met")

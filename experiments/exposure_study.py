@@ -163,9 +163,10 @@ class HeldOut:
   skipped: int  # held-out minibatches without a gradient
 
 
-def prepare(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> Study:
+def prepare(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print, keep_state: bool = True) -> Study:
   """Check the settings, collect the rollouts (params spilled under out_dir/records), split them, and calibrate on
-  the calibration minibatches, each at its own params."""
+  the calibration minibatches, each at its own params. keep_state=False drops the trainer's params, optimizer state
+  and reference params once collected (2.2 GB for SmolLM2; every record keeps its own params on disk)."""
   from hilore_jax.loop.trainer import Trainer
 
   if cfg.grpo.num_iterations < 2:
@@ -178,6 +179,8 @@ def prepare(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) 
                                         memory=dataclasses.replace(cfg.memory, policy="none")))
   spill_dir = os.path.join(out_dir, "records")  # removed at the end: a real model's params are GBs per rollout
   records = collect(trainer, be.rollout_steps, progress, be.update_error, spill_dir)
+  if not keep_state:
+    trainer.state, trainer.ref_params = None, None
   cal, held = split(records, be.calib_minibatches)
   cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, calib_batches=len(cal)))  # all of them
   spec = dataclasses.replace(trainer.spec, use_old_logp=True)

@@ -382,6 +382,8 @@ def test_a_calibration_on_spilled_records_keeps_their_params_on_disk(setup, tmp_
     probe.keep_measurements(m)
     bench_exposure.calibrate_on(m, records)
     measured = probe.measurements(m)
+    # weight-read units only: calibration itself keeps no reference's gradient (K of them peaked E1b's smoke)
+    assert all(r.grad is None and r.grad_norm > 0 for r in measured.refs)
     measured.refs = bench_exposure.without_gradients(measured.refs, units)
     assert all(isinstance(c, spill.KeptContext) for c in measured.contexts)
     assert all(r.grad is None and r.params is None for r in measured.refs)
