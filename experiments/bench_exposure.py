@@ -1,12 +1,21 @@
-"""python -m experiments.bench_exposure --config configs/bench_exposure.yaml --out DIR [key=value ...]"""
+"""python -m experiments.bench_exposure --config configs/bench_exposure.yaml --out DIR [key=value ...]
+(with bench_exposure.e1b.json set, issue 47's E1b runs instead: experiments/exposure_e1b.py)"""
 
 from hilore_jax import cli
 
 
 def body(args):
-  from experiments import config, exposure
+  from experiments import config
 
   cfg, be = config.load(args.config, args.overrides, "bench_exposure")
+  if be.e1b.json:
+    from experiments import exposure_e1b
+
+    exposure_e1b.run(cfg, be, args.out, progress=cli.progress)
+    cli.print_files(args.out, "e1b.md")
+    return
+  from experiments import exposure
+
   exposure.run(cfg, be, args.out, progress=cli.progress)
   cli.print_files(args.out, "exposure.md")
 

@@ -76,6 +76,37 @@ class E1Criteria:
 
 
 @dataclasses.dataclass(frozen=True)
+class E1bSettings:
+  """Issue 47's experiment E1b (bench_exposure.e1b.*; experiments/exposure_e1b.py): exposure decided where the risk
+  budget binds. Pre-registered in configs/exposure_e1b_smollm2.yaml and docs/exposure.md before it runs."""
+
+  json: str = ""  # where the summary is written (e.g. docs/data/exposure_e1b.json); "": the bench runs, not E1b
+  # the tolerance rule: this share of the calibration-median error of the most aggressive plan memory allows
+  tolerance_share: float = 0.5
+  # the risk budget binds: that plan's error is over the tolerance on at least this share of calibration minibatches
+  binds_share: float = 0.75
+  violation_target: float = 0.10  # every arm is read where its sweep first crosses this violation rate
+  # the sweep: delta from sweep_start x the static arm's calibrated delta (halved while already over the target),
+  # doubled until the arm crosses the target or its plans are memory's alone (never crossing: undefined), at most
+  # max_doublings times; then `refine` bisections (in log delta) of the octave where it crossed
+  sweep_start: float = 0.0625
+  max_doublings: int = 40
+  refine: int = 3
+  primary_share: float = 0.15  # (oracle - static) / (ceiling - optimal_hr) at the target, cluster CI low > 0
+  secondary_share: float = 0.5  # static_clip recovers this share of oracle - static
+  # ... while its violation rate at the calibrated delta is at most this much above static's there
+  secondary_violation_points: float = 0.05
+
+  def __post_init__(self):
+    for k in ("tolerance_share", "binds_share", "violation_target", "primary_share", "secondary_share"):
+      check_range(f"bench_exposure.e1b.{k}", getattr(self, k), 0.0, 1.0, low_open=True)
+    check_range("bench_exposure.e1b.sweep_start", self.sweep_start, 0.0, low_open=True)
+    check_positive("bench_exposure.e1b.max_doublings", self.max_doublings)
+    check_positive("bench_exposure.e1b.refine", self.refine, allow_zero=True)
+    check_range("bench_exposure.e1b.secondary_violation_points", self.secondary_violation_points, 0.0, 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
 class ExposureBenchConfig:
   """`python -m experiments.bench_exposure`: run-time exposure on real rollout minibatches (experiments/exposure.py)."""
 
@@ -96,6 +127,7 @@ class ExposureBenchConfig:
   recalibrate_rollout: int = 0
   criteria: E1Criteria = E1Criteria()
   e1_json: str = ""
+  e1b: E1bSettings = E1bSettings()  # issue 47's E1b: runs instead of the bench's arms where e1b.json is set
 
   def __post_init__(self):
     for k in ("rollout_steps", "calib_minibatches", "reps", "bootstrap"):

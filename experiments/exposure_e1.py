@@ -25,8 +25,9 @@ NAN = float("nan")
 
 
 def cluster_bootstrap(stat: Callable[[np.ndarray], float], clusters: Sequence, n_boot: int, seed: int = 0) -> dict:
-  """{value, ci_low, ci_high, n_eff}: stat of every minibatch (an index array), and its 95% interval over n_boot
-  resamples of whole clusters (clusters[i]: minibatch i's row set)."""
+  """{value, ci_low, ci_high, n_eff, undefined_resample_share}: stat of every minibatch (an index array), and its
+  95% interval over n_boot resamples of whole clusters (clusters[i]: minibatch i's row set) where stat is defined
+  (finite), with the share of resamples where it is not."""
   ids = np.asarray([str(c) for c in clusters])
   groups = [np.flatnonzero(ids == u) for u in dict.fromkeys(ids)]
   value = float(stat(np.arange(len(ids))))
@@ -36,11 +37,18 @@ def cluster_bootstrap(stat: Callable[[np.ndarray], float], clusters: Sequence, n
     if np.isfinite(b):
       boots.append(b)
   lo, hi = np.quantile(boots, [0.025, 0.975]) if boots else (NAN, NAN)
-  return {"value": value, "ci_low": float(lo), "ci_high": float(hi), "n_eff": len(groups)}
+  return {"value": value, "ci_low": float(lo), "ci_high": float(hi), "n_eff": len(groups),
+          "undefined_resample_share": 1 - len(boots) / n_boot if n_boot else NAN}
 
 
-def _criterion(est: dict, target: float, met: bool, **extra) -> dict:
-  return {**est, "target": target, "met": bool(met), **extra}
+def _criterion(est: dict, target: float, met: bool | None, **extra) -> dict:
+  """met None: undefined (a figure the run could not define, e.g. no arm crossed the violation target), which is
+  neither met nor missed."""
+  return {**est, "target": target, "met": None if met is None else bool(met), **extra}
+
+
+def _defined(x) -> bool:
+  return x is not None and bool(np.isfinite(x))
 
 
 def p1_variation(err_by: dict[str, np.ndarray], clusters, rollouts, chosen: str, c: E1Criteria, n_boot: int) -> dict:
@@ -67,7 +75,7 @@ def p1_variation(err_by: dict[str, np.ndarray], clusters, rollouts, chosen: str,
 
 def _removed_at(points: list[dict], idx, tol: float, target: float) -> float:
   """Recompute removed at the violation target of an arm's sweep, over the minibatches idx (per-minibatch errors and
-  removals: each point's per_minibatch)."""
+  removals: each point's per_minibatch); nan where the sweep never crosses the target (at_violation)."""
   pts = [{"delta": p["delta"], "violation_rate": float(np.mean(np.asarray(p["per_minibatch"]["err"])[idx] > tol)),
           "recompute_removed_pct": float(np.mean(np.asarray(p["per_minibatch"]["removed_pct"])[idx])),
           "predicted_removed_pct": 0.0} for p in points]
@@ -87,14 +95,21 @@ def p2_headroom(sweeps: dict[str, list], clusters, tol: float, target: float, c:
           else NAN
     return stat
 
+  def verdict(est, target):  # undefined where either arm never crossed the target
+    return est["value"] >= target if _defined(est["value"]) else None
+
   est = cluster_bootstrap(gap("hilore_exposure_off"), clusters, n_boot)
-  out = _criterion(est, c.p2_static_points, est["value"] >= c.p2_static_points, violation_target=target)
+  out = _criterion(est, c.p2_static_points, verdict(est, c.p2_static_points), violation_target=target)
   if "hilore_periodic_static" in sweeps:
     per = cluster_bootstrap(gap("hilore_periodic_static"), clusters, n_boot)
-    out["periodic"] = _criterion(per, c.p2_periodic_points, per["value"] >= c.p2_periodic_points)
+    out["periodic"] = _criterion(per, c.p2_periodic_points, verdict(per, c.p2_periodic_points))
   else:
-    out["periodic"] = {"value": NAN, "target": c.p2_periodic_points, "met": None, "note": "arm not run"}
-  out["met"] = bool(out["met"] and out["periodic"]["met"] is not False)
+    out["periodic"] = {"value": NAN, "target": c.p2_periodic_points, "met": None,
+                       "note": "not run: no periodic-static arm"}
+  if out["met"] is not None:
+    out["met"] = bool(out["met"] and out["periodic"]["met"] is not False)
+  if out["met"] is None:
+    out["note"] = f"undefined: an arm's sweep never crossed {target:.0%} violations"
   return out
 
 
@@ -110,9 +125,14 @@ def p3_prediction(score_MU, err_MU, sweeps, clusters, tol: float, target: float,
     at = {a: _removed_at(sweeps[a], idx, tol, target) for a in ("oracle", "hilore_exposure_on", "hilore_exposure_off")}
     room = at["oracle"] - at["hilore_exposure_off"]
     share = (at["hilore_exposure_on"] - at["hilore_exposure_off"]) / room if room > 0 else NAN
-  met = est["value"] >= c.p3_rho and est["ci_low"] >= c.p3_rho_ci_low and share >= c.p3_headroom_share
+  ranks = est["value"] >= c.p3_rho and est["ci_low"] >= c.p3_rho_ci_low
+  # an undefined headroom share (no arm crossed, or the oracle gains nothing over static) leaves P3 undefined where
+  # its ranking parts pass: nan >= 0.5 is False, which read a share nobody could measure as a missed one
+  met = (ranks and share >= c.p3_headroom_share) if _defined(share) or not ranks else None
   return _criterion(est, c.p3_rho, met, ci_low_target=c.p3_rho_ci_low, headroom_share=share,
-                    headroom_share_target=c.p3_headroom_share)
+                    headroom_share_target=c.p3_headroom_share,
+                    **({} if _defined(share) else {"note": "headroom share undefined: the oracle's headroom over "
+                                                           "static is not positive or not defined"}))
 
 
 def p4_paper(scores: dict[str, np.ndarray], err_MU, clusters, c: E1Criteria, n_boot: int, main: str) -> dict:

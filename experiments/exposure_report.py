@@ -220,7 +220,7 @@ def e1_markdown(s: dict) -> str:
   """Issue 36's E1 summary (exposure_e1.summary) as the tables docs/exposure.md carries: the regime check, P1-P4
   each with its 95% cluster-bootstrap interval, target and verdict, P4's table beside the paper's, the gate."""
   f = lambda x: "nan" if x is None or not np.isfinite(float(x)) else f"{float(x):.3g}"
-  verdict = lambda m: {True: "met", False: "MISSED", None: "not run"}[m]
+  verdict = lambda m, c=None: {True: "met", False: "MISSED", None: (c or {}).get("note", "not run").split(":")[0]}[m]
   ci = lambda c: f"{f(c['value'])} [{f(c['ci_low'])}, {f(c['ci_high'])}]" if "ci_low" in c else c.get("note", "n/a")
   rg = s.get("regime") or {}
   out = [f"Config `{s['config']}`; {s['held_out']['minibatches']} held-out minibatches in "
@@ -235,13 +235,13 @@ def e1_markdown(s: dict) -> str:
     out.append(f"| P1, {m}: within / between rollouts | {f(v['value'])}: {f(v['within_rollouts'])} / "
                f"{f(v['between_rollouts'])} | | |")
   out.append(f"| P2 headroom, oracle - static (points of recompute removed) | {ci(p2)} | >= {f(p2.get('target'))} | "
-             f"{verdict(p2.get('met'))} |")
+             f"{verdict(p2.get('met'), p2)} |")
   if "periodic" in p2:
     out.append(f"| P2, oracle - periodic static | {ci(p2['periodic'])} | >= {f(p2['periodic'].get('target'))} | "
-               f"{verdict(p2['periodic'].get('met'))} |")
+               f"{verdict(p2['periodic'].get('met'), p2['periodic'])} |")
   out.append(f"| P3 prediction, within-unit rho | {ci(p3)} | >= {f(p3.get('target'))}, CI low >= "
              f"{f(p3.get('ci_low_target'))}, headroom share {f(p3.get('headroom_share'))} >= "
-             f"{f(p3.get('headroom_share_target'))} | {verdict(p3.get('met'))} |")
+             f"{f(p3.get('headroom_share_target'))} | {verdict(p3.get('met'), p3)} |")
   out.append(f"| P4 cross-unit rho of the {p4.get('score')} | {ci(p4)} | paper {f(p4.get('target'))} | "
              f"{verdict(p4.get('met'))} |")
   paper = p4.get("paper", {})

@@ -70,8 +70,9 @@ def sweep_arm(plan_at: Callable, buckets: Sequence[int], factors: Sequence[float
 
 def at_violation(points: Sequence[dict], target: float = 0.05) -> dict:
   """An arm read at a violation rate: along increasing delta, linear interpolation between the last point at or
-  under the target and the first over it (the first crossing); if no point crosses, the last point under it
-  (interpolated False: the sweep did not reach the target), or the first point if every one is over."""
+  under the target and the first over it (the first crossing). An arm whose sweep never crosses is undefined there
+  (its figures nan, interpolated False), never read at its last point: that point is where memory stopped adding L,
+  not where the risk budget did, and every arm's last point is the same plan (issue 47)."""
   pts = sorted(points, key=lambda p: p["delta"])
   keys = ("delta", "recompute_removed_pct", "predicted_removed_pct")
   for a, b in zip(pts, pts[1:]):
@@ -79,7 +80,5 @@ def at_violation(points: Sequence[dict], target: float = 0.05) -> dict:
       t = (target - a["violation_rate"]) / (b["violation_rate"] - a["violation_rate"])
       return {"violation_target": target, **{k: a[k] + t * (b[k] - a[k]) for k in keys}, "violation_rate": target,
               "interpolated": True}
-  under = [p for p in pts if p["violation_rate"] <= target]
-  p = under[-1] if under else pts[0]
-  return {"violation_target": target, **{k: p[k] for k in keys}, "violation_rate": p["violation_rate"],
+  return {"violation_target": target, **{k: float("nan") for k in keys}, "violation_rate": float("nan"),
           "interpolated": False}

@@ -101,6 +101,11 @@ def rows_factor(hooks: StepHooks, ctx: UpdateContext, full, sub, ref: risk.Refer
   return float(np.sqrt(b / B) * denom(ref.grad_norm) / max(denom(g_B), 1e-30))
 
 
+def _norm_only(ref: risk.Reference) -> risk.Reference:
+  """An instrumented reference without its gradient (its unit errors and norm are all a calibration reads)."""
+  return dataclasses.replace(ref, grad=None) if ref.weight_errors is not None and ref.metric != "update" else ref
+
+
 def measure(hooks: StepHooks, mc: MemoryConfig, units, batches: Sequence, contexts: Sequence[UpdateContext],
             log=None) -> Measured:
   """Per-unit and random-set errors of memory.risk_metric and the per-position reconstruction profiles, each
@@ -112,7 +117,9 @@ def measure(hooks: StepHooks, mc: MemoryConfig, units, batches: Sequence, contex
   layers = probed_layers(hooks.model_cfg.num_hidden_layers, mc.calib_layers)
   # units all weight-read ones (memory.lowp_kinds): each reference's backward measures them too (no probe at all)
   instrumented = mc.calib_decompose and additive(units, (mc.risk_metric,))
-  refs = [reference(hooks, c, b, mc.risk_metric, mc.lowp_format, mc.group_size, instrumented)
+  # instrumented: every error is read off the backward's own unit errors and nothing after reads the gradient, so
+  # each reference keeps its norm alone as soon as it is made (0.5 GB each for SmolLM2, K of them at once otherwise)
+  refs = [_norm_only(reference(hooks, c, b, mc.risk_metric, mc.lowp_format, mc.group_size, instrumented))
           for c, b in zip(contexts, batches)]
   live = [i for i, r in enumerate(refs) if r.grad_norm > 0]
   if live and len(live) < len(batches):

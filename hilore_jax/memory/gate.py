@@ -8,6 +8,9 @@ switches exposure buckets on only where calibration measures all three (threshol
   unclipped  share of calibration minibatches with ||g|| < c (the clip)              >= gate.unclipped_min (30%)
   loo_rho    median over units of the leave-one-out within-unit Spearman rho of the
              predictor's score against the measured error                           >= gate.rho_min (0.4)
+and, where the caller knows it, that the risk budget binds: the fastest plan memory allows is over the tolerance on
+most calibration minibatches (issue 47). Where memory alone binds, every risk score gives the same plan, so exposure
+cannot change a decision however well it ranks.
 On fewer than gate.min_batches (4) calibration minibatches the gate never decides: a p90 / p10 and a leave-one-out
 rank correlation over one or two samples measure nothing, so it is undecided and exposure stays off."""
 
@@ -72,19 +75,23 @@ def loo_within_unit_rho(raw_KU: np.ndarray, err_KU: np.ndarray) -> float:
 
 
 def decide(spread: float, unclipped: float, loo_rho: float, gc: GateConfig, buckets: int = 2,
-           batches: int | None = None) -> dict:
+           batches: int | None = None, risk_binds: bool | None = None) -> dict:
   """The gate's record: its inputs, thresholds, each test, what they decide (`measured_on`) and whether exposure
   buckets run (`on`): mode always / never forces it (the benchmark's arms); buckets <= 1 keeps exposure off. On
-  fewer than gc.min_batches calibration minibatches (`batches`) it is `undecided`, and auto keeps exposure off."""
+  fewer than gc.min_batches calibration minibatches (`batches`) it is `undecided`, and auto keeps exposure off.
+  risk_binds: whether the risk budget binds (None: not measured, no such test)."""
   passed = {"spread": bool(spread >= gc.spread_min), "unclipped": bool(unclipped >= gc.unclipped_min),
             "loo_rho": bool(loo_rho >= gc.rho_min)}
+  if risk_binds is not None:
+    passed["risk_binds"] = bool(risk_binds)
   undecided = batches is not None and batches < gc.min_batches
   measured = all(passed.values()) and buckets > 1 and not undecided
   on = {"auto": measured, "always": True, "never": False}[gc.mode] and buckets > 1
   return {"spread": float(spread), "unclipped_share": float(unclipped), "loo_rho": float(loo_rho),
           "spread_min": gc.spread_min, "unclipped_min": gc.unclipped_min, "rho_min": gc.rho_min, "mode": gc.mode,
-          "passed": passed, "measured_on": bool(measured), "on": bool(on), "undecided": bool(undecided),
-          "batches": batches, "min_batches": gc.min_batches}
+          "risk_binds": risk_binds if risk_binds is None else bool(risk_binds), "passed": passed,
+          "measured_on": bool(measured), "on": bool(on), "undecided": bool(undecided), "batches": batches,
+          "min_batches": gc.min_batches}
 
 
 def describe(record: dict) -> str:
@@ -109,8 +116,8 @@ def gate_metrics(record: dict) -> dict[str, float]:
 
 
 def evaluate(err_KU: np.ndarray, raw_KU: np.ndarray, grad_norms: Sequence[float], max_grad_norm: float,
-             gc: GateConfig, buckets: int = 2) -> dict:
+             gc: GateConfig, buckets: int = 2, risk_binds: bool | None = None) -> dict:
   """The gate's record from calibration's arrays: measured unit errors [K, U], the predictor's raw scores [K, U]
-  (without susceptibility) and each minibatch's ||g||."""
+  (without susceptibility) and each minibatch's ||g||; risk_binds as decide takes it."""
   return decide(within_unit_spread(err_KU), unclipped_share(grad_norms, max_grad_norm),
-                loo_within_unit_rho(raw_KU, err_KU), gc, buckets, len(np.atleast_2d(err_KU)))
+                loo_within_unit_rho(raw_KU, err_KU), gc, buckets, len(np.atleast_2d(err_KU)), risk_binds)

@@ -54,6 +54,20 @@ def clipped(dg_norm, g_norm, max_grad_norm: float):
   return dg_norm / np.maximum(np.maximum(g_norm, max_grad_norm), TINY)
 
 
+def clip_scale(g_hat, max_grad_norm: float):
+  """min(1, g_hat / c): the share of a unit's relative error its clipped error keeps on a minibatch whose gradient
+  norm is g_hat (||dg|| / max(||g||, c) = relative error x min(1, ||g|| / c)); 1 without a clip."""
+  g = np.maximum(np.asarray(g_hat, float), 0.0)
+  return np.ones_like(g) if not max_grad_norm else np.minimum(1.0, g / max_grad_norm)
+
+
+def static_clip(static_U, g_hat, max_grad_norm: float) -> np.ndarray:
+  """Clip-scaled static risk: each unit's static calibrated risk (its p90 over calibration) times clip_scale of the
+  minibatch's forward-only gradient-norm estimate g_hat (the exposure normaliser's grad_scale x token norm);
+  [U] for a scalar g_hat, [M, U] for g_hat [M]."""
+  return np.multiply.outer(clip_scale(g_hat, max_grad_norm), np.asarray(static_U, float))
+
+
 norm_of = jax.jit(tree_norm)  # one compiled program per tree structure, not one dispatch per leaf
 
 

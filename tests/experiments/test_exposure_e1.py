@@ -39,8 +39,8 @@ def test_cluster_bootstrap_resamples_whole_row_sets():
 def test_summary_by_hand_and_as_json(tmp_path):
   err, rollouts, clusters = _arrays(spread=1.0)
   M = len(err)
-  sweeps = {"oracle": _sweep(30.0, 0.5, M), "hilore_exposure_off": _sweep(20.0, 0.5, M),
-            "hilore_exposure_on": _sweep(26.0, 0.5, M)}
+  sweeps = {"oracle": _sweep(30.0, 0.6, M), "hilore_exposure_off": _sweep(20.0, 0.6, M),
+            "hilore_exposure_on": _sweep(26.0, 0.6, M)}
   arrays = {"err_by": {"clipped": err, "relative": err * 2}, "metric": "clipped", "score_MU": err * 3.0,
             "scores": {"run-time score": err, "static per unit": np.tile(err.mean(0), (M, 1))},
             "clusters": clusters, "rollouts": rollouts, "sweeps": sweeps, "tol": 1.0, "violation_target": 0.05}
@@ -51,11 +51,22 @@ def test_summary_by_hand_and_as_json(tmp_path):
   assert p1["value"] == pytest.approx(np.median(np.quantile(err, 0.9, 0) / np.quantile(err, 0.1, 0)))
   assert p1["per_metric"]["relative"]["value"] == pytest.approx(p1["value"])  # scale-free
   assert p1["n_eff"] == R * S and p1["met"] == (p1["value"] >= 2.5) and p1["target"] == 2.5
-  # every arm's errors stay at or under tol up to delta 2: each is read at its last point (2x its removal)
-  assert out["P2"]["value"] == pytest.approx(2 * 30 - 2 * 20) and out["P2"]["met"]
+  # errors 0.6 d against tol 1 over d in (0, 0.5, 1, 2): 0 violations up to d = 1, all at 2, so each arm crosses
+  # 5% between d = 1 and 2, 1/20 of the way: removal (1 + 0.05) x its rate
+  assert out["P2"]["value"] == pytest.approx(1.05 * 30 - 1.05 * 20) and out["P2"]["met"]
   assert out["P2"]["periodic"]["met"] is None  # the periodic-static arm did not run: not counted as missed
   assert out["P3"]["value"] == pytest.approx(1.0) and out["P3"]["headroom_share"] == pytest.approx(0.6)
   assert out["P3"]["met"]
+  # no arm reaches the target (errors a quarter of tol at most): P2 and P3's share are undefined, neither met nor
+  # missed (E1's "0 points" and "nan >= 0.5: MISSED", issue 47)
+  flat = {a: _sweep(r, 0.125, M) for a, r in (("oracle", 30.0), ("hilore_exposure_off", 20.0),
+                                               ("hilore_exposure_on", 26.0))}
+  undef = exposure_e1.summary("c.yaml", "cmd", {**arrays, "sweeps": flat}, E1Criteria(), gate, n_boot=50)
+  assert undef["P2"]["met"] is None and np.isnan(undef["P2"]["value"]) and "never crossed" in undef["P2"]["note"]
+  assert undef["P3"]["met"] is None and np.isnan(undef["P3"]["headroom_share"])
+  md_undef = exposure_report.e1_markdown(json.loads(json.dumps(undef, default=float))).splitlines()
+  assert next(x for x in md_undef if x.startswith("| P2 headroom")).endswith("| undefined |")
+  assert next(x for x in md_undef if x.startswith("| P3 prediction")).endswith("| headroom share undefined |")
   # a perfect score ranks units perfectly, per minibatch and pooled; the paper's figures beside it
   assert out["P4"]["table"]["run-time score"]["averaged"]["spearman"] == pytest.approx(1.0)
   assert out["P4"]["value"] == pytest.approx(1.0) and out["P4"]["paper"]["auroc"] == 0.89 and out["P4"]["met"]
@@ -68,7 +79,7 @@ def test_summary_by_hand_and_as_json(tmp_path):
   # the tables docs/exposure.md carries, from the same record: each criterion's row with its verdict
   md = exposure_report.e1_markdown(back).splitlines()
   row = lambda start: next(line for line in md if line.startswith(start))
-  assert row("| P2 headroom").endswith("| met |") and f"{2 * 30 - 2 * 20:.3g} [" in row("| P2 headroom")
+  assert row("| P2 headroom").endswith("| met |") and f"{1.05 * 30 - 1.05 * 20:.3g} [" in row("| P2 headroom")
   assert row("| P2, oracle - periodic").endswith("| not run |")
   assert row("| P3 prediction").endswith("| met |") and row("| P4 cross-unit").endswith("| met |")
   assert row("| the paper |") == "| the paper | 0.78 | 0.81 | 0.89 |"

@@ -85,6 +85,19 @@ def test_the_gate_never_decides_on_fewer_minibatches_than_it_needs():
   assert gate.evaluate(err[:3], raw[:3], [0.5] * 3, 1.0, dataclasses.replace(every, min_batches=3))["on"]
 
 
+def test_a_risk_budget_that_does_not_bind_keeps_the_gate_off():
+  # issue 47: where memory alone binds, every risk score gives the same plan, so the gate stays off however well the
+  # predictor ranks; unmeasured (None) it is no test, as before
+  err, raw = _regime(sigma=1.0, rng=np.random.default_rng(0))
+  norms = [0.4, 0.7, 1.3, 0.2, 0.9]
+  assert gate.evaluate(err, raw, norms, 1.0, GateConfig(), risk_binds=True)["on"]
+  off = gate.evaluate(err, raw, norms, 1.0, GateConfig(), risk_binds=False)
+  assert not off["on"] and not off["measured_on"] and off["passed"]["risk_binds"] is False
+  assert off["risk_binds"] is False and off["passed"]["spread"] and off["passed"]["loo_rho"]
+  unknown = gate.evaluate(err, raw, norms, 1.0, GateConfig())
+  assert unknown["on"] and unknown["risk_binds"] is None and "risk_binds" not in unknown["passed"]
+
+
 def test_gate_and_calibration_settings_are_validated():
   for bad in ({"mode": "maybe"}, {"unclipped_min": 1.5}, {"rho_min": 2.0}, {"spread_min": -1.0},
               {"min_batches": 2}):

@@ -22,6 +22,19 @@ def test_relative_and_clipped_by_hand():
     risk.Reference(exact, 5.0, "update")
 
 
+def test_static_clip_scales_each_units_static_risk_by_the_clip_share_by_hand():
+  # the clipped error is the relative one times min(1, ||g|| / c): static_clip applies that to the static risk with
+  # the forward-only estimate g_hat (issue 47)
+  static = np.array([0.02, 0.5, 0.0])
+  np.testing.assert_allclose(risk.static_clip(static, 0.25, 1.0), [0.005, 0.125, 0.0])
+  np.testing.assert_allclose(risk.static_clip(static, 3.0, 1.0), static)  # over the clip: the static risk itself
+  np.testing.assert_allclose(risk.static_clip(static, [0.5, 2.0], 1.0), [static / 2, static])  # [M, U]
+  np.testing.assert_allclose(risk.static_clip(static, 0.1, 0.0), static)  # no clip: nothing divides it away
+  assert risk.clip_scale(-1.0, 1.0) == 0.0  # a norm is never negative
+  # equal to the clipped metric's own ratio where g_hat is the exact ||g||: dg 0.5 under ||g|| 0.25, c 1
+  assert risk.clipped(0.5, 0.25, 1.0) == pytest.approx(risk.relative(0.5, 0.25) * float(risk.clip_scale(0.25, 1.0)))
+
+
 def test_update_error_of_clipped_sgd_and_adam_by_hand():
   params = {"a": jnp.zeros(2)}
   exact, g = {"a": jnp.array([3.0, -4.0])}, {"a": jnp.array([-1.0, -4.0])}
