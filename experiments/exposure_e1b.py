@@ -117,7 +117,7 @@ def budget(s: exposure_study.Study, progress=print) -> dict:
   # ranking (the gate's leave-one-out rho) follows the normaliser rather than the errors (a diagnosis, no arm)
   other = dataclasses.replace(sw, coherence="incoherent" if sw.coherence == "coherent" else "coherent")
   cal_other = mm.fit_calibration(m, other)
-  raw_other = probe.scores(mm, m.batches, inputs._replace(grad_scale=cal_other.grad_scale), other, logp,
+  raw_other = probe.scores(mm, m.batches, predictors.ScoreInputs(*inputs[:3], cal_other.grad_scale), other, logp,
                            m.token_err)
   regime = {"memory_binds": bool(none_peak > st.budget_bytes), "none_over_gc": none_peak / st.gc_bytes,
             "budget_bytes": st.budget_bytes, "gc_bytes": st.gc_bytes, "allowance_bytes": allowance,
@@ -251,8 +251,8 @@ def compare(s: exposure_study.Study, h: exposure_study.HeldOut, b: dict, arrays:
   inputs = predictors.ScoreInputs(m.prompt_profile, m.profile, np.ones(U), cals["always"].grad_scale)
   batches = [r.batch for r in held]
   raw_held = {sw.coherence: probe.scores(on_mm, batches, inputs, sw, logp, h.token_err),
-              other.coherence: probe.scores(on_mm, batches, inputs._replace(grad_scale=cal_other.grad_scale), other,
-                                            logp, h.token_err)}
+              other.coherence: probe.scores(on_mm, batches, predictors.ScoreInputs(*inputs[:3], cal_other.grad_scale),
+                                            other, logp, h.token_err)}
   ranking_held = {k: {key: v for key, v in crit.ranking(r, err_MU).items() if key != "loo_rho_U"}
                   for k, r in raw_held.items()}
   p4 = exposure_e1.p4_paper(scores, err_MU, clusters, s.be.criteria, s.be.bootstrap, "run-time score")
