@@ -216,14 +216,13 @@ def constraint_cost(shape: str, layers: int, completion: int, attention: str, me
   from hilore_jax.capacity import measure as C
   from hilore_jax.capacity import projection
   from hilore_jax.loop import step_hooks
-  from hilore_jax.memory import ManagerState, MemoryManager
-  from hilore_jax.memory import budget as budgets
+  from hilore_jax.memory import ManagerState, MemoryManager, budget_bytes
 
   m, cfg, stepper, spec, batch = _point(shape, layers, completion, attention)
   hooks = step_hooks.memory_hooks(stepper, spec)
   L = spec.model_cfg.num_hidden_layers
   gc_bytes = hooks.compile_peak(model.uniform(L, model.FULL_REMAT), batch)
-  budget = budgets.budget_bytes(gc_bytes, ratio)
+  budget = budget_bytes(gc_bytes, ratio)
   prof = projection.projected_profile(spec.model_cfg, *hooks.batch_shape(batch), m.settings.group_size)
   policy = C.METHODS[method][0]
   cal = C.uncalibrated(L, cfg.memory.grad_err_tolerance) if policy in ("hilore", "hilore_static") else None

@@ -41,9 +41,11 @@ def state_2d_bytes(params, opt_state) -> int:
   (st,) = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, kinds)) if isinstance(s, kinds)]
   treedef = jax.tree_util.tree_structure(params)
   proj = treedef.flatten_up_to(st.proj) if isinstance(st, logra.LograState) else [None] * treedef.num_leaves
+  # a stacked layer axis (the train layout) is a batch of each layer's param, not one of its dims
+  dims = [len(x.shape) - (model.is_stacked(params) and getattr(path[0], "key", None) == "layers")
+          for path, x in jax.tree_util.tree_flatten_with_path(params)[0]]
   return sum(nbytes(m) + nbytes(v) + (0 if p is None else nbytes(p))
-             for x, m, v, p in zip(jax.tree.leaves(params), treedef.flatten_up_to(st.mu), treedef.flatten_up_to(st.nu),
-                                   proj) if len(x.shape) >= 2)
+             for d, m, v, p in zip(dims, treedef.flatten_up_to(st.mu), treedef.flatten_up_to(st.nu), proj) if d >= 2)
 
 
 def _arms(cfg: Config, ranks, hidden: int) -> list[tuple[str, Config]]:

@@ -2,7 +2,7 @@
 
 The bench's plans (GC, No-GC and the partial plans: rebuilt from a bench run's results.json when its rows carry
 their policies, else planned again from the same seed and config) and two controls, GC and No-GC without the layer
-scan (`projection.unrolled`: the same computation, layers unrolled as a partial plan's are). Each plan's train step
+scan (`projection.unrolled`: the same computation, every layer a plain call). Each plan's train step
 (gradient program, then update program) is timed untraced in interleaved rounds, then run `reps` times under
 `jax.profiler.trace` and broken down per op and category (experiments/op_profile.py). Beside the measurements: XLA's
 cost analysis of both programs (loop bodies counted once) and of the plan with its loops unrolled
@@ -149,7 +149,8 @@ def figures(p: Plan, stepper: engine.Stepper, batch, params) -> dict:
   (gf, uf), (gb, ub) = c.program_costs("flops"), c.program_costs("bytes accessed")
   counts, check = projection.counts(stepper, p.spec, batch, params)
   pols = p.spec.policies
-  return {"layer_scan": len(pols) > 1 and len(set(pols)) == 1,
+  # every plan's runs of one policy scan (model/layers.py) unless model.scan_layers is off (the controls)
+  return {"layer_scan": p.spec.model_cfg.scan_layers and len(pols) > 1,
           "xla_flops": {"grad": gf, "update": uf}, "xla_bytes": {"grad": gb, "update": ub},
           "xla_bytes_unrolled": {"grad": counts.grad_bytes, "update": counts.update_bytes},
           "xla_over_matmul_flops_unrolled": check["xla_over_matmul_flops"],

@@ -138,7 +138,7 @@ class Stepper:
     self.kl = kl_control if kl_control is not None and kl_control.target > 0 else None
     self.state_abstract = abstract(state, state_shardings)
     # gradients are shaped like what trains (model.lora.partition: a LoRA model's adapters, else the params)
-    self.grad_shardings = lora.trainable(state_shardings["params"])
+    self.grad_shardings = lora.trainable(state_shardings.get("params"))  # None: a stepper without a state
     self._compiled: dict[tuple, Step] = {}
     # compiled only to read their memory; promoted (not recompiled) if run. Bounded, least recently used out: every
     # XLA:CPU executable holds JIT-mapped code, and a run that probes hundreds of plans (the exposure bench's arms)

@@ -94,10 +94,11 @@ def test_bench_clip_command_writes_the_clipping_table(tmp_path, capsys):
     # clipping needs every gradient at once: one gradient-sized buffer over the unclipped step, no more
     assert r["split_peak"] <= 1.10 * (r["fused_no_clip"] + r["grad_bytes"]), r
   assert rows["gc"]["grad_temp"] < rows["none"]["grad_temp"]
-  # a mixed plan runs as several layer scans, between which XLA:CPU hoists recomputation when clipping shares the
-  # program: the fused clipped step keeps what remat freed (why the step is split)
+  # a mixed plan's runs under one custom VJP (model/layers.py, issue 46): XLA:CPU no longer hoists their
+  # recomputation when clipping shares the program (it did over separate scans, why the step was split), so the
+  # fused clipped step keeps no more than the split one here
   mixed = rows["mixed"]
-  assert mixed["fused_clip"] > 1.10 * (mixed["fused_no_clip"] + mixed["grad_bytes"]), mixed
+  assert mixed["fused_clip"] <= 1.10 * (mixed["fused_no_clip"] + mixed["grad_bytes"]), mixed
   assert "| mixed |" in capsys.readouterr().out
 
 

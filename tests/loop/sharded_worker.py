@@ -37,9 +37,9 @@ assert prompt_share.shared(shared)
 shared_grads, shared_stats = grad_fn(t.state["params"], t.place(shared), t.spec)
 grouped_grads, _ = grad_fn(t.state["params"], t.place(grouped), t.spec)
 state, metrics = t.stepper(t.spec, t.state, batch)
-wgate = state["params"]["layers"][0]["mlp"]["wgate_DF"]
-wgate_spec, wgate_rows = str(wgate.sharding.spec), wgate.addressable_shards[0].data.shape[0]
-new_wgate = np.asarray(wgate)
+wgate = state["params"]["layers"]["mlp"]["wgate_DF"]  # the train layout: [layers, D, F], fsdp on D
+wgate_spec, wgate_rows = str(wgate.sharding.spec), wgate.addressable_shards[0].data.shape[1]
+new_wgate = np.asarray(wgate)[0]
 _, shared_metrics = t.stepper(t.spec, state, t.place(shared))  # the compiled step takes the table replicated
 
 

@@ -40,7 +40,7 @@ def test_four_device_fsdp_matches_one_device(tmp_path):
   # Adam's first step moves a weight by lr * g / (|g| + eps): where |g| is near eps (1e-8) a gradient that agrees to
   # 1e-5 of its scale still changes the step by a few percent of lr (measured: g = -1.7e-8, 1.7e-5 apart), so the
   # tight check covers the weights whose gradient resolves the step and the rest are held to one step (lr = 1e-3)
-  g = one["g/layers/0/mlp/wgate_DF"]
+  g = one["g/layers/mlp/wgate_DF"][0]  # layer 0 of the stacked gradient
   resolved = np.abs(g) > 1e-4 * np.abs(g).max()
   assert resolved.mean() > 0.9
   np.testing.assert_allclose(four["new_wgate"][resolved], one["new_wgate"][resolved], rtol=1e-5, atol=5e-6)

@@ -85,8 +85,8 @@ def test_calibration_runs_only_where_l_can_change_the_plan_and_only_for_its_kind
   assert not off.state.lgain["calibrate"] and "below memory.min_l_gain" in off.state.lgain["reason"]
   assert alloc.metrics["alloc/frac_L"] == 0.0 and off.state.risk_free == [0] and not off.exposure_on
   floor = methods.plan("optimal_hr", off._unit_list(batches[0]), off.state.profile["ops"],
-                       off.state.lgain["risk_free_allowance"])
-  assert alloc.plan.choice == floor.choice  # the risk-free fit's plan
+                       off.state.lgain["risk_free_allowance"], max_runs=mc.plan_runs)
+  assert alloc.plan.choice == floor.choice  # the risk-free fit's plan (at most memory.plan_runs runs, as the manager)
   # any gain: calibrated, only the kinds the plan with every L unit free of risk holds in L, at every layer
   on = MemoryManager(dataclasses.replace(mc, min_l_gain=0.0), hooks)
   on.step(params, batches, 0)

@@ -82,7 +82,8 @@ def test_grpo_on_a_chat_checkpoint_sees_chat_prompts_and_exports_a_loadable_mode
   ids = np.concatenate([roll.prompt_ids[:2, -11:], roll.tokens[:2, :2]], 1)
   ours = np.asarray(jax.jit(hilore_jax.forward, static_argnums=0)(cfg, params, jnp.asarray(ids)))
   np.testing.assert_allclose(ours, m(torch.tensor(ids)).logits.detach().numpy(), atol=1e-4)
-  chex.assert_trees_all_equal(params, jax.device_get(t.state["params"]))  # the export is the trained policy
+  # the export is the trained policy (its layers per layer, as HF holds them; the trainer's stacked)
+  chex.assert_trees_all_equal(params, hilore_jax.model.unstacked(jax.device_get(t.state["params"])))
   tok2 = transformers.AutoTokenizer.from_pretrained(hf_dir)
   text = "Müller's café sold 12 crêpes."
   assert tok2(text)["input_ids"] == tok(text)["input_ids"] and tok2.decode(tok2(text)["input_ids"]) == text
