@@ -149,8 +149,10 @@ def figures(p: Plan, stepper: engine.Stepper, batch, params) -> dict:
   (gf, uf), (gb, ub) = c.program_costs("flops"), c.program_costs("bytes accessed")
   counts, check = projection.counts(stepper, p.spec, batch, params)
   pols = p.spec.policies
-  # every plan's runs of one policy scan (model/layers.py) unless model.scan_layers is off (the controls)
-  return {"layer_scan": p.spec.model_cfg.scan_layers and len(pols) > 1,
+  # a run of two or more layers with one policy is a loop (model/layers.py; XLA inlines a loop of one) unless
+  # model.scan_layers is off (the controls)
+  scans = p.spec.model_cfg.scan_layers and any(end - start > 1 for start, end, _ in model.policy_runs(pols))
+  return {"layer_scan": scans,
           "xla_flops": {"grad": gf, "update": uf}, "xla_bytes": {"grad": gb, "update": ub},
           "xla_bytes_unrolled": {"grad": counts.grad_bytes, "update": counts.update_bytes},
           "xla_over_matmul_flops_unrolled": check["xla_over_matmul_flops"],
