@@ -4,10 +4,11 @@ The decode runs in segments: each is one compiled while loop of up to `decode.se
 (sampling fused in), and between two the host reads which rows finished. At each check the finished rows leave the
 batch (the rest is gathered into the smallest row bucket that holds it: the batch size, and the powers of two and
 their 1.5x below it), and a full cache grows into the next length bucket (completion capacity `cache_bucket`,
-doubling, up to max_new_tokens). One program is compiled per (row bucket, cache length) pair met, so a run compiles
-a handful. A decode step writes its keys and values into the cache in place and attends to the filled chunks only
-(model.decode_step). Each row draws from its own key (`jax.random.split(rng, B)`, or `row_keys`), folded with the
-token's index: a row's tokens do not depend on which rows share its batch, compaction included.
+doubling, up to max_new_tokens). One program is compiled per (row bucket, cache length, filled attention chunks)
+met, so a run compiles a handful. A decode step writes its keys and values into the cache in place and attends to
+the chunks its segment fills only (model.decode_step). Each row draws from its own key (`jax.random.split(rng, B)`,
+or `row_keys`), folded with the token's index: a row's tokens do not depend on which rows share its batch,
+compaction included.
 """
 
 from __future__ import annotations
@@ -87,6 +88,12 @@ def cache_lengths(prompt_len: int, new_tokens: int, decode: DecodeConfig) -> lis
     cap *= 2
 
 
+def filled_chunks(prompt_len: int, t0: int, steps: int, t_end: int, chunk: int) -> int:
+  """Attention chunks a segment reads: those up to the slot of its last fed token (P + min(t0 + steps, t_end) - 1),
+  so a step's attention follows the sequence so far, in whole chunks, one program per count met."""
+  return -(-(prompt_len + min(t0 + steps, t_end)) // chunk)
+
+
 def row_buckets(rows: int) -> list[int]:
   """The batch's row buckets, largest first: the batch itself and every power of two and its 1.5x below it (on the
   reasoning recipe's rollouts, 1.5x rungs ran 11% fewer row-steps than powers of two alone, for a few more
@@ -118,12 +125,13 @@ def start(cfg: ModelConfig, sc: SamplingConfig, params: dict, ids_BpP, mask_BpP,
   return state, rows(ids_BpP), mask, tok, logp
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sc", "steps", "chunk", "P", "pad_id"),
+@functools.partial(jax.jit, static_argnames=("cfg", "sc", "steps", "chunk", "P", "pad_id", "n_chunks"),
                    donate_argnames=("state",))
 def decode_segment(cfg: ModelConfig, sc: SamplingConfig, params: dict, state: DecodeState, t0, t_end, stop_S,
-                   steps: int, chunk: int, P: int, pad_id: int):
+                   steps: int, chunk: int, P: int, pad_id: int, n_chunks: int = 1):
   """Feed tokens t0, t0+1, ... (token t at cache slot P + t) and draw the next ones, at most `steps`, until token
-  t_end is drawn or every row is done: (state, tokens [R, steps], log-probs, live [R, steps], tokens drawn)."""
+  t_end is drawn or every row is done: (state, tokens [R, steps], log-probs, live [R, steps], tokens drawn).
+  n_chunks: the attention chunks the segment's last token fills (filled_chunks)."""
   R = state.tok_R.shape[0]
 
   def cond(c):
@@ -134,7 +142,7 @@ def decode_segment(cfg: ModelConfig, sc: SamplingConfig, params: dict, state: De
     i, st, toks, logps, live = c
     t = t0 + i
     logits, (k, v) = model.decode_step(cfg, params, st.tok_R, st.plen_R + t, (st.k, st.v), P + t, P - st.plen_R,
-                                       chunk)
+                                       chunk, n_chunks)
     tok, logp = sampling.pick(logits, st.keys_R, t + 1, sc)
     alive = ~st.done_R
     tok = jnp.where(alive, tok, pad_id)
@@ -200,8 +208,9 @@ def generate(cfg: ModelConfig, params: dict, prompt_ids_BpP, prompt_mask_BpP, rn
       state, S = resize(state, jnp.asarray(idx), jnp.asarray(pad), grown), grown
       slots, done = np.where(pad, -1, slots[idx]), done[idx] | pad
     t0 = time.perf_counter()
-    state, toks, lps, alive, n = decode_segment(dcfg, sc, params, state, t, min(N - 1, S - P), stop_S, steps,
-                                                chunk, P, pad_id)
+    t_end = min(N - 1, S - P)
+    state, toks, lps, alive, n = decode_segment(dcfg, sc, params, state, t, t_end, stop_S, steps, chunk, P, pad_id,
+                                                filled_chunks(P, t, steps, t_end, chunk))
     toks, lps, alive, n, done = jax.device_get((toks, lps, alive, n, state.done_R))
     real = slots >= 0
     tokens[slots[real], t + 1:t + 1 + n] = toks[real, :n]

@@ -332,13 +332,15 @@ def test_attention_reads_only_the_filled_chunks(tiny_cfg):
   _, (k, v) = sampler.prefill(cfg, params, ids, mask)
   grow = lambda x, fill: jnp.pad(x, [(0, 0), (0, 0), (0, S - P), (0, 0), (0, 0)], constant_values=fill)
   plen = mask.sum(-1)
-  step = jax.jit(lambda cache, slot: model.decode_step(cfg, params, jnp.array([5, 6, 7]), plen + slot - P, cache,
-                                                      slot, P - plen, chunk))
+  step = jax.jit(lambda cache, slot, n: model.decode_step(cfg, params, jnp.array([5, 6, 7]), plen + slot - P, cache,
+                                                         slot, P - plen, chunk, n), static_argnums=2)
   for slot in (P, 2 * chunk - 1, 2 * chunk + 3):  # the filled slots end inside chunk 0, at chunk 1's end, in chunk 2
-    filled_end = -(-(slot + 1) // chunk) * chunk
-    clean = step((grow(k, 0.0), grow(v, 0.0)), slot)[0]
+    n = sampler.filled_chunks(P, slot - P, 1, slot - P + 1, chunk)  # the sampler's count for the one token at slot
+    filled_end = n * chunk
+    assert filled_end == -(-(slot + 1) // chunk) * chunk
+    clean = step((grow(k, 0.0), grow(v, 0.0)), slot, n)[0]
     poison = lambda x: grow(x, 0.0).at[:, :, filled_end:].set(jnp.nan)
-    dirty = step((poison(k), poison(v)), slot)[0]
+    dirty = step((poison(k), poison(v)), slot, n)[0]
     assert np.isfinite(np.asarray(clean)).all()
     np.testing.assert_array_equal(np.asarray(dirty), np.asarray(clean))
 
@@ -355,10 +357,10 @@ def test_decode_step_is_the_full_forward(tiny_cfg):
   _, cache = sampler.prefill(cfg, params, seq[:, :P], mask[:, :P])
   cache = tuple(jnp.pad(x, [(0, 0), (0, 0), (0, S - P), (0, 0), (0, 0)]) for x in cache)
   plen = mask[:, :P].sum(-1)
-  step = jax.jit(lambda tok, cache, slot: model.decode_step(cfg, params, tok, plen + slot - P, cache, slot, P - plen,
-                                                            chunk))
+  step = jax.jit(lambda tok, cache, slot, n: model.decode_step(cfg, params, tok, plen + slot - P, cache, slot,
+                                                               P - plen, chunk, n), static_argnums=3)
   for t in range(seq.shape[1] - P):
-    logits, cache = step(seq[:, P + t], cache, P + t)
+    logits, cache = step(seq[:, P + t], cache, P + t, -(-(P + t + 1) // chunk))
     assert_close(logits, want[:, P + t], ulps=64)
 
 
