@@ -12,6 +12,8 @@ import jax.numpy as jnp
 from hilore_jax import model
 from hilore_jax.model import ModelConfig
 from hilore_jax.rl.config import SamplingConfig
+# the prompt's side did not change in issue 49: the engine's own left_align and prefill
+from hilore_jax.rl.sampler import left_align, prefill
 
 
 def process_logits(logits_BV: jax.Array, sc: SamplingConfig) -> jax.Array:
@@ -29,23 +31,6 @@ def process_logits(logits_BV: jax.Array, sc: SamplingConfig) -> jax.Array:
     cutoff = jnp.min(jnp.where(mass_before < sc.top_p, sorted_BV, jnp.inf), axis=-1, keepdims=True)
     logits_BV = jnp.where(logits_BV < cutoff, neg, logits_BV)
   return logits_BV
-
-
-def left_align(ids_BP: jax.Array, mask_BP: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Move each row's real tokens to the right end (left padding), whatever the input padding side."""
-  order = jnp.argsort(mask_BP.astype(jnp.int32), axis=-1, stable=True)
-  return jnp.take_along_axis(ids_BP, order, -1), jnp.take_along_axis(mask_BP, order, -1)
-
-
-def prefill(cfg: ModelConfig, params: dict, ids_BpP: jax.Array, mask_BpP: jax.Array) -> tuple[jax.Array, tuple]:
-  """Last-token logits [Bp, V] and the prompt's KV cache [L, Bp, P, K, H] of left-aligned prompts."""
-  Bp, P = ids_BpP.shape
-  cache = model.init_cache(cfg, Bp, P)
-  positions = model.default_positions(mask_BpP)
-  if P > 1:  # prefill all but the last prompt token: its unused [Bp, P-1, V] logits are dead code, never allocated
-    cache = model.forward_cached(cfg, params, ids_BpP[:, :-1], positions[:, :-1], mask_BpP, cache, 0)[1]
-  logits, cache = model.forward_cached(cfg, params, ids_BpP[:, -1:], positions[:, -1:], mask_BpP, cache, P - 1)
-  return logits[:, -1], cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sc", "stop_ids", "pad_id", "num_generations"))
