@@ -5,6 +5,7 @@ measures what it says."""
 import jax
 import jax.numpy as jnp
 import pytest
+from jaxpr_util import eqn_count
 from trainer_util import TINY
 
 from hilore_jax import model
@@ -12,25 +13,12 @@ from experiments import compile_time
 from experiments import config as bench_config
 
 
-def _eqns(jaxpr) -> int:
-  """Equations in a jaxpr, counting those of every sub-jaxpr (scan, remat, custom_vjp bodies)."""
-  n = 0
-  for e in jaxpr.eqns:
-    n += 1
-    for v in e.params.values():
-      for sub in (v if isinstance(v, (list, tuple)) else (v,)):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          n += _eqns(inner)
-  return n
-
-
 def _grad_size(cfg, num_layers: int, policies) -> int:
   cfg = cfg.replace(num_hidden_layers=num_layers)
   p = model.init_params(cfg, jax.random.PRNGKey(0))
   ids = jnp.array([[3, 5, 7, 11, 13]])
   loss = lambda q: jnp.sum(model.forward(cfg, q, ids, layer_policies=policies))
-  return _eqns(jax.make_jaxpr(jax.grad(loss))(p).jaxpr)
+  return eqn_count(jax.make_jaxpr(jax.grad(loss))(p).jaxpr)
 
 
 @pytest.mark.slow

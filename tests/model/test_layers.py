@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import pytest
+from jaxpr_util import eqn_count
 from tolerance import assert_trees_close
 
 from hilore_jax import model
@@ -74,18 +75,6 @@ def test_a_run_stacks_its_residuals_as_bits_and_reads_its_layers_in_place():
   assert sorted(r.shape for r in args) == sorted(x.shape for x in jax.tree_util.tree_leaves(p["layers"]))
 
 
-def _eqns(jaxpr) -> int:
-  n = 0
-  for e in jaxpr.eqns:
-    n += 1
-    for v in e.params.values():
-      for sub in (v if isinstance(v, (list, tuple)) else (v,)):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          n += _eqns(inner)
-  return n
-
-
 def test_a_plan_of_a_few_runs_traces_to_the_same_program_at_any_depth():
   def size(depth, scan):
     third = depth // 3
@@ -93,7 +82,7 @@ def test_a_plan_of_a_few_runs_traces_to_the_same_program_at_any_depth():
     cfg = _cfg().replace(num_hidden_layers=depth, scan_layers=scan)
     p = model.stacked(model.init_params(cfg, jax.random.PRNGKey(0)))
     loss = lambda q: jnp.sum(model.forward(cfg, q, IDS[:1, :5], layer_policies=plan))
-    return _eqns(jax.make_jaxpr(jax.grad(loss))(p).jaxpr)
+    return eqn_count(jax.make_jaxpr(jax.grad(loss))(p).jaxpr)
 
   assert size(6, True) == size(12, True) == size(24, True)
   assert size(12, False) > 1.5 * size(6, False)  # every layer a plain call grows with depth
