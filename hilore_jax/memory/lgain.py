@@ -1,11 +1,12 @@
 """Whether calibrating L can change the plan: decided before any risk is measured.
 
 Two plans bound what a calibration can do. The risk-free (H/R) plan needs none. The plan the cost model picks were
-every L unit free of risk is the most any calibrated plan can gain, since measured risks only constrain its L set
-further. L's predicted gain is the second's predicted seconds saved against the first's, as a share of the update step
-full checkpointing predicts (update_s: what the measured guard later compares): first at its best over the
-allowances a budget fit can reach (the cost model alone, no compile), then between the two plans fitted to the
-budget on the compiled step (the risk-free fit is the run's plan anyway, and its allowance is the L fit's first
+every L unit free of risk, and its layers free of the run shape (memory.plan_runs), is the most any calibrated plan
+can gain, since measured risks and the run shape only constrain it further. L's predicted gain is the second's
+predicted seconds saved against the first's, as a share of the update step full checkpointing predicts (update_s:
+what the measured guard later compares): first at its best over the allowances a budget fit can reach (the cost
+model alone, no compile), then between the two plans fitted to the budget on the compiled step (the risk-free fit is
+the run's plan anyway, and its allowance is the L fit's first
 try). Calibration runs only where the gain is above the measured noise (NOISE_SIGMAS standard errors of that
 difference, from the op profile's repetitions) and at least memory.min_l_gain, and it measures only the unit kinds
 the fitted L plan holds in L. Otherwise the run keeps the risk-free fit: no calibration, no L, nothing to

@@ -135,8 +135,10 @@ class MemoryManager(Lifecycle):
       return True
     st, mc, units, subset = self.state, self.mc, self._unit_list(batch), self.record.risk_free_subset
     nominal = st.budget_bytes - st.gc_bytes
-    pair_at = lambda f: (self._plan(0, int(f * nominal), method=subset), self._plan(0, int(f * nominal),
-                                                                                   zero_risk=True))
+    # the L plan without the run shape: a relaxation, so its gain bounds a calibrated plan's from above, solved in
+    # a second where the run-shaped MILP with every L option took tens of seconds (most of a cold set-up)
+    pair_at = lambda f: (self._plan(0, int(f * nominal), method=subset),
+                         self._plan(0, int(f * nominal), zero_risk=True, relaxed=True))
     fit_lowp = lambda reuse: self._fit_to_budget(lambda a: self._plan(0, a, zero_risk=True), batch, reuse)
     gc = self.gc_plan()
     st.lgain, floor = lgain.assess(gc, lgain.update_s(gc, st.profile["ops"], self.num_layers), pair_at,
@@ -276,14 +278,17 @@ class MemoryManager(Lifecycle):
                 mip_gap=self.mc.mip_gap, max_runs=self.mc.plan_runs)
 
   def _plan(self, bucket: int, allowance: int, solver: str | None = None, delta: float | None = None,
-            method: str | None = None, zero_risk: bool = False) -> methods.Plan:
+            method: str | None = None, zero_risk: bool = False, relaxed: bool = False) -> methods.Plan:
     """The method's (or its risk-free subset's) plan for a bucket and byte allowance; memoised: the budget fit, the
     greedy gap and the active-constraint check ask for the same solves, and buckets with equal risks share them."""
     method = method or self.method
     kw = self._plan_kw(bucket, solver, method, zero_risk)
     if delta is not None:
       kw["delta"] = delta
-    key = (self._shape, method, tuple(sorted(kw["risk_of"].items())), max(allowance, 0), kw["delta"], kw["solver"])
+    if relaxed:  # any number of runs (lgain's screen)
+      kw["max_runs"] = 0
+    key = (self._shape, method, tuple(sorted(kw["risk_of"].items())), max(allowance, 0), kw["delta"], kw["solver"],
+           kw["max_runs"])
     if key not in self._plans:
       self._plans[key] = methods.plan(method, self._units[self._shape], self.state.profile["ops"],
                                       max(allowance, 0), **kw)

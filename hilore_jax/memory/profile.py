@@ -4,10 +4,13 @@ L, their producer ops' times (the decoder's own functions), codec times and, on 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import jax
@@ -34,10 +37,18 @@ class Unit:
   offload_s: float | None = None  # device -> host -> device; None where offloading is unsupported
 
 
+def _compile_all(calls: dict) -> dict:
+  """Each (jitted fn, args) compiled, on as many threads as cores: XLA compiles outside the GIL, and on a cold
+  start the op profile's two dozen small compiles were most of its time."""
+  compile_one = lambda item: (item[0], (item[1][0].lower(*item[1][1]).compile(), item[1][1]))
+  with ThreadPoolExecutor(max(1, min(len(calls), os.cpu_count() or 1))) as pool:
+    return dict(pool.map(compile_one, calls.items()))
+
+
 def _median_time(fn: Callable, args, reps: int) -> tuple[float, float]:
   """(median seconds of reps calls, the median's relative standard error): 1.2533 x the robust sd (1.4826 x MAD)
   over sqrt(reps), what a plan's predicted time inherits from the measurement (memory/lgain.py)."""
-  jax.block_until_ready(fn(*args))  # compile and warm up
+  jax.block_until_ready(fn(*args))  # warm up (and compile, where fn is not compiled yet)
   times = []
   for _ in range(reps):
     t0 = time.perf_counter()
@@ -55,15 +66,20 @@ def _op_calls(cfg: model.ModelConfig, batch: int, seq: int, abstract: bool = Fal
   sizes = U.dims(cfg, batch, seq)
   layer_cfg = cfg.replace(num_hidden_layers=1)
 
+  def fill(shape, dtype):  # op times do not depend on the values: a cheap pattern in [-0.3, 0.3], no zeros' shortcuts
+    return ((jnp.arange(math.prod(shape), dtype=jnp.float32) % 13 - 6) * 0.05).reshape(shape).astype(dtype)
+
   def inputs():
-    params = model.layer_params(model.init_params(layer_cfg, jax.random.PRNGKey(0)), 0)
-    keys = iter(jax.random.split(jax.random.PRNGKey(1), len(U.TABLE)))
-    tensors = {t.name: jax.random.normal(next(keys), U.shape(t.name, sizes), cfg.compute_dtype) for t in U.TABLE}
+    # shapes from the model's own init (eval_shape: nothing drawn), values a pattern: drawing a random layer and
+    # table compiled threefry for 8 s of a cold set-up on 2 cores
+    shapes = jax.eval_shape(lambda: model.layer_params(model.init_params(layer_cfg, jax.random.PRNGKey(0)), 0))
+    params = jax.tree.map(lambda s: fill(s.shape, s.dtype), shapes)
+    tensors = {t.name: fill(U.shape(t.name, sizes), cfg.compute_dtype) for t in U.TABLE}
     tensors[U.ATTN_PROBS] = jax.nn.softmax(tensors[U.ATTN_PROBS].astype(jnp.float32), -1).astype(cfg.compute_dtype)
     pos = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
     return params, tensors, model.layer_ctx(cfg, pos, jnp.ones((batch, seq), bool))
 
-  params, tensors, ctx = jax.eval_shape(inputs) if abstract else inputs()
+  params, tensors, ctx = jax.eval_shape(inputs) if abstract else jax.jit(inputs)()  # one program, not one per tensor
   calls = {}
   for op, reads in producers(cfg).items():
     fn = jax.jit(lambda p, t, ctx, op=op: model.OPS[op](cfg, p, t, ctx))
@@ -119,20 +135,21 @@ def profile_ops(cfg: model.ModelConfig, batch: int, seq: int, group_size: int = 
   if out is not None and not missing(out):
     return out
   sizes = U.dims(cfg, batch, seq)
-  if out is None:
-    timed = {op: _median_time(fn, args, reps) for op, (fn, args) in _op_calls(cfg, batch, seq).items()}
+  if out is None:  # compiled together first, then timed one at a time
+    timed = {op: _median_time(fn, args, reps) for op, (fn, args) in _compile_all(_op_calls(cfg, batch, seq)).items()}
     out = {"ops": {op: t for op, (t, _) in timed.items()}, "ops_err": {op: e for op, (_, e) in timed.items()},
            "codec": {}, "codec_err": {}, "offload": {}}
     if model.offload_supported():
       for kind in U.UNITS:
         out["offload"][kind] = _median_time(*_offload_roundtrip(U.shape(kind, sizes), cfg.compute_dtype), reps)[0]
-  for fmt in missing(out):
-    for kind in U.LOWP_UNITS:
-      x = jnp.zeros(U.shape(kind, sizes), cfg.compute_dtype) + 0.5
-      rt = jax.jit(lambda x, f=fmt: codec.decode(*codec.encode(x, f, group_size), x.shape, x.dtype, f))
-      t, e = _median_time(rt, (x,), reps)
-      out["codec"].setdefault(kind, {})[fmt] = t
-      out.setdefault("codec_err", {}).setdefault(kind, {})[fmt] = e
+  roundtrip = lambda x, f: codec.decode(*codec.encode(x, f, group_size), x.shape, x.dtype, f)
+  calls = {(fmt, kind): (jax.jit(functools.partial(roundtrip, f=fmt)),
+                         (jnp.zeros(U.shape(kind, sizes), cfg.compute_dtype) + 0.5,))
+           for fmt in missing(out) for kind in U.LOWP_UNITS}
+  for (fmt, kind), (rt, args) in _compile_all(calls).items():
+    t, e = _median_time(rt, args, reps)
+    out["codec"].setdefault(kind, {})[fmt] = t
+    out.setdefault("codec_err", {}).setdefault(kind, {})[fmt] = e
   cache.save(out)
   return out
 

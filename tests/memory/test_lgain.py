@@ -78,9 +78,15 @@ def test_calibration_runs_only_where_l_can_change_the_plan_and_only_for_its_kind
   measure = calibrate.measure
   monkeypatch.setattr(calibrate, "measure", lambda h, m, u, *a, **k: measured.append(list(u)) or measure(h, m, u, *a,
                                                                                                          **k))
+  solves, plan = [], methods.plan
+  monkeypatch.setattr(methods, "plan", lambda m, *a, **k: solves.append((m, k.get("max_runs"))) or plan(m, *a, **k))
   # L predicted to save under 99% of GC's recompute: the risk-free fit runs, nothing is measured
   off = MemoryManager(dataclasses.replace(mc, min_l_gain=0.99), hooks)
   (alloc,) = off.step(params, batches[:1], 0)
+  # the screen's L plans drop the run shape (a relaxation: an upper bound on L's gain, a fast solve); the risk-free
+  # plans keep it, as the run's own
+  assert set(solves) - {("gc", None)} == {("optimal_hr", mc.plan_runs), ("hilore", 0)} and mc.plan_runs > 0
+  monkeypatch.setattr(methods, "plan", plan)
   assert not measured and off.state.calibration is None and off.state.calibrations == 0
   assert not off.state.lgain["calibrate"] and "below memory.min_l_gain" in off.state.lgain["reason"]
   assert alloc.metrics["alloc/frac_L"] == 0.0 and off.state.risk_free == [0] and not off.exposure_on

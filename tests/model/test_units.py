@@ -49,6 +49,15 @@ def test_profile_is_measured_and_cached(tiny_cfg, tmp_path):
   assert us[1].codec_s == prof["codec"][us[1].kind]["int8"] and us[1].offload_s is None
 
 
+def test_profile_inputs_are_one_program(tiny_cfg):
+  # the op profile's inputs are built by one compiled program, not an eager dispatch (and a compile) per random
+  # tensor and parameter, which was seconds of a cold set-up at a real model's size
+  from hilore_jax import runtime
+  stats = runtime.CompileStats().install()
+  calls = units._op_calls(tiny_cfg, 3, 11)
+  assert stats.backend_count == 1 and set(calls) == set(units.producers(tiny_cfg))
+
+
 def _names(jaxpr) -> list[str]:
   """Every checkpoint name in a jaxpr, sub-jaxprs included."""
   out = []
