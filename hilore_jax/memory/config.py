@@ -99,6 +99,10 @@ class MemoryConfig:
   # compilations vary by +/-8% on a 2-core CPU (docs/real_model.md), so a smaller gain is one the measured guard could
   # not tell from a recompile
   min_l_gain: float = 0.10
+  # likewise for any plan: where nothing is calibrated and the risk-free (H/R) plan is predicted to save under this
+  # share of the update step against full checkpointing, no plan is fitted (no probe compile) and the run keeps GC's
+  # program, as the measured guard would; 0 fits whatever is predicted faster
+  min_plan_gain: float = 0.0
   risk_metric: str = "relative"  # relative | clipped | update (RISK_METRICS)
   buckets: int = 4  # hilore: exposure buckets, one allocation (and compiled step) each
   refresh_every: int = 0  # recalibrate every N steps, after the step (0: only at the start and on drift)
@@ -197,8 +201,9 @@ class MemoryConfig:
     if self.budget_bytes is not None:
       check_positive("memory.budget_bytes", self.budget_bytes)
     check_positive("memory.grad_err_tolerance", self.grad_err_tolerance)
-    if not 0.0 <= self.min_l_gain < 1.0:
-      raise ConfigError(f"memory.min_l_gain must be a share of the update step in [0, 1), got {self.min_l_gain}")
+    for key in ("min_l_gain", "min_plan_gain"):
+      if not 0.0 <= getattr(self, key) < 1.0:
+        raise ConfigError(f"memory.{key} must be a share of the update step in [0, 1), got {getattr(self, key)}")
     check_positive("memory.buckets", self.buckets)
     check_positive("memory.refresh_every", self.refresh_every, allow_zero=True)
     check_positive("memory.group_size", self.group_size)

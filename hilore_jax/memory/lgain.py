@@ -105,13 +105,22 @@ def decide(stage: str, risk_free: Plan, lowp: Plan | None, step_s: float, noise:
 
 def assess(gc: Plan, step_s: float, pair_at: Callable[[float], tuple[Plan, Plan]], fit_floor: Callable[[], Fit],
            fit_lowp: Callable[[int | None], Fit], noise: Callable[[Plan, Plan], float], min_gain: float,
-           unit_list) -> tuple[dict, Fit]:
+           unit_list, min_plan_gain: float = 0.0) -> tuple[dict, Fit]:
   """(the decision's record, the risk-free fit): the cost model's best gain over ALLOWANCE_GRID (pair_at(f): the
   risk-free and the risk-free-L plans at f x the nominal allowance); where it calibrates, both fitted to the budget
   (fit_lowp(reuse): the L plan's fit, first at the risk-free fit's allowance; gc: the run's plan where no risk-free
-  plan fits) and decided again on the fitted plans. step_s: the update step's predicted seconds (update_s)."""
-  rf, lp = max((pair_at(f) for f in ALLOWANCE_GRID), key=lambda p: gain(*p, step_s))
+  plan fits) and decided again on the fitted plans. step_s: the update step's predicted seconds (update_s). Where
+  nothing is calibrated and even the risk-free plan's best predicted gain over GC is under min_plan_gain, no plan is
+  fitted (no probe compile): the record says `gc_only`, and the fit returned is empty."""
+  pairs = [pair_at(f) for f in ALLOWANCE_GRID]
+  rf, lp = max(pairs, key=lambda p: gain(*p, step_s))
   rec = decide("cost model", rf, lp, step_s, noise(rf, lp), min_gain, unit_list)
+  rec["plan_gain"] = float(max(gain(gc, p[0], step_s) for p in pairs))  # the risk-free plans' against GC's
+  if not rec["calibrate"] and rec["plan_gain"] < min_plan_gain:
+    rec["reason"] += (f"; the risk-free plan's predicted gain over full checkpointing, at its best, is "
+                      f"{100 * rec['plan_gain']:.1f}% of the update step, below memory.min_plan_gain "
+                      f"({100 * min_plan_gain:.1f}%): full checkpointing, no plan fitted")
+    return {**rec, "gc_only": True, "risk_free_allowance": None}, Fit(0, None, ())
   floor = fit_floor()
   if rec["calibrate"]:
     fit = fit_lowp(floor.allowance if floor.plan is not None else None)

@@ -60,8 +60,12 @@ class Lifecycle:
     if self.pending_setup and minibatches:
       if self._advance_setup(params, minibatches, step, logp, opt_state):
         self._plan_allocations(minibatches, logp, defer=False)
-        log.info("memory (%s): set up in %.1fs after step %d; its plans take over from step %d", self.method,
-                 time.perf_counter() - t0, step + 1, step + 2 + self.guard.sample_due(self.state))
+        if (self.state.lgain or {}).get("gc_only"):
+          log.info("memory (%s): set up in %.1fs after step %d; no plan fitted: GC's program", self.method,
+                   time.perf_counter() - t0, step + 1)
+        else:
+          log.info("memory (%s): set up in %.1fs after step %d; its plans take over from step %d", self.method,
+                   time.perf_counter() - t0, step + 1, step + 2 + self.guard.sample_due(self.state))
       out["time/memory_setup_s"] = time.perf_counter() - t0
     elif not last and minibatches and self.state is not None and self.state.calibration is not None:
       if self._after_step(params, minibatches, step, logp, opt_state):

@@ -144,8 +144,13 @@ class MemoryManager(Lifecycle):
     st.lgain, floor = lgain.assess(gc, lgain.update_s(gc, st.profile["ops"], self.num_layers), pair_at,
                                    lambda: self._floor(batch), fit_lowp,
                                    lambda a, b: lgain.noise_s(a, b, units, st.profile, mc.lowp_format),
-                                   mc.min_l_gain, units)
+                                   mc.min_l_gain, units, mc.min_plan_gain)
     log.info("memory (%s): %s", self.method, st.lgain["reason"])
+    if st.lgain.get("gc_only"):  # no plan worth its probe compiles: GC's program, as a guard's verdict would run it
+      st.buckets, st.guard, st.fallback_gc, st.allowance["0"], st.verified = [[]], "gc", [0], 0, [0]
+      self._cache.invalidate("no plan fitted", 0)
+      self.persist()
+      return False
     if not st.lgain["calibrate"]:  # the run keeps the risk-free fit: one bucket, no exposure to score
       st.buckets = [[]]
       self._record_fit(0, dataclasses.replace(floor, floor=True))

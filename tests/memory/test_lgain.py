@@ -106,3 +106,23 @@ def test_calibration_runs_only_where_l_can_change_the_plan_and_only_for_its_kind
   # no kind outside them is L in any of its plans
   plan = on._cache.get(0)
   assert {u.kind for u, c in zip(on._unit_list(batches[0]), plan.choice) if c == "L"} <= set(kinds)
+
+
+@pytest.mark.usefixtures("fixed_op_times")
+def test_no_plan_is_fitted_where_even_the_risk_free_plan_saves_too_little(tiny):
+  hooks, params, batches, mc = tiny
+  peaks = []
+  counted = dataclasses.replace(hooks, compile_peak=lambda pols, b: peaks.append(pols) or hooks.compile_peak(pols, b))
+  # every plan predicted to save under 99% of the update step: GC's program, no probe compile, nothing calibrated
+  off = MemoryManager(dataclasses.replace(mc, min_l_gain=0.99, min_plan_gain=0.99), counted)
+  (alloc,) = off.step(params, batches[:1], 0)
+  assert off.state.lgain["gc_only"] and 0 < off.state.lgain["plan_gain"] < 0.99
+  assert "below memory.min_plan_gain (99.0%)" in off.state.lgain["reason"]
+  assert off.state.guard == "gc" and off.state.calibration is None and alloc.metrics["alloc/guard_gc"] == 1.0
+  assert len(peaks) == 1  # GC's own compiled peak (the budget), and no probe
+  # at 0 (the default) the same manager fits the risk-free plan: probe compiles, a plan that keeps something
+  peaks.clear()
+  on = MemoryManager(dataclasses.replace(mc, min_l_gain=0.99), counted)
+  (alloc,) = on.step(params, batches[:1], 0)
+  assert not on.state.lgain.get("gc_only") and on.state.guard != "gc" and len(peaks) > 1
+  assert alloc.metrics["alloc/frac_H"] > 0.0
