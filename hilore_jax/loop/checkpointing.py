@@ -42,6 +42,15 @@ def checksums(tree) -> dict[str, int]:
   return {jax.tree_util.keystr(path): int(v) for path, v in jax.tree_util.tree_leaves_with_path(sums)}
 
 
+def _orbax_read_report(unraisable) -> bool:
+  """An unraisable report left by a failed restore's other reads: a coroutine of the read (whatever it raised as it
+  was closed) or a callback after the read's event loop closed."""
+  obj, exc = unraisable.object, unraisable.exc_value
+  if inspect.iscoroutine(obj) or "coroutine" in (unraisable.err_msg or "") or "coroutine" in repr(obj)[:80]:
+    return True
+  return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+
 @contextlib.contextmanager
 def _quiet_failed_reads():
   """Around one restore: if a read of a damaged checkpoint fails, orbax's other reads of it still finish on
