@@ -55,7 +55,7 @@ def _killed(proc, point: str):
 
 @pytest.mark.slow
 def test_killed_runs_resume_to_the_uninterrupted_metrics(tmp_path, caplog):
-  steps, k = 6, 2
+  steps, k = 4, 2
   args = [*RUN, f"train.steps={steps}"]
   Trainer(tiny_config(tmp_path / "ref", *args)).train()
   want = stable(metrics.read_metrics(tmp_path / "ref" / "metrics.jsonl"))
