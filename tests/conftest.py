@@ -11,7 +11,6 @@ import pytest  # noqa: E402
 
 from hilore_jax import runtime  # noqa: E402
 
-from hilore_jax.model import ModelConfig  # noqa: E402
 
 # Tests compile hundreds of tiny programs and run each a few times, so compiling costs far more than running: LLVM's
 # optimisations cost about a third of the suite's time, XLA:CPU's MLIR fusion emitters 2.7x the compile time of its
@@ -44,9 +43,8 @@ if not runtime.configure_xla_flags(_test_flags()):
 
 @pytest.fixture
 def tiny_cfg():
-  # prime-ish sizes catch transposes; GQA with 2 query heads per kv head
-  return ModelConfig(vocab_size=31, hidden_size=24, intermediate_size=37, num_hidden_layers=3,
-                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+  import builders  # imports JAX: only once the XLA flags are set
+  return builders.tiny_model(num_hidden_layers=3, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session", autouse=True)

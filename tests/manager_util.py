@@ -1,18 +1,17 @@
 """A tiny decoder's memory hooks and batches with given advantages: what the memory manager's tests share."""
 
+import builders
 import jax
 import numpy as np
 import optax
 
 from hilore_jax import model, sharding
 from hilore_jax.loop import engine, step_hooks
-from hilore_jax.model import ModelConfig
 from hilore_jax.rl import train_step
 from hilore_jax.rl.config import GRPOConfig
 from hilore_jax.rl.update_batch import UpdateBatch
 
-CFG = ModelConfig(vocab_size=31, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, tie_word_embeddings=False)
+CFG = builders.tiny_model(tie_word_embeddings=False)
 P, N = 5, 7
 
 

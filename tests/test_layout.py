@@ -289,11 +289,15 @@ PROJECT_WIDE_TESTS = ("test_layout.py", "test_docs.py")  # the repository as a w
 
 
 def test_tests_mirror_the_wings():
+  """A wing's tests in its folder; at the root, the repository's and those of the package's root modules
+  (tests/test_config.py for hilore_jax/config.py)."""
   tests = os.path.join(ROOT, "tests")
   for d, _, fs in os.walk(tests):
     for f in (f for f in fs if f.startswith("test_") and f.endswith(".py")):
       folder = os.path.relpath(d, tests)
-      assert folder in TEST_FOLDERS or (folder == "." and f in PROJECT_WIDE_TESTS), f"tests/{folder}/{f}"
+      root_module = os.path.isfile(os.path.join(ROOT, PKG, f[len("test_"):]))
+      assert folder in TEST_FOLDERS or (folder == "." and (f in PROJECT_WIDE_TESTS or root_module)), \
+          f"tests/{folder}/{f}"
 
 
 def test_modules_stay_short_or_say_why():

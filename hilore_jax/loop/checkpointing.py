@@ -7,6 +7,8 @@ on restore, and resuming falls back to the newest good one instead of training o
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import inspect
 import logging
 import os
@@ -40,9 +42,6 @@ def checksums(tree) -> dict[str, int]:
   return {jax.tree_util.keystr(path): int(v) for path, v in jax.tree_util.tree_leaves_with_path(sums)}
 
 
-_quiet = False
-
-
 def _orbax_read_report(unraisable) -> bool:
   """An unraisable report left by a failed restore's other reads: a coroutine of the read (whatever it raised as it
   was closed) or a callback after the read's event loop closed."""
@@ -52,15 +51,13 @@ def _orbax_read_report(unraisable) -> bool:
   return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
 
 
+@contextlib.contextmanager
 def _quiet_failed_reads():
-  """After one read of a damaged checkpoint fails, orbax's other reads of it still finish on tensorstore threads,
-  after their event loop closed: each would print a traceback ("Exception ignored in coroutine ...") for what is
-  already one CheckpointError. Drop those reports (their count is logged once at debug level) and asyncio's 'Task
-  exception was never retrieved'; any other unraisable report still prints."""
-  global _quiet
-  if _quiet:
-    return
-  _quiet = True
+  """Around one restore: if a read of a damaged checkpoint fails, orbax's other reads of it still finish on
+  tensorstore threads, after their event loop closed, and each would print a traceback ("Exception ignored in
+  coroutine ...") for what is already one CheckpointError. Drop those reports (their count is logged once at debug
+  level) and asyncio's 'Task exception was never retrieved' until the restore is over, then put the previous hook
+  back; any other unraisable report still prints."""
   previous, dropped = sys.unraisablehook, [0]
 
   def hook(unraisable):
@@ -72,8 +69,21 @@ def _quiet_failed_reads():
       log.debug("dropping the unraisable reports of a failed restore's other reads (first: %s)",
                 _first_line(unraisable.exc_value) if unraisable.exc_value else unraisable.err_msg)
 
+  def no_lost_task(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Task exception was never retrieved")
+
+  asyncio_log = logging.getLogger("asyncio")
   sys.unraisablehook = hook
-  logging.getLogger("asyncio").addFilter(lambda r: not r.getMessage().startswith("Task exception was never retrieved"))
+  asyncio_log.addFilter(no_lost_task)
+  try:
+    yield
+  except BaseException:
+    gc.collect()  # the failed restore's suspended reads are finalised now, while their reports are dropped
+    raise
+  finally:
+    if sys.unraisablehook is hook:  # one installed meanwhile by someone else stays
+      sys.unraisablehook = previous
+    asyncio_log.removeFilter(no_lost_task)
 
 
 def _first_line(e: BaseException) -> str:
@@ -110,10 +120,10 @@ class Checkpointer:
   def restore(self, step: int, abstract_state) -> tuple[dict, dict]:
     """State restored straight into the shardings that abstract_state carries; CheckpointError if damaged."""
     try:  # orbax and tensorstore raise many types (KeyError, ValueError, JSONDecodeError, bare Exception)
-      out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                                               meta=ocp.args.JsonRestore()))
+      with _quiet_failed_reads():
+        out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+                                                                 meta=ocp.args.JsonRestore()))
     except Exception as e:  # noqa: BLE001
-      _quiet_failed_reads()
       raise CheckpointError(f"step {step} does not restore ({_first_line(e)})") from None
     state, meta = out["state"], out["meta"]
     saved = (meta or {}).get("checksums") or {}  # absent in checkpoints written before checksums
@@ -125,9 +135,9 @@ class Checkpointer:
   def restore_meta(self, step: int) -> dict:
     """Only the JSON metadata of a checkpoint."""
     try:
-      return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+      with _quiet_failed_reads():
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     except Exception as e:  # noqa: BLE001
-      _quiet_failed_reads()
       raise CheckpointError(f"step {step}: metadata does not restore ({_first_line(e)})") from None
 
   def restore_newest(self, abstract_for: Callable[[dict], object]) -> tuple[int, dict, dict] | None:

@@ -1,12 +1,19 @@
-"""What the token budget's tests share: a stepper, and the check that packed microbatches give the unpacked
-minibatch's loss, metrics, gradient and log-probs."""
+"""What the packing and token budget tests share: a stepper, the check that packed microbatches give the unpacked
+minibatch's loss, metrics, gradient and log-probs, and the short runs that compare a packed trainer with an unpacked
+one (on one device, and on a 2-device fsdp mesh in a subprocess)."""
+
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import optax
+import repo
+from trainer_util import tiny_config
 
 from hilore_jax import model, sharding
-from hilore_jax.loop import engine
+from hilore_jax.loop import engine, metrics
 from hilore_jax.rl import train_step
 from hilore_jax.rl.config import GRPOConfig
 
@@ -50,3 +57,54 @@ def assert_packed_equals_unpacked(params, batch, packed_batch, micros, spec) -> 
   mask = batch.mask > 0
   np.testing.assert_allclose(np.asarray(logp)[mask], np.asarray(want_m[train_step.TOKEN_LOGP])[mask], rtol=1e-5)
   return want_m
+
+
+def run(out, *overrides):
+  """(Trainer, metrics rows) of a 2-step GC run of the tiny config with overrides."""
+  from hilore_jax.loop.trainer import Trainer
+
+  # two passes over each rollout (old log-probs) and a KL term (reference log-probs): every packed pass runs; Adam's
+  # eps of 1e-3 keeps an update near-linear in its gradient, so float32 noise stays float32 noise
+  c = tiny_config(out, "train.steps=2", "grpo.num_iterations=2", "rollout.max_new_tokens=7", "grpo.beta=0.01",
+                  "optimizer.eps=0.001", "eval.at_start=false", "eval.at_end=false", "memory.policy=gc",
+                  "grpo.filter_zero_std=false", *overrides)
+  t = Trainer(c)
+  t.train()
+  return t, metrics.read_metrics(os.path.join(out, "metrics.jsonl"))
+
+
+_unpacked = {}
+
+
+def unpacked(tmp_path_factory, *overrides):
+  """`run` without packing, once per process for its overrides: the reference several tests compare with (and never
+  change)."""
+  if overrides not in _unpacked:
+    _unpacked[overrides] = run(tmp_path_factory.mktemp("unpacked"), *overrides)
+  return _unpacked[overrides]
+
+
+_ON_FSDP = """
+import sys
+sys.path[:0] = [{here!r}, {tests!r}, {root!r}]
+from devices import force_cpu_devices
+force_cpu_devices(2)
+import jax, numpy as np
+from hilore_jax import runtime
+runtime.enable_compilation_cache()
+from packed_util import run
+off, _ = run({out!r} + '/off', 'mesh.data=1', 'mesh.fsdp=2')
+on, rows = run({out!r} + '/on', 'mesh.data=1', 'mesh.fsdp=2', *{on!r})
+{check}
+for x, y in zip(jax.tree.leaves(on.state['params']), jax.tree.leaves(off.state['params'])):
+  np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
+"""
+
+
+def assert_updates_as_unpacked_on_fsdp(out, on: tuple[str, ...], check: str):
+  """`run` with the overrides `on` ends with the unpacked run's parameters on a 1 x 2 fsdp mesh of forced CPU
+  devices (a subprocess); check: more Python over `on`, the packed run's Trainer."""
+  code = _ON_FSDP.format(here=os.path.dirname(os.path.abspath(__file__)), tests=repo.TESTS, root=repo.ROOT,
+                         out=str(out), on=tuple(on), check=check)
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]

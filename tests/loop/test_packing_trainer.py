@@ -2,33 +2,18 @@
 positions, with one compiled program per buffer length; its metrics say how full the buffers were; HiLoRe plans
 per buffer length; bad settings are one-line config errors; on an fsdp mesh each device packs its own buffer."""
 
-import os
-import subprocess
-import sys
-
 import jax
 import numpy as np
+import packed_util
 import pytest
 from trainer_util import stable, tiny_config
 
-import repo
 from hilore_jax.errors import ConfigError
 from hilore_jax.loop import metrics
 from hilore_jax.loop.trainer import Trainer
 from hilore_jax.rl import packing
 
 PACKED = ("train.packing=true", "train.max_tokens_per_microbatch=24", "train.max_tokens_per_logprob_pass=16")
-
-
-def _run(out, *overrides):
-  # two passes over each rollout (old log-probs) and a KL term (reference log-probs): every packed pass runs; Adam's
-  # eps of 1e-3 keeps an update near-linear in its gradient, so float32 noise stays float32 noise
-  c = tiny_config(out, "train.steps=2", "grpo.num_iterations=2", "rollout.max_new_tokens=7", "grpo.beta=0.01",
-                  "optimizer.eps=0.001", "eval.at_start=false", "eval.at_end=false", "memory.policy=gc",
-                  "grpo.filter_zero_std=false", *overrides)
-  t = Trainer(c)
-  t.train()
-  return t, metrics.read_metrics(os.path.join(out, "metrics.jsonl"))
 
 
 def test_bad_packing_settings_are_config_errors(tmp_path):
@@ -49,10 +34,9 @@ def test_bad_packing_settings_are_config_errors(tmp_path):
 def test_memory_units_count_a_buffers_positions_and_its_table_once():
   # what HiLoRe prices a packed microbatch at: its buffer rows, each as long as its positions plus (replicated) the
   # table's prompts shared over them
-  import numpy as np
+  import builders
 
   from hilore_jax.loop import step_hooks
-  from hilore_jax.model import ModelConfig
   from hilore_jax.rl import prompt_share, train_step
   from hilore_jax.rl.config import GRPOConfig
   from hilore_jax.rl.update_batch import UpdateBatch
@@ -61,8 +45,8 @@ def test_memory_units_count_a_buffers_positions_and_its_table_once():
   mask = (np.arange(N)[None] < np.array([6, 2, 4, 5, 1, 3])[:, None]).astype(np.int32)
   batch = UpdateBatch(np.arange(1, 7)[:, None].repeat(P, 1).astype(np.int32) // 4 + 1, np.ones((6, P), np.int32),
                       mask * 3, mask, np.ones(6, np.float32))
-  cfg = ModelConfig(vocab_size=11, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-                    num_key_value_heads=1)
+  cfg = builders.tiny_model(vocab_size=11, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1)
   hooks = step_hooks.memory_hooks(None, train_step.StepSpec(cfg, GRPOConfig(), ()))
   for keys in (None, prompt_share.prompt_keys(batch)):
     (buf,) = packing.plan(batch.mask, batch.prompt_mask, (64,), 1, keys, 2)
@@ -81,9 +65,9 @@ def test_a_step_reduces_allocations_of_managers_in_different_phases():
 
 
 @pytest.mark.slow
-def test_a_packed_run_updates_as_an_unpacked_one_on_fewer_positions(tmp_path):
-  off, rows_off = _run(tmp_path / "off")
-  on, rows_on = _run(tmp_path / "on", *PACKED)
+def test_a_packed_run_updates_as_an_unpacked_one_on_fewer_positions(tmp_path, tmp_path_factory):
+  off, rows_off = packed_util.unpacked(tmp_path_factory)
+  on, rows_on = packed_util.run(tmp_path / "on", *PACKED)
   assert off.packer is None
   volatile = ("budget/", "tokens/computed", "tokens/real", "tokens/fill", "memory/")
   for a, b in zip(stable(rows_off), stable(rows_on)):
@@ -115,26 +99,7 @@ def test_hilore_plans_each_buffer_length_with_its_own_manager(tmp_path):
   assert all("alloc/frac_H" in r and 0 < r["tokens/fill"] <= 1 for r in rows)
 
 
-_SHARDED = """
-import sys
-sys.path[:0] = [{here!r}, {tests!r}, {root!r}]
-from devices import force_cpu_devices
-force_cpu_devices(2)
-import jax, numpy as np
-from hilore_jax import runtime
-runtime.enable_compilation_cache()
-from test_packing_trainer import _run, PACKED
-off, _ = _run({out!r} + '/off', 'mesh.data=1', 'mesh.fsdp=2')
-on, rows = _run({out!r} + '/on', 'mesh.data=1', 'mesh.fsdp=2', *PACKED)
-assert {{S for _, S, _ in on.packer.shapes}} == {{2}}, on.packer.shapes  # a buffer row per device
-for x, y in zip(jax.tree.leaves(on.state['params']), jax.tree.leaves(off.state['params'])):
-  np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
-"""
-
-
 @pytest.mark.slow
 def test_packed_buffers_split_over_an_fsdp_mesh_update_as_unpacked(tmp_path):
-  code = _SHARDED.format(here=os.path.dirname(os.path.abspath(__file__)), tests=repo.TESTS, root=repo.ROOT,
-                         out=str(tmp_path))
-  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  packed_util.assert_updates_as_unpacked_on_fsdp(
+      tmp_path, PACKED, "assert {S for _, S, _ in on.packer.shapes} == {2}, on.packer.shapes  # a row per device")

@@ -1,8 +1,9 @@
 """The shared prompt inside the token budget's packed microbatches (token_budget.share, packed_step.py): each
 microbatch gathers a table of its own rows' distinct prompts, and loss, gradient and log-probs equal the unpacked,
-unshared minibatch's (float32, relative 1e-5) for every loss aggregation, with left padding and partial groups; the
+unshared minibatch's (float32, relative 1e-5), with left padding and partial groups; the
 packed program computes each prompt once; a run with both on updates as one with both off."""
 
+import builders
 import jax
 import numpy as np
 import packed_util
@@ -11,13 +12,11 @@ from trainer_util import stable
 
 from hilore_jax import model
 from hilore_jax.loop import packed_step
-from hilore_jax.model import ModelConfig
-from hilore_jax.rl import grpo, prompt_share, token_budget, train_step
+from hilore_jax.rl import prompt_share, token_budget, train_step
 from hilore_jax.rl.config import GRPOConfig
 from hilore_jax.rl.update_batch import UpdateBatch
 
-CFG = ModelConfig(vocab_size=31, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2)
+CFG = builders.tiny_model()
 P, N = 5, 13
 # 13 rows of 5 prompts (partial groups of 1..4 rows, as a shuffled minibatch holds them) and their completion lengths
 # (0: a short minibatch's padding row)
@@ -26,15 +25,10 @@ LENGTHS = np.array([13, 2, 0, 7, 1, 13, 4, 3, 12, 2, 5, 6, 1])
 BUDGET = 5 * (P + N)  # 5 rows at the cap, 7 at 7 tokens, 10 at 4
 
 
-def _batch(rng=np.random.default_rng(0), order=ORDER, lengths=LENGTHS, P=P, N=N) -> UpdateBatch:
-  n, B = order.max() + 1, len(order)
-  pmask = (np.arange(P)[None] >= rng.integers(0, P - 1, n)[:, None]).astype(np.int32)  # left-padded
-  pids = (rng.integers(1, 31, (n, P)) * pmask).astype(np.int32)
-  mask = (np.arange(N)[None] < lengths[:, None]).astype(np.int32)
-  return UpdateBatch(pids[order], pmask[order], (rng.integers(1, 31, (B, N)) * mask).astype(np.int32), mask,
-                     rng.normal(size=B).astype(np.float32),
-                     old_logp=(np.log(rng.uniform(0.02, 0.2, (B, N))) * mask).astype(np.float32),
-                     on_policy=(rng.uniform(size=B) < 0.3).astype(np.int32))
+def _batch(rng=np.random.default_rng(0), order=ORDER, lengths=LENGTHS, P=P, N=N, **kw) -> UpdateBatch:
+  # left-padded prompts of 2..P tokens; about a third of the rows fresh (on_policy)
+  return builders.update_batch(rng, P, N, 31, lengths, order=order, prompt_lens=rng.integers(2, P + 1, order.max() + 1),
+                               old_logp=True, on_policy=rng.uniform(size=len(order)) < 0.3, **kw)
 
 
 def _micros(batch, budget=BUDGET, distinct=0):
@@ -68,12 +62,12 @@ def test_each_microbatch_tables_the_distinct_prompts_of_its_own_rows():
   assert token_budget.computed_positions(micros, P) < token_budget.positions(micros, P)
 
 
-@pytest.mark.parametrize("loss_agg", grpo.LOSS_AGGS)
-def test_packed_shared_loss_gradient_and_logprobs_equal_the_unpacked_unshared_minibatch(loss_agg):
-  spec = packed_util.spec(CFG, loss_agg, N)
-  params = model.init_params(CFG, jax.random.PRNGKey(3), init_std=0.2)
-  batch = _batch()
-  batch = batch.replace(ref_logp=(batch.old_logp * 1.1).astype(np.float32))
+def test_packed_shared_loss_gradient_and_logprobs_equal_the_unpacked_unshared_minibatch():
+  # one aggregation: the shared table touches the prompt side only, and each loss aggregation is checked packed
+  # (test_token_budget.py) and shared (tests/rl/test_prompt_share.py); the per-row mean reads each row's own tokens
+  spec = packed_util.spec(CFG, "seq-mean-token-mean", N)
+  params = builders.params(CFG, 3)
+  batch = _batch(ref_logp=True)
   micros = _micros(batch)
   assert {m.cap for m in micros} > {N} and any(m.table is not None for m in micros)
   # the trainer's minibatch carries its own table (the unpacked passes read it); each microbatch gathers its own
@@ -98,7 +92,7 @@ def test_the_packed_program_computes_each_prompt_once():
   batch = _batch(order=order, lengths=np.array([8, 3, 5, 8, 1, 7, 2, 6]), P=48, N=8)
   micros = _micros(batch, budget=8 * 56)
   assert len(micros) == 1 and micros[0].key == (8, 8, 2)
-  params = model.init_params(CFG, jax.random.PRNGKey(3), init_std=0.2)
+  params = builders.params(CFG, 3)
   packer = packed_step.PackedStepper(packed_util.stepper(params))
   spec = train_step.StepSpec(CFG, GRPOConfig(), model.uniform(CFG.num_hidden_layers, model.FULL_REMAT))
   unshared = token_budget.Micro(micros[0].rows, micros[0].live, micros[0].cap)
@@ -109,13 +103,12 @@ def test_the_packed_program_computes_each_prompt_once():
 
 
 @pytest.mark.slow
-def test_a_run_with_budget_and_sharing_updates_as_one_with_both_off(tmp_path):
-  from test_token_budget import _run
-
-  off, rows_off = _run(tmp_path / "off", "train.share_prompt=false")
+def test_a_run_with_budget_and_sharing_updates_as_one_with_both_off(tmp_path, tmp_path_factory):
+  off, rows_off = packed_util.unpacked(tmp_path_factory, "train.share_prompt=false")
   # 6 rows at the cap (6 + 7 tokens), 8 at 4, 10 at 2: tables of 4 for the 3 prompts (the run's bound); the
   # log-prob passes 4 rows at the cap (unshared: a table of 4 is no smaller), 5 at 4, 6 at 2
-  on, rows_on = _run(tmp_path / "on", "train.max_tokens_per_microbatch=80", "train.max_tokens_per_logprob_pass=52")
+  on, rows_on = packed_util.run(tmp_path / "on", "train.max_tokens_per_microbatch=80",
+                                "train.max_tokens_per_logprob_pass=52")
   assert off.packer is None and not off.config.train.share_prompt and on.config.train.share_prompt
   differ = ("budget/", "completion_len/", "tokens/computed", "tokens/real", "tokens/fill")
   for a, b in zip(stable(rows_off), stable(rows_on)):

@@ -3,39 +3,31 @@ gradient and log-probs for every loss aggregation; every row is packed once with
 budget on updates as one with it off, on fewer positions; bad values are config errors."""
 
 import dataclasses
-import os
 
+import builders
 import jax
 import numpy as np
 import packed_util
 import pytest
 from trainer_util import stable, tiny_config
 
-from hilore_jax import model
 from hilore_jax.loop import metrics, packed_step
 from hilore_jax.errors import ConfigError
-from hilore_jax.model import ModelConfig
 from hilore_jax.rl import token_budget
 from hilore_jax.rl.update_batch import UpdateBatch
 from hilore_jax.memory import MemoryManager
 from hilore_jax.loop.shaped_memory import ShapedMemory
 from hilore_jax.loop.trainer import Trainer
-import repo
 
-CFG = ModelConfig(vocab_size=31, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2)
+CFG = builders.tiny_model()
 B, P, N = 7, 5, 13
 LENGTHS = np.array([13, 2, 0, 7, 1, 13, 4])  # a row of zero length: a short minibatch's padding row
 
 
 def _batch(rng=np.random.default_rng(0)) -> UpdateBatch:
-  mask = (np.arange(N)[None] < LENGTHS[:, None]).astype(np.int32)
-  prompt_mask = (np.arange(P)[None] >= rng.integers(0, 3, B)[:, None]).astype(np.int32)  # left-padded
-  return UpdateBatch((rng.integers(1, 31, (B, P)) * prompt_mask).astype(np.int32), prompt_mask,
-                     (rng.integers(1, 31, (B, N)) * mask).astype(np.int32), mask,
-                     rng.normal(size=B).astype(np.float32),
-                     old_logp=(np.log(rng.uniform(0.02, 0.2, (B, N))) * mask).astype(np.float32),
-                     on_policy=np.array([1, 0, 0, 0, 1, 0, 0], np.int32))
+  # left-padded prompts of 3..5 tokens; a fresh row (on_policy) without a stored old log-prob, the others with one
+  return builders.update_batch(rng, P, N, 31, LENGTHS, prompt_lens=rng.integers(3, P + 1, B), old_logp=True,
+                               ref_logp=True, on_policy=[1, 0, 0, 0, 1, 0, 0])
 
 
 def test_bucket_caps_and_the_plan_keep_every_row_once_within_the_budget():
@@ -63,9 +55,8 @@ def test_bucket_caps_and_the_plan_keep_every_row_once_within_the_budget():
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_packed_loss_and_gradient_equal_the_unpacked_minibatch(loss_agg):
   spec = packed_util.spec(CFG, loss_agg, N)
-  params = model.init_params(CFG, jax.random.PRNGKey(3), init_std=0.2)
+  params = builders.params(CFG, 3)
   batch = _batch()
-  batch = batch.replace(ref_logp=(batch.old_logp * 1.1).astype(np.float32))
   micros = token_budget.plan(LENGTHS, P, token_budget.bucket_caps(N, 3), budget=3 * (P + N), max_rows=B)
   assert {m.cap for m in micros} > {N}  # shorter buckets are used
   packed_util.assert_packed_equals_unpacked(params, batch, batch, micros, spec)
@@ -106,22 +97,12 @@ def test_bad_budget_values_are_config_errors(tmp_path):
     tiny_config(tmp_path, "train.microbatch_size=6", "train.max_tokens_per_microbatch=100")
 
 
-def _run(out, *overrides):
-  # two passes over each rollout (old log-probs) and a KL term (reference log-probs): every packed pass runs; Adam's
-  # eps of 1e-3 keeps an update near-linear in its gradient, so float32 noise stays float32 noise
-  c = tiny_config(out, "train.steps=2", "grpo.num_iterations=2", "rollout.max_new_tokens=7", "grpo.beta=0.01",
-                  "optimizer.eps=0.001", "eval.at_start=false", "eval.at_end=false", "memory.policy=gc",
-                  "grpo.filter_zero_std=false", *overrides)
-  t = Trainer(c)
-  t.train()
-  return t, metrics.read_metrics(os.path.join(out, "metrics.jsonl"))
-
-
 @pytest.mark.slow
-def test_a_run_with_the_budget_updates_as_one_without_on_fewer_positions(tmp_path):
-  off, rows_off = _run(tmp_path / "off")
+def test_a_run_with_the_budget_updates_as_one_without_on_fewer_positions(tmp_path, tmp_path_factory):
+  off, rows_off = packed_util.unpacked(tmp_path_factory)
   # 3 rows at the cap (6 + 7 tokens) per microbatch; the log-prob passes 2
-  on, rows_on = _run(tmp_path / "on", "train.max_tokens_per_microbatch=40", "train.max_tokens_per_logprob_pass=26")
+  on, rows_on = packed_util.run(tmp_path / "on", "train.max_tokens_per_microbatch=40",
+                                "train.max_tokens_per_logprob_pass=26")
   assert off.packer is None and "budget/microbatches" not in rows_off[0]
   # both share the prompt: packed, fewer positions (and another share of them real)
   budget_keys = ("budget/", "completion_len/", "tokens/computed", "tokens/real", "tokens/fill")
@@ -161,31 +142,9 @@ def test_hilore_plans_each_microbatch_shape_with_its_own_manager(tmp_path):
   assert fresh.state_json() == saved
 
 
-_SHARDED = """
-import sys
-sys.path[:0] = [{here!r}, {tests!r}, {root!r}]
-from devices import force_cpu_devices
-force_cpu_devices(2)
-import jax, numpy as np
-from hilore_jax import runtime
-runtime.enable_compilation_cache()
-from test_token_budget import _run
-off, _ = _run({out!r} + '/off', 'mesh.data=1', 'mesh.fsdp=2')
-on, rows = _run({out!r} + '/on', 'mesh.data=1', 'mesh.fsdp=2', 'train.max_tokens_per_microbatch=40',
-                'train.max_tokens_per_logprob_pass=26')
-assert all(r % 2 == 0 for _, r, _ in on.packer.shapes), on.packer.shapes  # rows split over both devices
-assert min(cap for _, _, cap in on.packer.shapes) < 7
-for x, y in zip(jax.tree.leaves(on.state['params']), jax.tree.leaves(off.state['params'])):
-  np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
-"""
-
-
 @pytest.mark.slow
 def test_packed_microbatches_split_over_an_fsdp_mesh_update_as_unpacked(tmp_path):
-  import subprocess
-  import sys
-
-  code = _SHARDED.format(here=os.path.dirname(os.path.abspath(__file__)), tests=repo.TESTS, root=repo.ROOT,
-                        out=str(tmp_path))
-  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  packed_util.assert_updates_as_unpacked_on_fsdp(
+      tmp_path, ("train.max_tokens_per_microbatch=40", "train.max_tokens_per_logprob_pass=26"),
+      "assert all(r % 2 == 0 for _, r, _ in on.packer.shapes), on.packer.shapes  # rows split over both devices\n"
+      "assert min(cap for _, _, cap in on.packer.shapes) < 7")

@@ -1,5 +1,6 @@
 """model/layers.py: the layer stack's two layouts, and its runs of one remat policy under lax.scan."""
 
+import builders
 import jax
 import jax.numpy as jnp
 import pytest
@@ -16,15 +17,11 @@ PLAN = (model.FULL_REMAT, model.FULL_REMAT, KEEP_L, KEEP_L, model.FULL_REMAT, SA
 
 
 def _cfg(**kw):
-  return model.ModelConfig(vocab_size=31, hidden_size=24, intermediate_size=37, num_hidden_layers=len(PLAN),
-                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, **kw)
+  return builders.tiny_model(num_hidden_layers=len(PLAN), tie_word_embeddings=False, **kw)
 
 
 def _params(cfg):
-  p = model.init_params(cfg, jax.random.PRNGKey(0), init_std=0.3)
-  leaves, tree = jax.tree_util.tree_flatten(p)
-  keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
-  return jax.tree_util.tree_unflatten(tree, [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+  return builders.params(cfg, init_std=0.3, noise=0.1)
 
 
 IDS = jnp.array([[3, 5, 7, 11, 13, 17, 19], [2, 4, 6, 8, 10, 12, 14]])

@@ -1,4 +1,5 @@
 import chex
+import builders
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,10 +32,7 @@ def test_bounded_error_on_random_data():
 
 
 def _params(cfg):
-  p = model.init_params(cfg, jax.random.PRNGKey(0), init_std=0.3)
-  leaves, tree = jax.tree_util.tree_flatten(p)
-  keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
-  return jax.tree_util.tree_unflatten(tree, [l + 0.1 * jax.random.normal(k, l.shape) for l, k in zip(leaves, keys)])
+  return builders.params(cfg, init_std=0.3, noise=0.1)
 
 
 def _loss(cfg, p, ids, policies):

@@ -1,6 +1,7 @@
 """optimizer.kind / optimizer.logra / optimizer.kl_control: config checks, the optax chain, sharded state, and a
 LoGRA run with KL control that resumes exactly across a refresh."""
 
+import builders
 import jax
 import numpy as np
 import optax
@@ -9,12 +10,10 @@ from jax.sharding import PartitionSpec as P
 
 from hilore_jax import cli, model, optim, sharding
 from hilore_jax.loop import engine
-from hilore_jax.model import ModelConfig
 from hilore_jax.optim import logra
 from hilore_jax.optim.config import LograConfig, OptimizerConfig
 
-CFG = ModelConfig(vocab_size=31, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, tie_word_embeddings=False)
+CFG = builders.tiny_model(tie_word_embeddings=False)
 
 
 def test_config_keys():

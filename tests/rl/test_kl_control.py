@@ -2,13 +2,13 @@
 
 import functools
 
+import builders
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from hilore_jax import model
-from hilore_jax.model import ModelConfig
 from hilore_jax.rl import kl_control
 
 
@@ -96,8 +96,7 @@ def test_control_scale_hand_values():
 
 @functools.lru_cache(maxsize=1)
 def _tiny_model():
-  cfg = ModelConfig(vocab_size=31, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, tie_word_embeddings=False)
+  cfg = builders.tiny_model(tie_word_embeddings=False)
   # init_params' structure with numpy values (its threefry draws take seconds to compile): std 0.2 makes the
   # distributions peaked enough that the KL is not trivial; 1-D leaves (norms) are ones as init_params makes them
   rng = np.random.default_rng(0)

@@ -4,6 +4,7 @@ honest peak bytes, and the plain program when the control is off."""
 import dataclasses
 import functools
 
+import builders
 import jax
 import numpy as np
 import optax
@@ -11,14 +12,12 @@ import pytest
 
 from hilore_jax import model, sharding
 from hilore_jax.loop import engine
-from hilore_jax.model import ModelConfig
 from hilore_jax.optim.config import KLControlConfig
 from hilore_jax.rl import kl_control, train_step
 from hilore_jax.rl.config import GRPOConfig
 from hilore_jax.rl.update_batch import UpdateBatch
 
-CFG = ModelConfig(vocab_size=61, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, tie_word_embeddings=False)
+CFG = builders.tiny_model(vocab_size=61, tie_word_embeddings=False)
 B, P, N = 4, 5, 7
 TEMPERATURE = 0.7
 SPEC = train_step.StepSpec(CFG, GRPOConfig(), model.uniform(CFG.num_hidden_layers, model.FULL_REMAT),

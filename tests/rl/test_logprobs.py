@@ -13,7 +13,7 @@ def _naive(h, w, tgt):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chunk", [1, 3, 4, 13, 50])
+@pytest.mark.parametrize("chunk", [1, 3, 13, 50])  # one a position, a remainder chunk, exact, one chunk over T
 def test_chunked_equals_naive_values_and_grads(chunk):
   rng = np.random.RandomState(0)
   h = jnp.asarray(rng.randn(3, 13, 7), jnp.float32)

@@ -3,6 +3,7 @@ on-policy without an extra forward, and training log-probs are under the samplin
 
 import dataclasses
 
+import builders
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,23 +12,18 @@ from trainer_util import tiny_config
 
 from hilore_jax import model
 from hilore_jax.loop import update_plan
-from hilore_jax.model import ModelConfig
 from hilore_jax.rl import grpo, rollout, train_step
 from hilore_jax.rl.config import GRPOConfig
 from hilore_jax.rl.update_batch import UpdateBatch
 from hilore_jax.loop.trainer import Trainer
 
-CFG = ModelConfig(vocab_size=31, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2)
+CFG = builders.tiny_model()
 B, P, N = 6, 5, 7
 
 
 def _batch(seed=0):
   rng = np.random.default_rng(seed)
-  mask = (np.arange(N)[None] < rng.integers(2, N + 1, B)[:, None]).astype(np.int32)
-  return UpdateBatch(rng.integers(1, 31, (B, P)).astype(np.int32), np.ones((B, P), np.int32),
-                     rng.integers(1, 31, (B, N)).astype(np.int32), mask,
-                     np.array([1.0, -0.5, 2.0, 1.5, 0.5, 1.0], np.float32))
+  return builders.update_batch(rng, P, N, 31, rng.integers(2, N + 1, B), adv_B=[1.0, -0.5, 2.0, 1.5, 0.5, 1.0])
 
 
 def _params(seed):

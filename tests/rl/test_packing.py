@@ -7,6 +7,7 @@ program per buffer length; a row longer than the buffer is a one-line error."""
 import dataclasses
 import sys
 
+import builders
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +16,6 @@ from tolerance import assert_close
 
 from hilore_jax import model
 from hilore_jax.errors import ConfigError
-from hilore_jax.model import ModelConfig
 from hilore_jax.model.attention import Segments, visible_blocks
 from hilore_jax.rl import grpo, packing, prompt_share, train_step
 from hilore_jax.rl.update_batch import UpdateBatch
@@ -23,8 +23,7 @@ from hilore_jax.rl.update_batch import UpdateBatch
 sys.path.insert(0, __file__.rsplit("/rl/", 1)[0] + "/loop")
 import packed_util  # noqa: E402  (the token budget's shared check: packed == unpacked, stepper)
 
-CFG = ModelConfig(vocab_size=31, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, attention_block_q=4, attention_block_k=8)
+CFG = builders.tiny_model(attention_block_q=4, attention_block_k=8)
 P, N = 5, 13
 # rows in order: prompts 0, 1, 2 (group 2 partial: two rows), a row of zero length (a short minibatch's padding),
 # two replayed rows (prompt 3, and one of prompt 0's)
@@ -35,16 +34,9 @@ REPLAYED = np.array([0, 0, 0, 0, 0, 0, 0, 0, 1, 1], np.int32)
 
 def _batch(seed: int = 0) -> UpdateBatch:
   rng = np.random.default_rng(seed)
-  B = len(ORDER)
-  plen = rng.integers(1, P + 1, ORDER.max() + 1)  # left-padded prompts of 1..P real tokens
-  pm = (np.arange(P)[None] >= P - plen[:, None]).astype(np.int32)
-  pids = (rng.integers(1, 31, pm.shape) * pm).astype(np.int32)
-  mask = (np.arange(N)[None] < LENGTHS[:, None]).astype(np.int32)
-  old = (np.log(rng.uniform(0.02, 0.2, (B, N))) * mask).astype(np.float32)
-  return UpdateBatch(pids[ORDER], pm[ORDER], (rng.integers(1, 31, (B, N)) * mask).astype(np.int32), mask,
-                     rng.normal(size=B).astype(np.float32), old_logp=old,
-                     on_policy=((1 - REPLAYED) * (np.arange(B) % 3 == 0)).astype(np.int32), replayed=REPLAYED,
-                     ref_logp=(old * 1.1).astype(np.float32))
+  fresh = (1 - REPLAYED) * (np.arange(len(ORDER)) % 3 == 0)  # a fresh row's old log-prob is its own (unread)
+  return builders.update_batch(rng, P, N, 31, LENGTHS, order=ORDER, prompt_lens=rng.integers(1, P + 1, ORDER.max() + 1),
+                               old_logp=True, ref_logp=True, on_policy=fresh, replayed=REPLAYED)
 
 
 def _plan(batch, shared: bool, budget: int = 28, shards: int = 1):
@@ -53,7 +45,7 @@ def _plan(batch, shared: bool, budget: int = 28, shards: int = 1):
 
 
 def _params():
-  return model.init_params(CFG, jax.random.PRNGKey(3), init_std=0.2)
+  return builders.params(CFG, 3)
 
 
 def test_the_packer_holds_every_row_once_end_to_end():

@@ -2,19 +2,18 @@
 unshared computation (float32, relative 1e-5) under every loss aggregation, both attention kernels, left-padded
 prompts, partial groups and microbatches; the compiled gradient program computes the prompt once."""
 
+import builders
 import jax
 import numpy as np
 import pytest
 from tolerance import assert_close, assert_trees_close
 
 from hilore_jax import model
-from hilore_jax.model import ModelConfig
 from hilore_jax.rl import grpo, prompt_share, train_step
 from hilore_jax.rl.config import GRPOConfig
-from hilore_jax.rl.update_batch import UpdateBatch
 
-CFG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=43, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, attention_block_q=4, attention_block_k=5)
+CFG = builders.tiny_model(vocab_size=61, hidden_size=32, intermediate_size=43, num_hidden_layers=3, attention_block_q=4,
+                          attention_block_k=5)
 P, N = 7, 11
 ULPS = 84  # relative 1e-5 in float32 steps
 # rows in order: slice 1 holds prompts 0, 1, 2 (group 2 split over both slices), slice 2 prompts 2, 3, 4; partial
@@ -23,20 +22,15 @@ ORDER = (0, 2, 1, 0, 2, 0, 3, 2, 4, 3, 2, 4)
 
 
 def _batch(rng=np.random.default_rng(0), order=ORDER, P=P, N=N):
-  n = max(order) + 1
-  lens = rng.integers(1, P + 1, n)  # left padding: prompts of 1..P real tokens
-  pmask = (np.arange(P)[None] >= P - lens[:, None]).astype(np.int32)
-  pids = (rng.integers(1, 61, (n, P)) * pmask).astype(np.int32)
   rows = np.asarray(order)
-  B = len(rows)
-  mask = (np.arange(N)[None] < rng.integers(1, N + 1, B)[:, None]).astype(np.int32)
-  mask[-1] = 0  # a padding row (a short last minibatch)
-  return UpdateBatch(pids[rows], pmask[rows], (rng.integers(1, 61, (B, N)) * mask).astype(np.int32), mask,
-                     rng.normal(size=B).astype(np.float32))
+  prompt_lens = rng.integers(1, P + 1, rows.max() + 1)  # left padding: prompts of 1..P real tokens
+  lengths = rng.integers(1, N + 1, len(rows))
+  lengths[-1] = 0  # a padding row (a short last minibatch)
+  return builders.update_batch(rng, P, N, 61, lengths, order=rows, prompt_lens=prompt_lens)
 
 
 def _params():
-  return model.init_params(CFG, jax.random.PRNGKey(0), init_std=0.2)
+  return builders.params(CFG)
 
 
 def test_the_table_holds_each_slice_distinct_prompts_once():

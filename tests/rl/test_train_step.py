@@ -1,6 +1,7 @@
 """The split step updates exactly as the one-function step does (that clipping does not undo its remat is checked
 through the clip command, tests/experiments/test_bench.py)."""
 
+import builders
 import jax
 import numpy as np
 import optax
@@ -9,24 +10,19 @@ from tolerance import assert_close, assert_trees_close
 
 from hilore_jax import model, sharding
 from hilore_jax.loop import engine
-from hilore_jax.model import ModelConfig
 from hilore_jax.rl import train_step
 from hilore_jax.rl.config import GRPOConfig
-from hilore_jax.rl.update_batch import UpdateBatch
 
-CFG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=87, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2)
+CFG = builders.tiny_model(vocab_size=61, hidden_size=32, intermediate_size=87, num_hidden_layers=3)
 B, P, N = 4, 7, 121
 
 
 def _batch(rng=np.random.default_rng(0)):
-  mask = (np.arange(N)[None] < rng.integers(N // 2, N + 1, B)[:, None]).astype(np.int32)
-  return UpdateBatch(rng.integers(1, 61, (B, P)).astype(np.int32), np.ones((B, P), np.int32),
-                     (rng.integers(1, 61, (B, N)) * mask).astype(np.int32), mask, rng.normal(size=B).astype(np.float32))
+  return builders.update_batch(rng, P, N, 61, rng.integers(N // 2, N + 1, B))
 
 
 def _state(optimizer, mesh):
-  params = model.init_params(CFG, jax.random.PRNGKey(0), init_std=0.1)
+  params = builders.params(CFG, init_std=0.1)
   return engine.init_state(mesh, optimizer, jax.eval_shape(lambda: params), lambda sh: jax.device_put(params, sh))
 
 

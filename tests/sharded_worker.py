@@ -3,7 +3,7 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the shared helpers
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/: the shared helpers
 from devices import start_worker  # noqa: E402
 
 n_dev, data, fsdp, out = start_worker()
