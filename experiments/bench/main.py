@@ -1,4 +1,4 @@
-"""python -m experiments.bench --config configs/bench_cpu.yaml --out DIR [key.path=value ...]"""
+"""python -m experiments.bench.main --config configs/bench_cpu.yaml --out DIR [key.path=value ...]"""
 
 from hilore_jax import cli, runtime
 

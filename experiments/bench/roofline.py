@@ -1,9 +1,9 @@
-"""python -m experiments.roofline --config configs/roofline_smollm2.yaml --out DIR [key.path=value ...]
+"""python -m experiments.bench.roofline --config configs/roofline_smollm2.yaml --out DIR [key.path=value ...]
 
 A roofline projection of one H200's step time per plan (hilore_jax/capacity/roofline.py), compile-only: no step runs.
 Plans: none, gc and each uncalibrated method of bench.methods at bench.budget_ratios, fitted to the budget on the
 compiled step with the cost model's op times projected for the H200. Calibrated methods (hilore, hilore_static, ...)
-need measured gradients: `python -m experiments.bench ... bench.roofline=true` projects their plans beside the
+need measured gradients: `python -m experiments.bench.main ... bench.roofline=true` projects their plans beside the
 measurement.
 """
 
@@ -27,7 +27,7 @@ def body(args):
   chosen = [m for m in bc.methods if m not in methods.CALIBRATED]
   skipped = [m for m in bc.methods if m in methods.CALIBRATED]
   if skipped:
-    print(f"roofline: skipping calibrated methods {skipped} (their plans need gradients: experiments.bench "
+    print(f"roofline: skipping calibrated methods {skipped} (their plans need gradients: experiments.bench.main "
           "bench.roofline=true)", flush=True)
   plans = projection.planned(cfg, mcfg, bc.batch_size, bc.prompt_len, completion, chosen, bc.budget_ratios)
   rows = projection.project_plans(cfg, mcfg, bc.batch_size, bc.prompt_len, completion, plans,

@@ -1,6 +1,6 @@
 """The synthetic benchmark's per-unit risk table: how well each score predicts the measured per-unit error on
-held-out batches, pooled over batches and units (so mostly fixed per-unit differences; experiments/exposure.py reports
-the within-unit figures on real rollouts)."""
+held-out batches, pooled over batches and units (so mostly fixed per-unit differences; experiments/exposure/run.py
+reports the within-unit figures on real rollouts)."""
 
 from __future__ import annotations
 

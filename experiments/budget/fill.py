@@ -1,4 +1,4 @@
-"""python -m experiments.bench_fill --config configs/smollm2-135m-reason.yaml --rollouts 2
+"""python -m experiments.budget.fill --config configs/smollm2-135m-reason.yaml --rollouts 2
 [--arm name:key=value,key=value]... [overrides]
 
 How full each setting's update is on the same rollouts, deterministic (no timing): the rollouts are sampled once

@@ -1,4 +1,4 @@
-"""python -m experiments.budget_sim [--median 95] [--sigma 0.75] [--rows 16] [--prompt 96] [--cap 256]
+"""python -m experiments.budget.sim [--median 95] [--sigma 0.75] [--rows 16] [--prompt 96] [--cap 256]
 [--budget 2816] [--trials 300]
 
 How far length buckets can go: positions a minibatch's update computes, rows padded to the longest against the best

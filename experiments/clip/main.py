@@ -1,4 +1,4 @@
-"""python -m experiments.bench_clip --config configs/bench_clip.yaml [--out DIR] [key.path=value ...]"""
+"""python -m experiments.clip.main --config configs/bench_clip.yaml [--out DIR] [key.path=value ...]"""
 
 import json
 import os

@@ -14,7 +14,7 @@ from hilore_jax.model.codec import FORMATS
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
-  """`python -m experiments.bench`: the actor update of every method on synthetic GRPO minibatches."""
+  """`python -m experiments.bench.main`: the actor update of every method on synthetic GRPO minibatches."""
 
   batch_size: int = 8  # rows per minibatch (groups x group_size)
   group_size: int = 4  # responses per prompt
@@ -61,7 +61,7 @@ class BenchConfig:
 
 @dataclasses.dataclass(frozen=True)
 class E1Criteria:
-  """Issue 36's pre-registered criteria (bench_exposure.criteria.*; experiments/exposure_e1.py reads them)."""
+  """Issue 36's pre-registered criteria (bench_exposure.criteria.*; experiments/exposure/e1.py reads them)."""
 
   regime_clipfrac_min: float = 0.02  # rollout 0's second pass clips at least this share of tokens
   regime_length_ratio_min: float = 4.0  # rollout 0's completion lengths, p90 / p10
@@ -77,7 +77,7 @@ class E1Criteria:
 
 @dataclasses.dataclass(frozen=True)
 class E1bSettings:
-  """Issue 47's experiment E1b (bench_exposure.e1b.*; experiments/exposure_e1b.py): exposure decided where the risk
+  """Issue 47's experiment E1b (bench_exposure.e1b.*; experiments/exposure/e1b.py): exposure decided where the risk
   budget binds. Pre-registered in configs/exposure_e1b_smollm2.yaml and docs/exposure.md before it runs."""
 
   json: str = ""  # where the summary is written (e.g. docs/data/exposure_e1b.json); "": the bench runs, not E1b
@@ -108,7 +108,7 @@ class E1bSettings:
 
 @dataclasses.dataclass(frozen=True)
 class ExposureBenchConfig:
-  """`python -m experiments.bench_exposure`: run-time exposure on real rollout minibatches (experiments/exposure.py)."""
+  """`python -m experiments.exposure.main`: run-time exposure on real rollout minibatches (exposure/run.py)."""
 
   rollout_steps: int = 4  # rollouts of the warm-started policy; each gives grpo.num_iterations passes of minibatches
   calib_minibatches: int = 8  # the first minibatches (step 0, first pass) calibrate; every later one is held out
@@ -123,7 +123,7 @@ class ExposureBenchConfig:
   update_error: bool = True  # record every minibatch's optimizer state: the update error's column (and metric)
   kl_clamps: tuple[float, ...] = (10.0, 3.0)  # grpo.kl_clamp values whose removal of ||g||'s spread is reported
   # issue 36's experiment E1: a periodic-static arm recalibrated on this rollout (0: none), the criteria, and where
-  # the P1-P4 summary is written (""; e.g. docs/data/exposure_e1.json: experiments/exposure_e1.py)
+  # the P1-P4 summary is written (""; e.g. docs/data/exposure_e1.json: experiments/exposure/e1.py)
   recalibrate_rollout: int = 0
   criteria: E1Criteria = E1Criteria()
   e1_json: str = ""
@@ -145,7 +145,7 @@ REAL_PARTS = ("setup", "l_error", "memory", "logra")
 
 @dataclasses.dataclass(frozen=True)
 class RealBenchConfig:
-  """`python -m experiments.bench_real`: a pretrained model's memory table, L error and set-up cost (real_model.py)."""
+  """`python -m experiments.real_model.main`: a pretrained model's memory table, L error and set-up cost (run.py)."""
 
   shapes: tuple[str, ...] = ("8x1024", "4x2048")  # minibatch rows x tokens per row of the compile-only memory table
   prompt_fraction: float = 0.25  # share of each row's tokens that are prompt

@@ -1,7 +1,7 @@
-"""python -m experiments.bench_compile --config configs/bench_cpu.yaml [--layers 4,8,16,32] [--plans gc,hilore_mixed]
-[key.path=value ...]
+"""python -m experiments.compile_time.main --config configs/bench_cpu.yaml [--layers 4,8,16,32]
+[--plans gc,hilore_mixed] [key.path=value ...]
 
-python -m experiments.bench_compile --shape smollm2-135m --layers 8,16,30,36 --completion 1792 --attention blockwise
+python -m experiments.compile_time.main --shape smollm2-135m --layers 8,16,30,36 --completion 1792 --attention blockwise
 [--method hilore --ratio 1.1] [--unrolled] --out DIR: the memory manager's plan at each depth, its gradient
 program's compile seconds and the compiling process's peak RSS (a fresh process per program), compile-only; rows kept
 in DIR/depth.json (a rerun measures only what is missing), the table printed and written to DIR/depth.md.

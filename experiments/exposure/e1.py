@@ -241,7 +241,7 @@ def write(be, metric: str, cal, held, err_by: dict, units, mu, table: dict, chos
   # the benchmark's arms force exposure on; the recipe's decision is the measured one (on the bench's calibration)
   gate = cal_state.gate
   decision = {**gate, "mode": "auto", "on": gate.get("measured_on", gate.get("on"))}
-  out = summary(config_path, " ".join(["python -m experiments.bench_exposure", *argv]), arrays, be.criteria, decision,
+  out = summary(config_path, " ".join(["python -m experiments.exposure.main", *argv]), arrays, be.criteria, decision,
                 be.bootstrap, regime(cal, be.criteria))
   os.makedirs(os.path.dirname(be.e1_json) or ".", exist_ok=True)
   with open(be.e1_json, "w") as f:

@@ -1,4 +1,4 @@
-"""Issue 47's experiment E1b as pure functions of its arrays (experiments/exposure_e1b.py runs them): the tolerance
+"""Issue 47's experiment E1b as pure functions of its arrays (experiments/exposure/e1b.py runs them): the tolerance
 rule, the check that the risk budget binds, the doubling sweep of delta, each arm read where it first crosses the
 violation target (undefined where it never does), the primary and secondary criteria with cluster-bootstrap CIs
 over row sets, and the decision they make.

@@ -1,5 +1,5 @@
-"""python -m experiments.bench_exposure --config configs/bench_exposure.yaml --out DIR [key=value ...]
-(with bench_exposure.e1b.json set, issue 47's E1b runs instead: experiments/exposure_e1b.py)"""
+"""python -m experiments.exposure.main --config configs/bench_exposure.yaml --out DIR [key=value ...]
+(with bench_exposure.e1b.json set, issue 47's E1b runs instead: experiments/exposure/e1b.py)"""
 
 from hilore_jax import cli
 

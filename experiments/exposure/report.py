@@ -1,5 +1,5 @@
 """The exposure benchmark's statistics and report: within-unit Spearman summaries, the arms' comparisons, the
-issue's targets, the markdown tables and the two plots (experiments/exposure.py runs it)."""
+issue's targets, the markdown tables and the two plots (experiments/exposure/run.py runs it)."""
 
 from __future__ import annotations
 

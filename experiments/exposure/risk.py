@@ -1,7 +1,7 @@
 """The exposure benchmark's risk prediction: every predictor's scores of the held-out minibatches, each with its own
 susceptibility fitted on the calibration measurements at the normalisation it is applied with, its ablations and
-simple baselines; how much of ||g||'s spread a clamped KL removes; the held-out arrays' file (experiments/exposure.py
-runs them).
+simple baselines; how much of ||g||'s spread a clamped KL removes; the held-out arrays' file
+(experiments/exposure/run.py runs them).
 
 Scores come as (raw, susceptibility): a within-unit ranking reads the raw score (one positive factor per unit cannot
 change it, and a unit whose factor could not be fitted, 0, would lose its ranking), pooled figures the product."""

@@ -1,9 +1,9 @@
-"""Does run-time exposure predict and decide? On the rollouts and calibration of experiments/exposure_study.py: per
+"""Does run-time exposure predict and decide? On the rollouts and calibration of experiments/exposure/study.py: per
 held-out minibatch and unit the measured error of that unit alone as L, of every risk metric (memory/risk.py); every
 predictor's scores and the one that ranks errors best within unit; per arm (optimal_hr, hilore_static, hilore with
 exposure off / on, an oracle allocating from the measured errors) the plan at the calibrated delta and its realised
 error, and a sweep over delta read at one violation rate (recompute FLOPs removed, the cost model's predicted
-removal; experiments/exposure_sweep.py). Step times only with bench_exposure.timing. Writes exposure.json,
+removal; experiments/exposure/sweep.py). Step times only with bench_exposure.timing. Writes exposure.json,
 exposure.md, exposure.png, exposure_sweep.png and exposure_arrays.npz (every held-out error and score, each
 minibatch's ||g|| and each unit's absolute error). run() runs the phases in order: prepare, held_out, predict,
 compare, write."""

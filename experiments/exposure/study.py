@@ -2,7 +2,7 @@
 grpo.num_iterations passes; later passes are off-policy and clip), each with the params (and optimizer state) its
 update saw, kept on disk; split them into calibration (the first minibatches) and held out (every later rollout);
 calibrate on the first, each at its own params; measure every held-out minibatch's unit errors (one gradient each)
-and its forward's per-token errors. experiments/exposure.py (the bench) and exposure_e1b.py (E1b) run on."""
+and its forward's per-token errors. experiments/exposure/run.py (the bench) and exposure_e1b.py (E1b) run on."""
 
 from __future__ import annotations
 

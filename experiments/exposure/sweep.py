@@ -62,7 +62,7 @@ def sweep_arm(plan_at: Callable, buckets: Sequence[int], factors: Sequence[float
                    "err_mean": float(errs.mean()), "err_max": float(errs.max()),
                    "recompute_removed_pct": removed_pct(float(np.mean(fl)), gc_flops, plan_flops.none),
                    "predicted_removed_pct": 100 * (gc_s - float(np.mean(secs))) / max(gc_s, 1e-12),
-                   # per minibatch, for a bootstrap over minibatches (experiments/exposure_e1.py)
+                   # per minibatch, for a bootstrap over minibatches (experiments/exposure/e1.py)
                    "per_minibatch": {"err": errs.tolist(),
                                      "removed_pct": [removed_pct(x, gc_flops, plan_flops.none) for x in fl]}})
   return points

@@ -1,4 +1,4 @@
-"""python -m experiments.kl_report RUN_DIR [--out DIR]: predicted vs realised KL of a run trained with kl_control."""
+"""python -m experiments.kl.main RUN_DIR [--out DIR]: predicted vs realised KL of a run trained with kl_control."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""python -m experiments.lora_sampler --config configs/smollm2-135m-arith-lora.yaml --rollouts 6 [overrides]
+"""python -m experiments.lora.sampler --config configs/smollm2-135m-arith-lora.yaml --rollouts 6 [overrides]
 
 A LoRA run's sampler, timed both ways on the same prompts and keys, interleaved (the order alternates): merged
 weights (W + scale * A B computed once per rollout under jit, what the trainer runs: model/lora.py sampling_model)

@@ -1,4 +1,4 @@
-"""python -m experiments.bench_optim --config configs/bench_cpu.yaml --out DIR [--ranks 16,32,64]
+"""python -m experiments.optim.main --config configs/bench_cpu.yaml --out DIR [--ranks 16,32,64]
     [key.path=value ...]"""
 
 from hilore_jax import cli

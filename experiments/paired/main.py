@@ -1,8 +1,8 @@
-"""python -m experiments.bench_paired --config configs/smollm2-135m-arith.yaml --a train.share_prompt=false
+"""python -m experiments.paired.main --config configs/smollm2-135m-arith.yaml --a train.share_prompt=false
 --b train.share_prompt=true --rollouts 3 --reps 2 [--floor] --out runs/paired memory.policy=gc
 
 Arm B's update time against arm A's on the same rollouts from the same state, paired, with bootstrap CIs
-(experiments/paired.py); --floor also times arm A compiled a second time (the noise floor); --sampler also times
+(experiments/paired/run.py); --floor also times arm A compiled a second time (the noise floor); --sampler also times
 each group's prompt prefilled once against once per row.
 Each arm is the config plus the trailing overrides plus its own (--a / --b, comma-separated)."""
 

@@ -1,4 +1,4 @@
-"""python -m experiments.bench_profile --config configs/bench_binding.yaml --out DIR [--results BENCH_DIR] [--reps N]"""
+"""python -m experiments.profile.main --config configs/bench_binding.yaml --out DIR [--results BENCH_DIR] [--reps N]"""
 
 import json
 import os
@@ -24,7 +24,7 @@ def main(argv=None):
   cli.main("Per-op and per-category time of every memory plan's actor update (jax.profiler traces), beside XLA's "
            "counts and the cost model's prediction", body, argv,
            args=[cli.arg("--out", required=True, help="directory for profile.json, profile.md and traces/"),
-                 cli.arg("--results", help="an experiments.bench output directory: its plans (when its rows carry "
+                 cli.arg("--results", help="an experiments.bench.main output directory: its plans (when its rows carry "
                                            "them) and its measured order"),
                  cli.arg("--reps", type=int, default=5, help="traced steps and untraced rounds per plan"),
                  cli.arg("--keep-xplane", action="store_true", help="keep each trace's xplane.pb (TensorBoard)")])

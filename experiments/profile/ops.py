@@ -14,7 +14,7 @@ time; one that completes later (its work handed to another thread) counts until 
 Attribution: each op gets its event's time minus what ops nested in it on the same thread took (a loop keeps only
 its own control time); where ops on different threads overlap, the overlap is split evenly between them, so the
 ops' times and the gaps no op covers (the executor between thunks: `executor`) add up to the run's span, first
-op's start to last op's end. The ops' categories and bytes come from the program's HLO (experiments/hlo_ops.py).
+op's start to last op's end. The ops' categories and bytes come from the program's HLO (experiments/profile/hlo.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""experiments.bench_profile's outputs: profile.json (everything) and profile.md (a summary table, a table per plan, and
+"""experiments.profile.main's outputs: profile.json (everything) and profile.md (a summary table, a table per plan, and
 whether each predictor orders the plans as the measurement does), measured and predicted labelled apart."""
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def markdown(result: dict) -> str:
       f"{result['timing']['rounds']} untraced interleaved rounds per plan; plans {' / '.join(sorted(map(str, src)))}; "
       f"{result['machine']['device']} ({result['machine']['cpus']} CPUs), jax {result['machine']['jax']}.", "",
       "**Measured**: wall time (untraced), each program's traced span and its ops' times (profiler on; "
-      "experiments/op_profile.py: an op's time is its thunk's span less nested ops, overlaps between threads split "
+      "experiments/profile/ops.py: an op's time is its thunk's span less nested ops, overlaps between threads split "
       "evenly; `executor` is the span no op covered; `loop` a loop's own control time). **Counted**: XLA's "
       "cost analysis, temp bytes, matmul FLOPs, the traced bytes (each executed thunk's operands and result from "
       "the HLO shapes: an estimate). **Predicted**: the cost model's rerun + codec seconds above No-GC "

@@ -1,10 +1,10 @@
-"""`python -m experiments.bench_profile`: where each memory plan's actor update spends its time on this machine.
+"""`python -m experiments.profile.main`: where each memory plan's actor update spends its time on this machine.
 
 The bench's plans (GC, No-GC and the partial plans: rebuilt from a bench run's results.json when its rows carry
 their policies, else planned again from the same seed and config) and two controls, GC and No-GC without the layer
 scan (`projection.unrolled`: the same computation, every layer a plain call). Each plan's train step
 (gradient program, then update program) is timed untraced in interleaved rounds, then run `reps` times under
-`jax.profiler.trace` and broken down per op and category (experiments/op_profile.py). Beside the measurements: XLA's
+`jax.profiler.trace` and broken down per op and category (experiments/profile/ops.py). Beside the measurements: XLA's
 cost analysis of both programs (loop bodies counted once) and of the plan with its loops unrolled
 (capacity/projection.py), compiled temp bytes, the jaxpr's matmul FLOPs and the cost model's predicted rerun seconds.
 """

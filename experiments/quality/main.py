@@ -1,4 +1,4 @@
-"""python -m experiments.bench_quality --config configs/tiny.yaml --seeds 5 [--arm name:key=value,...]... [--out DIR]"""
+"""python -m experiments.quality.main --config configs/tiny.yaml --seeds 5 [--arm name:key=value,...]... [--out DIR]"""
 
 import json
 

@@ -1,4 +1,4 @@
-"""python -m experiments.bench_real --config configs/smollm2-135m-arith.yaml --out DIR [key.path=value ...]"""
+"""python -m experiments.real_model.main --config configs/smollm2-135m-arith.yaml --out DIR [key.path=value ...]"""
 
 from hilore_jax import cli, runtime
 

@@ -1,7 +1,7 @@
-"""python -m experiments.bench_sampler --config configs/smollm2-135m-reason.yaml --mode flat|rollouts|costs
+"""python -m experiments.sampler.main --config configs/smollm2-135m-reason.yaml --mode flat|rollouts|costs
 [--new-tokens 1024] [--reps 2] [--rollouts 2] [--out DIR] [key.path=value ...]
 
-The sampler at length (experiments/sampler_bench.py), at the config's model, rollout and decode settings:
+The sampler at length (experiments/sampler/run.py), at the config's model, rollout and decode settings:
 flat: per-token time over position of --new-tokens tokens on a synthetic prompt with stopping off (timed: a quiet
 machine); rollouts: --rollouts real rollouts of the config's task, the rows each decode segment ran against the rows
 still live (deterministic; wall times as guidance); costs: a decode step's FLOPs and bytes by position against

@@ -1,8 +1,8 @@
-"""python -m experiments.bench_prefill --config configs/roofline_smollm2.yaml rollout.num_prompts=8
+"""python -m experiments.sampler.prefill --config configs/roofline_smollm2.yaml rollout.num_prompts=8
 rollout.num_generations=8 rollout.max_prompt_len=48 rollout.max_new_tokens=16
 
 The sampler's compiled FLOPs with each group's prompt prefilled once against once per row
-(experiments/prefill_flops.py), at the config's model shape and rollout: compile-only, nothing runs."""
+(experiments/sampler/prefill_flops.py), at the config's model shape and rollout: compile-only, nothing runs."""
 
 from hilore_jax import cli
 

@@ -1,8 +1,8 @@
-"""python -m experiments.bench_share [--config configs/roofline_smollm2.yaml] [--prompts 8 --generations 8
+"""python -m experiments.share.main [--config configs/roofline_smollm2.yaml] [--prompts 8 --generations 8
 --prompt-len 256 --completion-len 256] [--out runs/bench_share.json] [key.path=value ...]
 
 The update's compiled FLOPs and peak with each group's prompt computed once against once per row
-(experiments/share.py), at the config's model shape: compile-only, nothing runs."""
+(experiments/share/run.py), at the config's model shape: compile-only, nothing runs."""
 
 from hilore_jax import cli
 
