@@ -236,7 +236,7 @@ def test_static_clips_plan_is_statics_at_delta_over_the_clip_share(tmp_path):
   # at delta, solved as such
   import dataclasses
 
-  from experiments.exposure import e1b as exposure_e1b, e1b_arms
+  from experiments.exposure import e1b_arms
   from hilore_jax.memory import MemoryManager, risk
 
   s = _study(tmp_path)
