@@ -16,7 +16,7 @@ import logging
 import os
 import shutil
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -140,7 +140,7 @@ class Comparison:
 def compare(s: Study, h: HeldOut, p: Prediction, progress=print) -> Comparison:
   """Every arm's plan per held-out minibatch at the calibrated delta and its realised error, and (bench_exposure.arms)
   each risk-budgeted arm swept over delta at one byte allowance."""
-  cfg, be, mc, hooks, units, held, refs = s.cfg, s.be, s.cfg.memory, s.hooks, s.units, h.records, h.refs
+  cfg, be, mc, hooks = s.cfg, s.be, s.cfg.memory, s.hooks
   metric, tol, L = mc.risk_metric, mc.grad_err_tolerance, hooks.model_cfg.num_hidden_layers
   # every arm on one calibration: the chosen predictor's, fitted on the same measurements
   sw = predictors.with_predictor(mc.exposure, p.chosen)
@@ -153,55 +153,81 @@ def compare(s: Study, h: HeldOut, p: Prediction, progress=print) -> Comparison:
   regime = regime_of(s, on)
   progress(f"regime: No-GC/GC peak {regime['none_over_gc']:.2f}x, budget {mc.budget_ratio}x; every unit L "
            f"{regime['all_L_error']:.2e} vs tolerance {tol:.0e}")
-  arms, pairs, closed, sweep, equal, allowance = {}, {}, {}, {}, {}, None
   if not be.arms:
-    return Comparison(cal_state, regime, arms, pairs, closed, sweep, equal, allowance)
-  cache: dict = {}
-  # sets of WEIGHT_READS units measured at every layer: their errors from the units' own (exact, no probe)
-  exact_units = mc.calib_decompose and calibration.additive(units, refs[0].available())
-
-  def realised(i: int, lset: tuple) -> dict:  # every metric of minibatch i's gradient with lset L
-    if (i, lset) not in cache:
-      r, ms = held[i], refs[i].available()
-      cache[(i, lset)] = dict(zip(ms, calibration.set_error_of(np.stack([h.err_by[m][i] for m in ms], 1),
-                                                               [list(lset)])[0] if exact_units else
-                                  calibration.set_errors(hooks, r.params, r.batch, units, [list(lset)],
-                                                         mc.group_size, mc.lowp_format, refs[i], ms)[0]))
-    return cache[(i, lset)]
-
-  per_arm = {a: [] for a in ARMS}
-  for i, r in enumerate(held):
-    probe.give_errors(managers["oracle"], p.err_MU[i])
-    for a in ARMS:
-      al = managers[a].allocate([r.batch], [r.logp], [h.token_err[i]])[0]
-      per_arm[a].append({"policies": al.policies, "bucket": al.bucket, "plan_risk": float(al.plan.risk),
-                         "predicted_s": float(al.plan.time_s), "active": al.active_constraint, "step": r.step,
-                         "pass": r.pass_, "errors": realised(i, exposure_sweep.lowp_set(al.policies, units)),
-                         **{k: al.metrics[f"alloc/{k}"] for k in ("frac_H", "frac_L", "frac_R")}})
+    return Comparison(cal_state, regime, {}, {}, {}, {}, {}, None)
+  realised = realised_errors(s, h)
+  per_arm = allocate_arms(s, h, p, managers, realised)
+  held = h.records
   plan_flops = exposure_sweep.PlanFlops(hooks.gradient, L, held[0].params, held[0].batch)
   gc_flops, gc_s = plan_flops(model.uniform(L, model.FULL_REMAT)), on.gc_plan().time_s
   rounds = time_plans(s.trainer, s.spec, per_arm, held[0], be.reps, cfg.seed) if be.timing else None
+  arms = {}
   for a in ARMS:
     arms[a] = arm_summary(per_arm[a], metric, tol, plan_flops, gc_flops, gc_s)
     if rounds is not None:
       arms[a].update(rounds[a])
   pairs, closed = compare_arms(arms)
+  sweep, equal, allowance = sweep_arms(s, h, managers, per_arm, realised, cal_state.delta, plan_flops, (gc_flops, gc_s),
+                                      progress)
+  return Comparison(cal_state, regime, arms, pairs, closed, sweep, equal, allowance)
+
+
+def realised_errors(s: Study, h: HeldOut) -> Callable[[int, tuple], dict]:
+  """(i, lset) -> every metric of held-out minibatch i's gradient with lset L, memoised: exact from the units' own
+  errors where they add (sets of WEIGHT_READS units measured at every layer), else one probe gradient."""
+  mc, units, held, refs, cache = s.cfg.memory, s.units, h.records, h.refs, {}
+  exact_units = mc.calib_decompose and calibration.additive(units, refs[0].available())
+
+  def realised(i: int, lset: tuple) -> dict:
+    if (i, lset) not in cache:
+      r, ms = held[i], refs[i].available()
+      cache[(i, lset)] = dict(zip(ms, calibration.set_error_of(np.stack([h.err_by[m][i] for m in ms], 1),
+                                                               [list(lset)])[0] if exact_units else
+                                  calibration.set_errors(s.hooks, r.params, r.batch, units, [list(lset)],
+                                                         mc.group_size, mc.lowp_format, refs[i], ms)[0]))
+    return cache[(i, lset)]
+
+  return realised
+
+
+def allocate_arms(s: Study, h: HeldOut, p: Prediction, managers: dict[str, MemoryManager],
+                  realised) -> dict[str, list[dict]]:
+  """Every arm's allocation per held-out minibatch at the calibrated delta, with its realised errors (the oracle
+  given the minibatch's measured errors first)."""
+  per_arm = {a: [] for a in ARMS}
+  for i, r in enumerate(h.records):
+    probe.give_errors(managers["oracle"], p.err_MU[i])
+    for a in ARMS:
+      al = managers[a].allocate([r.batch], [r.logp], [h.token_err[i]])[0]
+      per_arm[a].append({"policies": al.policies, "bucket": al.bucket, "plan_risk": float(al.plan.risk),
+                         "predicted_s": float(al.plan.time_s), "active": al.active_constraint, "step": r.step,
+                         "pass": r.pass_, "errors": realised(i, exposure_sweep.lowp_set(al.policies, s.units)),
+                         **{k: al.metrics[f"alloc/{k}"] for k in ("frac_H", "frac_L", "frac_R")}})
+  return per_arm
+
+
+def sweep_arms(s: Study, h: HeldOut, managers: dict[str, MemoryManager], per_arm: dict, realised, delta: float,
+               plan_flops, gc: tuple[float, float], progress=print) -> tuple[dict, dict, int]:
+  """Each risk-budgeted arm swept over multiples of the calibrated delta at one byte allowance, read at the violation
+  target (with bench_exposure.recalibrate_rollout also issue 36's periodic-static arm): (sweep, equal, allowance)."""
+  be, mc, units, (gc_flops, gc_s) = s.be, s.cfg.memory, s.units, gc
+  metric, tol, on = mc.risk_metric, mc.grad_err_tolerance, managers["hilore_exposure_on"]
   # one byte allowance for every arm and delta, the smallest any of their buckets fitted: the arms differ in risk
   # alone (the swept plans are not compiled)
   allowance = min([a for m in SWEPT for b, a in managers[m].state.allowance.items()
                    if int(b) not in managers[m].state.fallback_gc] or [on.state.budget_bytes - on.state.gc_bytes])
   progress(f"sweeping delta x {list(be.sweep)} for {', '.join(SWEPT)} at an allowance of {allowance} B")
+  err_of = lambda i, lset: realised(i, lset)[metric]
+  sweep, equal = {}, {}
   for a in SWEPT:
     sweep[a] = exposure_sweep.sweep_arm(lambda b, d, m=managers[a]: m.plan_at(b, d, allowance),
-                                        [e["bucket"] for e in per_arm[a]], be.sweep, cal_state.delta,
-                                        lambda i, lset: realised(i, lset)[metric], plan_flops, gc_flops, gc_s, tol,
-                                        units)
+                                        [e["bucket"] for e in per_arm[a]], be.sweep, delta, err_of, plan_flops,
+                                        gc_flops, gc_s, tol, units)
     equal[a] = exposure_sweep.at_violation(sweep[a], be.violation_target)
   if be.recalibrate_rollout:  # issue 36's periodic-static arm, recalibrated on that rollout's minibatches
     sweep["hilore_periodic_static"], equal["hilore_periodic_static"] = exposure_e1.periodic_sweep(
-        mc, be, hooks, s.records, held, allowance, lambda i, lset: realised(i, lset)[metric], plan_flops, gc_flops,
-        gc_s, tol, units)
-  return Comparison(cal_state, regime, arms, pairs, closed, sweep, equal, allowance)
+        mc, be, s.hooks, s.records, h.records, allowance, err_of, plan_flops, gc_flops, gc_s, tol, units)
+  return sweep, equal, allowance
 
 
 def arm_summary(es: list[dict], metric: str, tol: float, plan_flops, gc_flops: float, gc_s: float) -> dict:
