@@ -18,8 +18,7 @@ from hilore_jax import model, sharding, stats
 from hilore_jax.loop import engine, step_hooks
 from hilore_jax.capacity import flops, projection, roofline, synthetic
 from experiments.bench import report, unit_risk
-from experiments.common import timing
-from experiments.common import engines
+from experiments.common import engines, timing
 from experiments.common.config import BenchConfig
 from hilore_jax.config import Config
 from hilore_jax.memory import MemoryManager, calibration, methods, profile, riskfit

@@ -25,9 +25,8 @@ from hilore_jax.loop import engine
 from hilore_jax import stats
 from experiments.profile import hlo as hlo_ops, ops as op_profile, report as profile_report
 from experiments.bench import run
-from experiments.common import timing
+from experiments.common import engines, timing
 from hilore_jax.capacity import flops, projection, synthetic
-from experiments.common import engines
 from experiments.common.config import BenchConfig
 from hilore_jax.config import Config
 from hilore_jax.errors import ConfigError
