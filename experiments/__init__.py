@@ -1,3 +1,4 @@
-"""The lab: benchmarks and studies of the library (`python -m experiments.bench ...`), beside the package and not
-installed with it. It reaches the library through its public modules and the memory manager through
-`hilore_jax.memory.probe`."""
+"""The lab: benchmarks and studies of the library, one folder per study, each run as
+`python -m experiments.<study>.main` (docs/design.md lists them), beside the package and not installed with it. It
+reaches the library through its public modules and the memory manager through `hilore_jax.memory.probe`; what the
+studies share lives in `experiments/common/`."""

@@ -1,7 +1,7 @@
 """Run an entry point with the memory manager's op profile fixed at 1 ms an op (free codecs), so its plans do not
 depend on how fast this machine runs the ops: for comparing plans between commits.
 
-  python scripts/fixed_op_times.py experiments.bench --config configs/bench_cpu.yaml --out DIR bench.reps=1 ..."""
+  python scripts/fixed_op_times.py experiments.bench.main --config configs/bench_cpu.yaml --out DIR bench.reps=1 ..."""
 
 import os
 import runpy

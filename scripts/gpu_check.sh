@@ -2,7 +2,7 @@
 # The GPU checks of one device window, from the repository root:   OUT=/some/dir bash scripts/gpu_check.sh
 #   1. tests/model/test_gpu.py: host offload (O) round trip with residuals on pinned_host; a planned step's measured
 #      peak_bytes_in_use within its budget (both skip on CPU)
-#   2. python -m experiments.bench --config configs/bench_gpu.yaml at 1.10x (gc, its separately compiled control, none,
+#   2. python -m experiments.bench.main --config configs/bench_gpu.yaml at 1.10x (gc, its separately compiled control, none,
 #      optimal_hr, hilore_static, hilore) with bench.roofline=true, then the H200 roofline projection beside the
 #      measurement (results.md's projection table). The timing stops at +/-2 points or 120 s; the projection adds
 #      one compile per plan (the plan unrolled), so allow a few minutes more than the bench alone with a cold cache
@@ -24,7 +24,7 @@ tests_rc=${PIPESTATUS[0]}
 echo "gpu tests: rc=$tests_rc in $((SECONDS - start)) s" | tee "$OUT/timing.txt"
 
 start=$SECONDS
-python -m experiments.bench --config configs/bench_gpu.yaml --out "$OUT/bench_gpu" 'bench.budget_ratios=[1.10]' \
+python -m experiments.bench.main --config configs/bench_gpu.yaml --out "$OUT/bench_gpu" 'bench.budget_ratios=[1.10]' \
   bench.roofline=true bench.time_cap_s=120 2>&1 | tee "$OUT/bench_gpu.log"
 bench_rc=${PIPESTATUS[0]}
 echo "bench_gpu: rc=$bench_rc in $((SECONDS - start)) s" | tee -a "$OUT/timing.txt"

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from hilore_jax import cli
-from experiments import config as bench_config
+from experiments.common import config as bench_config
 from hilore_jax.errors import ConfigError
 import repo
 

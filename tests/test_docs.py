@@ -121,3 +121,32 @@ def test_a_broken_link_is_caught(tmp_path):
   assert anchors(tmp_path / "other.md") == {"layers-under-laxscan", "your-first-real-run-smollm2-135m-instruct"}
   assert broken_links(page) == ["page.md: (missing.md): no such file",
                                 "page.md: (other.md#nowhere): no heading with that anchor in other.md"]
+
+
+# every command that runs a module of the lab or train/ (the docs, configs' comments, scripts, the lab's docstrings
+# and tests' strings), so a moved module cannot leave a stale command behind
+COMMAND_FILES = [*CODE_PAGES, *sorted((ROOT / "configs").glob("*.yaml")), *sorted((ROOT / "scripts").glob("*")),
+                 *sorted((ROOT / "experiments").rglob("*.py")), *sorted((ROOT / "tests").rglob("*.py"))]
+_COMMAND = re.compile(r"(?:python -m |fixed_op_times\.py )((?:experiments|train)(?:\.\w+)+)")
+
+
+def missing_modules(text: str) -> list[str]:
+  """Modules the text's commands run that are neither a module file nor a package with a __main__.py."""
+  out = []
+  for mod in _COMMAND.findall(text):
+    path = ROOT.joinpath(*mod.split("."))
+    if not (path.with_suffix(".py").is_file() or (path / "__main__.py").is_file()):
+      out.append(mod)
+  return out
+
+
+def test_commands_run_existing_modules():
+  texts = {f: f.read_text() for f in COMMAND_FILES if f.is_file() and f != pathlib.Path(__file__).resolve()}
+  assert sum(len(_COMMAND.findall(t)) for t in texts.values()) >= 50  # the pages do name commands
+  assert [f"{f.relative_to(ROOT)}: {m}" for f, t in texts.items() for m in missing_modules(t)] == []
+
+
+def test_a_stale_command_is_caught():
+  text = ("`python -m experiments.bench_exposure --config x`, python -m experiments.exposure.main --config x,\n"
+          "python -m train.grpo, python scripts/fixed_op_times.py experiments.bench --out DIR, python -m train.nope.")
+  assert missing_modules(text) == ["experiments.bench_exposure", "experiments.bench", "train.nope"]

@@ -12,8 +12,8 @@ from trainer_util import TINY
 
 from hilore_jax import runtime
 from hilore_jax.model import ModelConfig, hf, init_params
-from experiments import bench as bench_main
-from experiments import bench_exposure as bench_exposure_main
+from experiments.bench import main as bench_main
+from experiments.exposure import main as bench_exposure_main
 from train import grpo as grpo_main
 
 GOOD_LINE = json.dumps({"question": "1+2?", "answer": "1+2=3\n#### 3"})

@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from experiments import config as bench_config
-from experiments import plan_profile
-from experiments import run as bench
+from experiments.common import config as bench_config
+from experiments.profile import run as plan_profile
+from experiments.bench import run as bench
 
 
 @pytest.mark.slow
@@ -53,7 +53,7 @@ def test_bench_writes_all_outputs_with_each_kind_of_method_under_budget(tmp_path
     if r["budget_bytes"]:
       assert r["peak_bytes"] <= r["budget_bytes"], r["method"]
     assert abs(r["frac_H"] + r["frac_L"] + r["frac_R"] - 1) < 1e-9
-    assert len(plan_profile.policies_of(r)) == 2  # each row carries its plan (experiments.bench_profile rebuilds it)
+    assert len(plan_profile.policies_of(r)) == 2  # each row carries its plan (experiments.profile.main rebuilds it)
     assert r["active_constraint"] in ("memory", "risk", "both", "none")
     assert r["gain_ci_low"] <= r["gain_vs_gc_pct"] <= r["gain_ci_high"] or r["method"] == "gc"
   by = {(r["method"], r["budget_ratio"]): r for r in rows}
@@ -80,7 +80,7 @@ def test_bench_writes_all_outputs_with_each_kind_of_method_under_budget(tmp_path
 
 @pytest.mark.slow
 def test_bench_clip_command_writes_the_clipping_table(tmp_path, capsys):
-  from experiments import bench_clip
+  from experiments.clip import main as bench_clip
 
   bench_clip.main(["--out", str(tmp_path), "model.vocab_size=37", "model.hidden_size=24",
                    "model.intermediate_size=40", "model.num_hidden_layers=3", "model.num_attention_heads=4",
@@ -109,7 +109,7 @@ def _row(method, gains, ratio=1.1, flops=1e9, err=1e-3):
 
 
 def test_targets_need_the_ci_and_flag_gains_above_no_gc_as_noise():
-  from experiments import report
+  from experiments.bench import report
 
   none = {**_row("none", [20.0, 21.0, 22.0]), "budget_ratio": None}
   rows = [none, _row("hilore", [24.0, 25.0, 26.0]), _row("optimal_hr", [10.0, 11.0, 12.0])]

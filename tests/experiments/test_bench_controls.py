@@ -10,9 +10,9 @@ import pytest
 
 from hilore_jax import model, sharding
 from hilore_jax.loop import engine
-from experiments import config as bench_config
+from experiments.common import config as bench_config
 from hilore_jax import stats
-from experiments import timing
+from experiments.common import timing
 from hilore_jax.capacity import projection, roofline, synthetic
 from hilore_jax.errors import ConfigError
 
@@ -147,7 +147,7 @@ def _program(compiled) -> str:
 
 @pytest.mark.slow
 def test_the_control_is_a_separate_compilation_of_the_same_program():
-  from experiments import run
+  from experiments.bench import run
 
   cfg, bc, mcfg, spec, completion = _tiny()
   eng, state = engine.build(cfg, mcfg, 10)
@@ -183,7 +183,7 @@ def test_unrolled_counts_every_layer_and_changes_no_computation():
 def test_projection_is_compile_only_for_any_shape(tmp_path, capsys):
   import json
 
-  from experiments import roofline as roofline_cli
+  from experiments.bench import roofline as roofline_cli
 
   roofline_cli.main(["--out", str(tmp_path), *TINY, "memory.budget_probes=2", "bench.budget_ratios=[1.3]",
                      "bench.methods=[none,gc,optimal_hr,uniform_int8_gc,hilore]"])

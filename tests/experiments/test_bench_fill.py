@@ -6,7 +6,7 @@ import pytest
 
 from trainer_util import TINY
 
-from experiments import bench_fill
+from experiments.budget import fill as bench_fill
 from hilore_jax.rl import packing
 
 # warm-started: completions stop before the cap, so rows differ in length

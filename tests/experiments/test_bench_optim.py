@@ -1,4 +1,4 @@
-"""experiments.bench_optim (optimizer, gradient and step bytes, AdamW vs LoGRA) and experiments.kl_report (predicted vs
+"""experiments.optim.main (optimizer, gradient and step bytes, AdamW vs LoGRA) and experiments.kl.main (predicted vs
 realised KL of a run)."""
 
 import json
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from hilore_jax import model
-from experiments import config as bench_config
-from experiments import kl, optim_memory
+from experiments.common import config as bench_config
+from experiments.kl import run as kl
+from experiments.optim import run as optim_memory
 from hilore_jax.errors import DataError
 
 HIDDEN = 24

@@ -5,7 +5,7 @@ import json
 import pytest
 from trainer_util import TINY
 
-from experiments import paired
+from experiments.paired import run as paired
 
 BASE = [o for o in TINY if not o.startswith(("eval.", "train.warmstart"))] + ["memory.policy=gc",
                                                                               "grpo.filter_zero_std=false"]

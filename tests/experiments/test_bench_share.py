@@ -1,11 +1,11 @@
-"""python -m experiments.bench_share: the update's compiled FLOPs and peak, a group's prompt computed once against once
-per row (experiments/share.py), at a tiny shape."""
+"""python -m experiments.share.main: the update's compiled FLOPs and peak, a group's prompt computed once against once
+per row (experiments/share/run.py), at a tiny shape."""
 
 import json
 
 from trainer_util import TINY
 
-from experiments import bench_share
+from experiments.share import main as bench_share
 
 
 def test_bench_share_writes_the_figures(tmp_path, capsys):

@@ -1,6 +1,6 @@
-"""experiments/budget_sim.py: the best bucketed plan by hand, and the ladders it searches."""
+"""experiments/budget/sim.py: the best bucketed plan by hand, and the ladders it searches."""
 
-from experiments import budget_sim
+from experiments.budget import sim as budget_sim
 
 
 def test_the_best_plan_and_its_costs_by_hand():

@@ -9,8 +9,8 @@ from jaxpr_util import eqn_count
 from trainer_util import TINY
 
 from hilore_jax import model
-from experiments import compile_time
-from experiments import config as bench_config
+from experiments.compile_time import run as compile_time
+from experiments.common import config as bench_config
 
 
 def _grad_size(cfg, num_layers: int, policies) -> int:
@@ -46,7 +46,7 @@ def test_bench_compile_rows(tmp_path):
 
 
 def test_bench_compile_bad_arguments_are_one_line_errors():
-  from experiments import bench_compile
+  from experiments.compile_time import main as bench_compile
 
   for args, msg in ((["--layers", "4,x"], "--layers must be comma-separated integers"),
                     (["--plans", "gc,nope"], "unknown --plans ['nope']"),
@@ -66,7 +66,7 @@ TINY_SHAPE = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 61, "hidden_s
 def test_bench_compile_depth_rows_and_plan_runs(tmp_path):
   import json
 
-  from experiments import bench_compile
+  from experiments.compile_time import main as bench_compile
 
   shape = tmp_path / "config.json"
   shape.write_text(json.dumps(TINY_SHAPE))

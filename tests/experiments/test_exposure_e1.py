@@ -1,12 +1,12 @@
-"""Issue 36's E1 summary (experiments/exposure_e1.py) on tiny synthetic arrays: values by hand, CIs over row sets."""
+"""Issue 36's E1 summary (experiments/exposure/e1.py) on tiny synthetic arrays: values by hand, CIs over row sets."""
 
 import json
 
 import numpy as np
 import pytest
 
-from experiments import exposure_e1, exposure_report
-from experiments.config import E1Criteria
+from experiments.exposure import e1 as exposure_e1, report as exposure_report
+from experiments.common.config import E1Criteria
 
 R, S, U = 3, 2, 7  # rollouts, row sets per rollout, units; each row set seen by 2 passes: M = 12 minibatches
 
@@ -45,7 +45,7 @@ def test_summary_by_hand_and_as_json(tmp_path):
             "scores": {"run-time score": err, "static per unit": np.tile(err.mean(0), (M, 1))},
             "clusters": clusters, "rollouts": rollouts, "sweeps": sweeps, "tol": 1.0, "violation_target": 0.05}
   gate = {"on": True, "spread": 3.0}
-  out = exposure_e1.summary("configs/exposure_e1_smollm2.yaml", "python -m experiments.bench_exposure", arrays,
+  out = exposure_e1.summary("configs/exposure_e1_smollm2.yaml", "python -m experiments.exposure.main", arrays,
                             E1Criteria(), gate, n_boot=100)
   p1 = out["P1"]
   assert p1["value"] == pytest.approx(np.median(np.quantile(err, 0.9, 0) / np.quantile(err, 0.1, 0)))
@@ -100,7 +100,7 @@ def test_write_assembles_the_benchmark_run_into_the_summary_file(tmp_path, monke
   import dataclasses
   import types
 
-  from experiments.config import ExposureBenchConfig
+  from experiments.common.config import ExposureBenchConfig
 
   err, rollouts, clusters = _arrays(spread=1.0)
   M = len(err)
@@ -138,7 +138,7 @@ def test_the_committed_e1_config_holds_the_pre_registered_settings():
 
   import repo
 
-  from experiments import config as bench_config
+  from experiments.common import config as bench_config
 
   cfg, be = bench_config.load(os.path.join(repo.ROOT, "configs", "exposure_e1_smollm2.yaml"), [], "bench_exposure")
   r, g, o = cfg.rollout, cfg.grpo, cfg.optimizer

@@ -1,4 +1,4 @@
-"""Issue 47's E1b (experiments/exposure_e1b_criteria.py) on tiny synthetic sweeps: the tolerance rule, the doubling
+"""Issue 47's E1b (experiments/exposure/e1b_criteria.py) on tiny synthetic sweeps: the tolerance rule, the doubling
 sweep, reading an arm where it first crosses (undefined where it never does), the criteria and the decision."""
 
 import json
@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from experiments import exposure_e1b_criteria as crit
-from experiments.config import E1bSettings, E1Criteria
+from experiments.exposure import e1b_criteria as crit
+from experiments.common.config import E1bSettings, E1Criteria
 
 E = E1bSettings(json="x.json")
 M = 12  # minibatches: 6 row sets x 2 passes
@@ -148,8 +148,8 @@ def _study(tmp_path, **e1b):
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
   import manager_util
 
-  from experiments import exposure_study
-  from experiments.config import ExposureBenchConfig
+  from experiments.exposure import study as exposure_study
+  from experiments.common.config import ExposureBenchConfig
   from hilore_jax import config, model
   from hilore_jax.memory import calibration
   from hilore_jax.memory.config import MemoryConfig
@@ -185,7 +185,7 @@ def _study(tmp_path, **e1b):
 
 @pytest.mark.slow
 def test_e1b_end_to_end_on_a_tiny_decoder_and_its_arrays_re_read_every_sweep(tmp_path, monkeypatch):
-  from experiments import exposure_e1b
+  from experiments.exposure import e1b as exposure_e1b, e1b_arms
 
   monkeypatch.setattr("sys.argv", ["bench_exposure", "--config", "c.yaml"])
   s = _study(tmp_path, binds_share=0.01, tolerance_share=0.5, refine=1)
@@ -197,8 +197,8 @@ def test_e1b_end_to_end_on_a_tiny_decoder_and_its_arrays_re_read_every_sweep(tmp
   assert agg.any() and rg["aggressive_plan"]["l_units"] == agg.sum()
   agg_err = np.sqrt((a["cal_err"][:, agg] ** 2).sum(1))  # the plan's calibration errors from its units'
   assert rg["tolerance"] == pytest.approx(0.5 * np.median(agg_err)) and rg["met"] and out["decision"]["verdict"]
-  assert set(saved["arms"]) == set(exposure_e1b.ARMS) and saved["held_out"]["minibatches"] == 8
-  for arm in exposure_e1b.ARMS:  # every sweep point's violation rate, re-read from the arrays alone
+  assert set(saved["arms"]) == set(e1b_arms.ARMS) and saved["held_out"]["minibatches"] == 8
+  for arm in e1b_arms.ARMS:  # every sweep point's violation rate, re-read from the arrays alone
     for p, lsets in zip(saved["sweeps"][arm], a[f"{arm}_lsets"]):
       err = np.sqrt(np.where(lsets, a["err_clipped"] ** 2, 0.0).sum(1))
       assert p["violation_rate"] == pytest.approx(np.mean(err > a["tolerance"]))
@@ -219,7 +219,7 @@ def test_e1b_end_to_end_on_a_tiny_decoder_and_its_arrays_re_read_every_sweep(tmp
 
 @pytest.mark.slow
 def test_e1b_stops_before_the_held_out_pass_where_the_risk_budget_does_not_bind(tmp_path, monkeypatch):
-  from experiments import exposure_e1b, exposure_study
+  from experiments.exposure import e1b as exposure_e1b, study as exposure_study
 
   monkeypatch.setattr("sys.argv", ["bench_exposure"])
   s = _study(tmp_path, binds_share=1.0, tolerance_share=1.0)  # tol = the median: never over it on every minibatch
@@ -236,7 +236,7 @@ def test_static_clips_plan_is_statics_at_delta_over_the_clip_share(tmp_path):
   # at delta, solved as such
   import dataclasses
 
-  from experiments import exposure_e1b
+  from experiments.exposure import e1b_arms
   from hilore_jax.memory import MemoryManager, risk
 
   s = _study(tmp_path)
@@ -251,7 +251,7 @@ def test_static_clips_plan_is_statics_at_delta_over_the_clip_share(tmp_path):
     scaled = MemoryManager(mc, s.hooks)
     scaled.setup(s.cal[0].params, batches, 0, calibration_state=dataclasses.replace(
         cal, static_risk=list(risk.static_clip(cal.static_risk, f, 1.0))))
-    exposure_e1b._assume_fitted(scaled, 0, allowance)
+    e1b_arms.assume_fitted(scaled, 0, allowance)
     scaled.allocate(batches[:1])
     for d in (0.5 * cal.delta, cal.delta, 4 * cal.delta):
       assert scaled.plan_at(0, d, allowance)[1] == static.plan_at(0, d / f, allowance)[1]

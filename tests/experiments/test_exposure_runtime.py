@@ -10,8 +10,8 @@ import manager_util
 import pytest
 
 from hilore_jax import model
-from experiments import exposure as bench_exposure
-from experiments import exposure_risk, exposure_sweep
+from experiments.exposure import run as bench_exposure
+from experiments.exposure import risk as exposure_risk, sweep as exposure_sweep
 from hilore_jax.memory import MemoryManager, buckets, calibration, predictors, probe
 from hilore_jax.memory.config import GateConfig, MemoryConfig
 from hilore_jax.model import units as U
@@ -169,7 +169,7 @@ def test_calibration_skips_minibatches_without_a_gradient(setup):
 
 
 def test_arm_comparison_and_where_it_varies_by_hand():
-  from experiments import exposure_report as rep
+  from experiments.exposure import report as rep
 
   arm = lambda t, flops_pct, gain: {"round_times_s": [t, t], "recompute_removed_pct": flops_pct,
                                     "gain_vs_gc_pct": gain}
@@ -196,7 +196,7 @@ def test_arm_comparison_and_where_it_varies_by_hand():
 def test_unit_error_level_weighs_every_kind_alike():
   """Defect 5: the minibatch's mean unit error followed the kind with the largest errors (attn_probs); each unit is
   now taken relative to its own mean, a kind's units by their median, and kinds averaged."""
-  from experiments import exposure_report as rep
+  from experiments.exposure import report as rep
 
   # kind "big" (errors ~1000x) falls over the three minibatches while both "small" units rise
   err = np.array([[1.0, 2.0, 3000.0], [2.0, 4.0, 2000.0], [3.0, 6.0, 1000.0]])
@@ -368,7 +368,7 @@ def test_a_calibration_on_spilled_records_keeps_their_params_on_disk(setup, tmp_
   # the bench's calibration keeps its measurements for the predictors' fits: its contexts read each record's
   # params back from disk, and its references keep neither params nor (weight-read units only) gradients, so 8
   # SmolLM2 minibatches pin no 0.5 GB copies; the calibration equals one on params held in memory
-  from experiments import spill
+  from experiments.exposure import spill
 
   hooks, params, _, mc, rng, adv = setup
   mc = dataclasses.replace(mc, policy="hilore", risk_metric="clipped", lowp_kinds=tuple(model.decoder.WEIGHT_READS))

@@ -5,7 +5,7 @@ import json
 import pytest
 from trainer_util import TINY
 
-from experiments import lora_memory, lora_sampler
+from experiments.lora import memory as lora_memory, sampler as lora_sampler
 
 
 def test_lora_memory_counts_the_adapters_state_and_no_reference_copy(tmp_path, capsys):

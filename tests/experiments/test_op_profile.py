@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import hlo_ops, op_profile, plan_profile
-from experiments import config as bench_config
+from experiments.profile import hlo as hlo_ops, ops as op_profile, run as plan_profile
+from experiments.common import config as bench_config
 from hilore_jax.errors import ConfigError
 
 TINY = ["model.vocab_size=37", "model.hidden_size=24", "model.intermediate_size=40", "model.num_hidden_layers=2",

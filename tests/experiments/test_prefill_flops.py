@@ -1,15 +1,15 @@
-"""The sampler's FLOP figures with the prompt prefilled once per group (experiments/prefill_flops.py)."""
+"""The sampler's FLOP figures with the prompt prefilled once per group (experiments/sampler/prefill_flops.py)."""
 
 import pathlib
 
-from experiments import prefill_flops
+from experiments.sampler import prefill_flops
 import repo
 
 TINY = str(pathlib.Path(repo.ROOT) / "configs" / "tiny.yaml")
 
 
 def test_bench_prefill_counts_the_prefill_once_per_group(capsys):
-  from experiments import bench_prefill
+  from experiments.sampler import prefill as bench_prefill
 
   bench_prefill.main(["--config", TINY, "rollout.num_prompts=3", "rollout.num_generations=5",
                       "rollout.max_prompt_len=7", "rollout.max_new_tokens=4", "train.minibatch_size=15"])

@@ -3,7 +3,7 @@ import pytest
 
 from hilore_jax import cli
 from hilore_jax import stats
-from experiments import quality
+from experiments.quality import run as quality
 from hilore_jax.errors import ConfigError
 
 

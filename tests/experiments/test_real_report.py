@@ -1,6 +1,6 @@
 """The real-model bench's report shows the parts measured so far (results are written after each part)."""
 
-from experiments import real_report
+from experiments.real_model import report as real_report
 
 ROW = {"shape": "8x1024", "method": "gc", "budget_ratio": None, "budget_bytes": None, "peak_bytes": 3 * 2**20,
        "grad_bytes": 2**20, "grad_temp_bytes": 2 * 2**20, "update_temp_bytes": 2**19, "logits_chunk_bytes": 2**20,

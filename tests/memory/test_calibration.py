@@ -10,7 +10,7 @@ from hilore_jax import model
 from hilore_jax.loop import step_hooks
 from hilore_jax.model import decoder
 from hilore_jax.capacity import synthetic
-from experiments import unit_risk
+from experiments.bench import unit_risk
 from hilore_jax.memory import calibrate, calibration, riskfit
 from hilore_jax.memory.config import ExposureSwitches, MemoryConfig
 from hilore_jax.rl import train_step

@@ -214,7 +214,7 @@ def test_the_managers_plan_for_the_real_shape_compiles_within_its_budget(model_d
   risk-free subset's (optimal_hr's H/R plans at the same budget), so both methods' fits compile here."""
   from hilore_jax import cli
   from hilore_jax.loop import engine, step_hooks
-  from experiments.real_model import abstract_batch
+  from experiments.real_model.run import abstract_batch
   from hilore_jax.memory import Calibration, MemoryManager, calibration
   from hilore_jax.rl import train_step
 

@@ -1,0 +1,1 @@
+"""Several arms trained from the same seeds: paired quality differences (`python -m experiments.quality.main`)."""
