@@ -102,8 +102,8 @@ def budget(s: exposure_study.Study, progress=print) -> dict:
   mc_tol = dataclasses.replace(mc.at_budget(None, "hilore"), grad_err_tolerance=tol or mc.grad_err_tolerance)
   cals, fitters = {}, {}
   for mode in ("never", "always"):  # static's delta calibrated on static risk; exposure's on its scores
-    fitters[mode] = MemoryManager(dataclasses.replace(mc_tol, gate=dataclasses.replace(mc.gate, mode=mode)), hooks)
-    probe.use_forward_errors(fitters[mode])
+    fitters[mode] = MemoryManager(dataclasses.replace(mc_tol, gate=dataclasses.replace(mc.gate, mode=mode)), hooks,
+                                  probe=probe.StudyProbe(forward_errors=True))
     cals[mode] = fitters[mode].fit_calibration(m, sw)
   mm, logp = fitters["always"], [ctx.logp for ctx in m.contexts]
   # the predictor's raw scores of the calibration minibatches, as calibration fits and the gate ranks them
@@ -159,9 +159,8 @@ def compare(s: exposure_study.Study, h: exposure_study.HeldOut, b: dict, arrays:
   err_MU = np.asarray(h.err_by[metric], float)
   buckets = {}
   for arm in ("hilore_exposure_on", "oracle_bucketed"):
-    make = probe.oracle if arm == "oracle_bucketed" else MemoryManager
-    mm = make(dataclasses.replace(b["mc_tol"], gate=exposure_study.ALWAYS), hooks)
-    probe.use_forward_errors(mm)
+    mm = MemoryManager(dataclasses.replace(b["mc_tol"], gate=exposure_study.ALWAYS), hooks,
+                       probe=probe.StudyProbe(forward_errors=True, oracle=arm == "oracle_bucketed"))
     mm.setup(s.cal[0].params, [r.batch for r in s.cal], 0, calibration_state=cals["always"])
     _assume_fitted(mm, 0, allowance)
     mm.defer_fits = True  # a new bucket takes the shared allowance (below), never a fit of its own
