@@ -13,6 +13,7 @@ import logging
 import numpy as np
 
 from hilore_jax import model
+from hilore_jax.memory import budget as budgets
 from hilore_jax.memory import buckets as bucketing
 from hilore_jax.memory import calibration, methods, profile
 from hilore_jax.memory.config import MemoryConfig
@@ -50,14 +51,16 @@ class PlannerState:
 
   saved: ManagerState | None = None  # budget, op profile, calibration, buckets and fits; None before set-up
   shape: Shape | None = None  # (rows, length) of the minibatches last planned for
-  units: dict = dataclasses.field(default_factory=dict)  # shape -> its units (saved's profile, calibration's kinds)
-  plans: dict = dataclasses.field(default_factory=dict)  # (shape, method, risks, allowance, delta, solver) -> Plan
-  buckets: dict = dataclasses.field(default_factory=dict)  # bucket -> its plan at its allowance, solved on first use
+  # shape -> its units (their times from saved's profile, their L kinds from its calibration)
+  units: dict[Shape, list[profile.Unit]] = dataclasses.field(default_factory=dict)
+  # (shape, method, risks, allowance, delta, solver) -> the solved plan
+  plans: dict[tuple, methods.Plan] = dataclasses.field(default_factory=dict)
+  buckets: dict[int, methods.Plan] = dataclasses.field(default_factory=dict)  # bucket -> its plan, solved on first use
   # bucket -> which budget binds its plan, and greedy's gap to the exact solution: the rows read them, so a new
   # saved state keeps them (a deferred bucket's row reports its last)
-  active: dict = dataclasses.field(default_factory=dict)
-  gaps: dict = dataclasses.field(default_factory=dict)
-  floor: object | None = None  # the risk-free subset's own budget.Fit, once per saved state
+  active: dict[int, str] = dataclasses.field(default_factory=dict)
+  gaps: dict[int, float] = dataclasses.field(default_factory=dict)
+  floor: budgets.Fit | None = None  # the risk-free subset's own fit to the budget, once per saved state
 
 
 def init(saved: ManagerState | None = None) -> PlannerState:
