@@ -38,9 +38,7 @@ class MemoryManager(Lifecycle):
     self.planner = planner.Planner(mc, hooks)
     self.record = self.planner.record  # what the method needs: the manager never names one
     self.planner_state = planner.init()  # replaced by what each planning call returns
-    # the state on disk between runs (memory.cache): loaded before the first step, written once set up and after
-    # every change
-    self.store = store
+    self.store = store  # memory.cache: loaded before the first step, written once set up and after every change
     # memory.warmup=gc: set-up runs after warm-up steps on full checkpointing, in phases: "plan" (nothing measured
     # yet: budget, op profile and fits, and whether L is worth calibrating), "calibrate" (waiting for calibration
     # minibatches); None once set up
@@ -63,8 +61,7 @@ class MemoryManager(Lifecycle):
 
   @property
   def state(self) -> ManagerState | None:
-    """The saved state (None before set-up): the planner state's."""
-    return self.planner_state.saved
+    return self.planner_state.saved  # None before set-up
 
   @property
   def pending_setup(self) -> bool:
@@ -195,7 +192,6 @@ class MemoryManager(Lifecycle):
     return bucketing.bucket_risk(self.state.calibration, self.state.buckets[bucket])
 
   def bucket_plan(self, bucket: int) -> methods.Plan:
-    """The bucket's plan at its allowance (solved on its first use)."""
     self.planner_state, plan = planner.bucket_plan(self.planner, self.planner_state, bucket)
     return plan
 
@@ -216,8 +212,7 @@ class MemoryManager(Lifecycle):
   def policies(self, plan: methods.Plan) -> tuple[model.LayerPolicy, ...]:
     return planner.policies(self.planner, self.planner_state, plan)
 
-  def _fit(self, bucket: int, batch):
-    """Fit the bucket's plan to the budget on the compiled step (fitting.fit), and persist the state."""
+  def _fit(self, bucket: int, batch):  # the bucket's plan fitted to the budget on the compiled step, persisted
     self.planner_state = fitting.fit(self.planner, self.planner_state, bucket, batch)
     self.persist()
 
@@ -251,5 +246,4 @@ class MemoryManager(Lifecycle):
     return rows.allocations
 
   def gc_allocations(self, n: int, guard: bool = False) -> list[Allocation]:
-    """Full checkpointing for n minibatches (allocation.gc_rows)."""
     return allocation.gc_rows(self.num_layers, n, self.step_metrics, guard)
