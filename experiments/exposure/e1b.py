@@ -99,8 +99,8 @@ def budget(s: exposure_study.Study, progress=print) -> dict:
   mc_tol = dataclasses.replace(mc.at_budget(None, "hilore"), grad_err_tolerance=tol or mc.grad_err_tolerance)
   cals, fitters = {}, {}
   for mode in ("never", "always"):  # static's delta calibrated on static risk; exposure's on its scores
-    fitters[mode] = MemoryManager(dataclasses.replace(mc_tol, gate=dataclasses.replace(mc.gate, mode=mode)), hooks)
-    probe.use_forward_errors(fitters[mode])
+    fitters[mode] = MemoryManager(dataclasses.replace(mc_tol, gate=dataclasses.replace(mc.gate, mode=mode)), hooks,
+                                  probe=probe.StudyProbe(forward_errors=True))
     cals[mode] = fitters[mode].fit_calibration(m, sw)
   mm, logp = fitters["always"], [ctx.logp for ctx in m.contexts]
   # the predictor's raw scores of the calibration minibatches, as calibration fits and the gate ranks them

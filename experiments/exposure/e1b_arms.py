@@ -50,9 +50,8 @@ def planners(s: exposure_study.Study, h: exposure_study.HeldOut, b: dict, err_MU
   static_mm, sw = b["static_mm"], s.cfg.memory.exposure
   buckets = {}
   for arm in ("hilore_exposure_on", "oracle_bucketed"):
-    make = probe.oracle if arm == "oracle_bucketed" else MemoryManager
-    mm = make(dataclasses.replace(b["mc_tol"], gate=exposure_study.ALWAYS), hooks)
-    probe.use_forward_errors(mm)
+    mm = MemoryManager(dataclasses.replace(b["mc_tol"], gate=exposure_study.ALWAYS), hooks,
+                       probe=probe.StudyProbe(forward_errors=True, oracle=arm == "oracle_bucketed"))
     mm.setup(s.cal[0].params, [r.batch for r in s.cal], 0, calibration_state=cals["always"])
     assume_fitted(mm, 0, allowance)
     mm.defer_fits = True  # a new bucket takes the shared allowance (below), never a fit of its own

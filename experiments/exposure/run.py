@@ -44,13 +44,15 @@ def arm_managers(cfg: Config, be: ExposureBenchConfig, hooks) -> dict[str, Memor
   mc = cfg.memory.at_budget(None)  # memory.budget_ratio for every arm, never an absolute budget
   if mc.buckets <= 1:
     raise ConfigError("memory.buckets must be > 1 for the exposure-on arm (1 is the exposure-off arm)")
-  return {"optimal_hr": MemoryManager(dataclasses.replace(mc, policy="optimal_hr"), hooks),
-          "hilore_static": MemoryManager(dataclasses.replace(mc, policy="hilore_static"), hooks),
-          "hilore_exposure_off": MemoryManager(dataclasses.replace(mc, policy="hilore", buckets=1), hooks),
-          "hilore_exposure_on": MemoryManager(dataclasses.replace(mc, policy="hilore", gate=ALWAYS), hooks),
+  # every arm calibrates and scores with the forward's per-token errors the bench gives allocate
+  arm = lambda **kw: MemoryManager(dataclasses.replace(mc, **kw), hooks, probe=probe.StudyProbe(forward_errors=True))
+  return {"optimal_hr": arm(policy="optimal_hr"), "hilore_static": arm(policy="hilore_static"),
+          "hilore_exposure_off": arm(policy="hilore", buckets=1),
+          "hilore_exposure_on": arm(policy="hilore", gate=ALWAYS),
           # the minibatch's *measured* single-unit errors as its scores (probe.give_errors before allocate): the same
           # grid, buckets, solver and budget fit, with a perfect predictor
-          "oracle": probe.oracle(dataclasses.replace(mc, policy="hilore", gate=ALWAYS), hooks)}
+          "oracle": MemoryManager(dataclasses.replace(mc, policy="hilore", gate=ALWAYS), hooks,
+                                  probe=probe.StudyProbe(forward_errors=True, oracle=True))}
 
 
 def run(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print) -> dict:
@@ -147,7 +149,6 @@ def compare(s: Study, h: HeldOut, p: Prediction, progress=print) -> Comparison:
   cal_state = s.calib_mm.fit_calibration(s.measured, sw)
   managers = arm_managers(dataclasses.replace(cfg, memory=dataclasses.replace(mc, exposure=sw)), be, hooks)
   for m in managers.values():
-    probe.use_forward_errors(m)
     m.setup(s.cal[0].params, [r.batch for r in s.cal], 0, calibration_state=cal_state)
   on = managers["hilore_exposure_on"]
   regime = regime_of(s, on)

@@ -195,10 +195,9 @@ def prepare(cfg: Config, be: ExposureBenchConfig, out_dir: str, progress=print, 
 def calibrated(mc, hooks, cal: list[Record], units) -> tuple[MemoryManager, Any]:
   """(hilore calibrated on the records, exposure forced on, with forward errors; its measurements, exact gradients
   dropped): what every arm of a study starts from."""
-  calib_mm = MemoryManager(dataclasses.replace(mc.at_budget(None, "hilore"), gate=ALWAYS), hooks)
   # the bench gives cotangent_forward the forward's errors (token_err below), and refits predictors on one measurement
-  probe.use_forward_errors(calib_mm)
-  probe.keep_measurements(calib_mm)
+  calib_mm = MemoryManager(dataclasses.replace(mc.at_budget(None, "hilore"), gate=ALWAYS), hooks,
+                           probe=probe.StudyProbe(keep_measurements=True, forward_errors=True))
   calibrate_on(calib_mm, cal)
   measured = probe.measurements(calib_mm)
   measured.refs = without_gradients(measured.refs, units)  # kept for the predictors' fits, which read only norms

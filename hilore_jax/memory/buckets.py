@@ -3,12 +3,9 @@ unit levels, with one cached allocation each, so the train step recompiles only 
 
 from __future__ import annotations
 
-import logging
 from typing import Callable, Sequence
 
 import numpy as np
-
-log = logging.getLogger(__name__)
 
 
 ZERO = -(10**6)  # the level of a unit with no exposure at all (no updated token): risk exactly 0
@@ -34,8 +31,8 @@ def level_risk(levels: Sequence[int], ref_U) -> np.ndarray:
 def bucket_for(st, levels: Sequence[int], time_of: Callable[[int], float]) -> int:
   """The bucket (an index into st.buckets) of a minibatch with these unit levels: its own if known; else the fastest
   (time_of) fitted bucket whose levels are at least these in every unit (its plan's L set stays within the risk
-  budget here too, so no new plan and no compile); else a new one, appended. Fewer plans than exact levels, at the
-  price of some minibatches running a more cautious plan than their own."""
+  budget here too, so no new plan and no compile); else len(st.buckets), a new one for the caller to append. Fewer
+  plans than exact levels, at the price of some minibatches running a more cautious plan than their own."""
   key = list(levels)
   if key in st.buckets:
     return st.buckets.index(key)
@@ -45,8 +42,7 @@ def bucket_for(st, levels: Sequence[int], time_of: Callable[[int], float]) -> in
            and not unexposed and all(x >= y for x, y in zip(st.buckets[b], key))]
   if cover:
     return min(cover, key=lambda b: (time_of(b), b))
-  st.buckets.append(key)
-  return len(st.buckets) - 1
+  return len(st.buckets)
 
 
 def bucket_risk(cal, levels: Sequence[int]) -> np.ndarray:
@@ -56,28 +52,3 @@ def bucket_risk(cal, levels: Sequence[int]) -> np.ndarray:
   risk = level_risk(levels, cal.predicted_error) if levels else np.asarray(
       cal.static_risk or cal.score_max or cal.predicted_error)  # a given calibration may carry neither
   return cal.coherence * risk
-
-
-class AllocationCache:
-  """One allocation per bucket, solved on first use; every solve is counted and logged with its reason."""
-
-  def __init__(self, solve: Callable[[int], object]):
-    self._solve = solve
-    self._cache: dict[int, object] = {}
-    self.solves: list[tuple[int, str]] = []
-
-  def get(self, bucket: int):
-    if bucket not in self._cache:
-      reason = "first use of bucket" if self._cache else "first allocation"
-      self._cache[bucket] = self._solve(bucket)
-      self.solves.append((bucket, reason))
-      log.info("allocation for exposure bucket %d solved (%s)", bucket, reason)
-    return self._cache[bucket]
-
-  def invalidate(self, reason: str, bucket: int | None = None):
-    """Drop one bucket's cached allocation (its allowance was fitted), or all (a calibration refresh, a restore)."""
-    log.info("allocation cache cleared%s: %s", "" if bucket is None else f" for bucket {bucket}", reason)
-    if bucket is None:
-      self._cache.clear()
-    else:
-      self._cache.pop(bucket, None)

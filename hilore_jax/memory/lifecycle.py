@@ -5,7 +5,8 @@ checkpointing while set-up runs after the step in phases (the plan phase: budget
 change the plan, memory/lgain.py; then, where it can, calibration on minibatches gathered over
 memory.calib_rollouts rollouts); once set up, the drift sentinels (drift.py) after each step, only while the running
 plans hold L, and an incremental recalibration of those units where they fire (recalibrate.py); and the buckets a
-step deferred. `MemoryManager` derives from `Lifecycle`; both read and write its one state."""
+step deferred. `MemoryManager` derives from `Lifecycle`; both replace its planner state (planner.py) with what each
+planning call returns."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import logging
 import time
 from typing import Any
 
-from hilore_jax.memory import calibrate, calibration, drift, recalibrate
+from hilore_jax.memory import calibrate, calibration, drift, planner, recalibrate
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class Lifecycle:
     pending, self.pending_fits, t1 = self.pending_fits, {}, time.perf_counter()
     for bucket, batch in pending.items():
       self._fit(bucket, batch)
-      self._cache.get(bucket)
+      self.bucket_plan(bucket)
     if pending:
       log.info("memory (%s): fitted bucket(s) %s after step %d (their minibatches ran GC's program)", self.method,
                sorted(pending), step + 1)
@@ -114,7 +115,7 @@ class Lifecycle:
                   ", ".join(f"{k} {values[k]:.3g}" for k in fired), len(lset))
     if fired or due:
       self._recalibrate(params, minibatches, step + 1, None if due else lset, logp, opt_state)
-    st.drift_ref["last"] = {**values, "recalibrated": float(bool(fired or due))}  # a resumed run's next row's
+    self.state.drift_ref["last"] = {**values, "recalibrated": float(bool(fired or due))}  # a resumed run's next row's
     self.step_metrics = self._metrics(values, bool(fired or due))
     return bool(fired or due or "recon_ratio" in values or "exact_err" in values)
 
@@ -124,15 +125,15 @@ class Lifecycle:
     st = self.state
     if st.guard == "gc" or st.calibration is None:
       return ()
-    units = self._unit_list(batch)  # first: a restored state has no unit list yet
-    plans = [self._cache.get(b) for b in st.verified if b not in st.fallback_gc]
+    units = self.unit_list(batch)  # first: a restored state has no unit list yet
+    plans = [self.bucket_plan(b) for b in st.verified if b not in st.fallback_gc]
     return recalibrate.held_in_l(units, plans, self.lowp_ids)
 
   def _recalibrate(self, params, minibatches: list, step: int, lset, logp=None, opt_state=None):
     """The calibration measured again at params on this step's minibatches (lset: those L units alone, on its
     first; None: every calibrated kind), and every fitted bucket whose plan changes fitted again."""
     st, batch = self.state, minibatches[0]
-    old = {b: self._cache.get(b).choice for b in st.verified if b not in st.fallback_gc}
+    old = {b: self.bucket_plan(b).choice for b in st.verified if b not in st.fallback_gc}
     logp = [None] * len(minibatches) if logp is None else logp
     contexts = [calibration.UpdateContext(params, opt_state, lp) for lp in logp]
     if lset is None:
@@ -142,10 +143,9 @@ class Lifecycle:
       st.calibrations += 1
     st.recalibrations += 1
     st.calibration, st.calibrated_at = cal, step
-    self._plans.clear()
-    self._cache.invalidate("recalibrated")
+    self.planner_state = planner.forget(self.planner_state, "recalibrated", plans=True)
     for b, choice in old.items():
-      if self._cache.get(b).choice != choice:
+      if self.bucket_plan(b).choice != choice:
         self._fit(b, batch)
     self.persist()
 

@@ -1,60 +1,55 @@
-"""The memory manager as the lab sees it: what a study may ask of a manager beyond setup, allocate and its state
-(measure, score with another predictor, force the scores a plan is made from). experiments/ reaches the manager's
-insides only through these functions, never its private attributes (tests/test_layout.py)."""
+"""The memory manager as the lab sees it: what a study may ask of a manager beyond setup, allocate and its state.
+A study gives its options to the manager's constructor as a `StudyProbe` (keep calibration's measurements, score
+with a forward's per-token errors, or plan from given errors: a perfect predictor) and reads what the manager
+measured or scores through the functions below. experiments/ reaches the manager's insides only through these,
+never its private attributes (tests/test_layout.py)."""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hilore_jax.memory import calibrate, predictors
-from hilore_jax.memory.config import MemoryConfig
-from hilore_jax.memory.hooks import StepHooks
-from hilore_jax.memory.manager import MemoryManager
+
+if TYPE_CHECKING:
+  from hilore_jax.memory.manager import MemoryManager
 
 
-def keep_measurements(mm: MemoryManager):
-  """The manager's next calibrations keep their measurements (exact gradients: memory) for `measurements`."""
-  mm._keep_measured = True
+@dataclasses.dataclass
+class StudyProbe:
+  """A study's options for one manager (`MemoryManager(mc, hooks, probe=StudyProbe(...))`), and what it hands back."""
 
-
-def use_forward_errors(mm: MemoryManager):
-  """Calibrate and score with the per-token errors of a forward pass that allocate is given (cotangent_forward)."""
-  mm._forward_errors = True
+  # calibrations keep their measurements (they hold exact gradients: memory), in `measured`, to refit a predictor
+  keep_measurements: bool = False
+  # calibrate and score with the per-token errors of a forward pass that allocate is given (cotangent_forward; the
+  # trainer does not pass them), so calibration fits the predictor to the score it will run
+  forward_errors: bool = False
+  # the run-time unit scores are `errors_U`, set by `give_errors` before each allocate: a perfect predictor (scores
+  # asked with other inputs, as calibration does, are the usual ones)
+  oracle: bool = False
+  errors_U: np.ndarray | None = None
+  measured: calibrate.Measured | None = None  # the last calibration's measurements (keep_measurements), else None
 
 
 def measurements(mm: MemoryManager) -> calibrate.Measured | None:
-  """The last calibration's measurements (None unless `keep_measurements` came before it)."""
-  return mm._measured
+  """The last calibration's measurements (None unless the manager's probe keeps them)."""
+  return mm.probe.measured
 
 
 def scores(mm: MemoryManager, batches: list, inputs: predictors.ScoreInputs, sw, logp, token_err) -> np.ndarray:
   """[M, U] raw scores of predictor sw of the minibatches, at the normalisation the manager runs with."""
-  return mm._scorer(batches, inputs, sw, mm._normalisation, logp, token_err)
+  return mm.scorer(batches, inputs, sw, mm.normalisation, logp, token_err)
 
 
 def l1(mm: MemoryManager, batches: list, sw, logp) -> np.ndarray:
   """The manager's scorer's gradient-scale statistic of the minibatches (predictors.Scorer.l1)."""
-  return mm._scorer.l1(batches, sw, logp)
-
-
-class _Oracle(MemoryManager):
-  """hilore whose run-time unit scores are the errors given by `give_errors` (inputs given: the usual scores)."""
-
-  _errors: np.ndarray | None = None
-
-  def unit_scores(self, minibatches, logp=None, token_err=None, inputs=None):
-    if inputs is not None:
-      return super().unit_scores(minibatches, logp, token_err, inputs)
-    return np.atleast_2d(self._errors)
-
-
-def oracle(mc: MemoryConfig, hooks: StepHooks) -> MemoryManager:
-  """A manager that plans from given per-unit errors (`give_errors` before allocate): a perfect predictor."""
-  return _Oracle(mc, hooks)
+  return mm.scorer.l1(batches, sw, logp)
 
 
 def give_errors(mm: MemoryManager, errors_U: np.ndarray):
-  """The per-unit errors an `oracle` manager's next allocations score their minibatches with."""
-  if not isinstance(mm, _Oracle):
-    raise TypeError("give_errors needs a manager made by probe.oracle")
-  mm._errors = errors_U
+  """The per-unit errors an oracle manager's next allocations score their minibatches with."""
+  if not mm.probe.oracle:
+    raise TypeError("give_errors needs a manager given StudyProbe(oracle=True)")
+  mm.probe.errors_U = errors_U

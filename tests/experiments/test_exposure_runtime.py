@@ -56,8 +56,9 @@ def test_each_minibatch_is_allocated_from_its_own_unit_scores(setup):
   for a, s in zip(allocs, scores):  # a bucket's risk never understates its minibatch's score
     assert np.all(on.bucket_risk(a.bucket) >= kappa * s * (1 - 1e-9))
   # the same minibatch again: its bucket, no new solve
-  solves = len(on._cache.solves)
-  assert on.allocate([normal])[0].bucket == allocs[0].bucket and len(on._cache.solves) == solves
+  before = on.planner_state
+  assert on.allocate([normal])[0].bucket == allocs[0].bucket
+  assert on.planner_state.buckets is before.buckets and on.planner_state.plans is before.plans
 
   # a minibatch at or below a fitted bucket's levels in every unit runs that bucket's plan (no new plan or compile);
   # one above it in any unit gets its own
@@ -79,7 +80,7 @@ def test_each_minibatch_is_allocated_from_its_own_unit_scores(setup):
 @pytest.mark.slow
 def test_oracle_allocates_from_measured_errors(setup):
   hooks, params, on, mc, rng, adv = setup
-  oracle = probe.oracle(mc, hooks)
+  oracle = MemoryManager(mc, hooks, probe=probe.StudyProbe(oracle=True))
   oracle.setup(params, [manager_util.batch(rng, adv)], 0, calibration_state=on.state.calibration)
   b = manager_util.batch(rng, adv)
   ref = np.asarray(on.state.calibration.predicted_error)
@@ -94,8 +95,7 @@ def test_oracle_allocates_from_measured_errors(setup):
 @pytest.mark.slow
 def test_the_probe_scores_with_the_managers_own_scorer(setup):
   hooks, params, _, mc, rng, adv = setup
-  m = MemoryManager(mc, hooks)
-  probe.keep_measurements(m)
+  m = MemoryManager(mc, hooks, probe=probe.StudyProbe(keep_measurements=True))
   m.setup(params, [manager_util.batch(rng, adv) for _ in range(2)], 0)
   assert len(probe.measurements(m).batches) == 2
   c, held = m.state.calibration, [manager_util.batch(rng, adv) for _ in range(3)]
@@ -378,8 +378,7 @@ def test_a_calibration_on_spilled_records_keeps_their_params_on_disk(setup, tmp_
   for where in ("memory", "disk"):
     records = [bench_exposure.Record(0, 0, j, spill.keep(params, str(tmp_path / f"{j}") if where == "disk" else None),
                                      b, {}) for j, b in enumerate(batches)]
-    m = MemoryManager(mc, hooks)
-    probe.keep_measurements(m)
+    m = MemoryManager(mc, hooks, probe=probe.StudyProbe(keep_measurements=True))
     bench_exposure.calibrate_on(m, records)
     measured = probe.measurements(m)
     # weight-read units only: calibration itself keeps no reference's gradient (K of them peaked E1b's smoke)

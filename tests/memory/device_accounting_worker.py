@@ -17,7 +17,7 @@ n_dev, data, fsdp, out = start_worker()
 import numpy as np  # noqa: E402
 from trainer_util import tiny_config  # noqa: E402
 
-from hilore_jax.memory import methods, profile  # noqa: E402
+from hilore_jax.memory import methods, planner, profile  # noqa: E402
 from hilore_jax.memory.manager import Calibration  # noqa: E402
 from hilore_jax.rl.update_batch import UpdateBatch  # noqa: E402
 from hilore_jax.loop.trainer import Trainer  # noqa: E402
@@ -36,7 +36,7 @@ cal = Calibration([1.0] * U, [1e-3] * U, [1e-3] * U, delta=1e-4, calibration_err
                   level_max=0.1, fit={}, calib_batches=1)
 t.memory.setup(t.state["params"], [batch], 0, calibration_state=cal)
 (alloc,) = t.memory.allocate([batch])
-st, units = t.memory.state, t.memory._units[t.memory._shape]
+st, units = t.memory.state, planner.unit_list(t.memory.planner_state)
 step = t.stepper.get(dataclasses.replace(t.spec, policies=alloc.policies), batch)
 cfg = t.model_cfg
 
@@ -44,13 +44,14 @@ cfg = t.model_cfg
 def plan_for(rows):
   """HiLoRe's plan at the fitted allowance with units sized for `rows` rows per gradient pass."""
   us = profile.enumerate_units(cfg, rows, P + N, 8, st.profile)
-  return methods.plan("hilore", us, st.profile["ops"], st.allowance["0"], risk_of=t.memory._risks(0)[0],
+  risk_of = planner.risks(t.memory.planner, t.memory.planner_state, 0)[0]
+  return methods.plan("hilore", us, st.profile["ops"], st.allowance["0"], risk_of=risk_of,
                       delta=st.calibration.delta, group_size=8)
 
 
 with open(out, "w") as f:
   json.dump({"gc_bytes": st.gc_bytes, "budget_bytes": st.budget_bytes, "allowance": st.allowance["0"],
-             "rows": t.memory._shape[0], "unit_bytes": sum(u.bytes_h for u in units),
+             "rows": t.memory.planner_state.shape[0], "unit_bytes": sum(u.bytes_h for u in units),
              "global_unit_bytes": sum(u.bytes_h for u in profile.enumerate_units(cfg, B, P + N, 8)),
              "choice": list(alloc.plan.choice), "plan_bytes": alloc.plan.bytes,
              "global_choice": list(plan_for(B).choice), "compiled_bytes": step.peak_bytes,

@@ -5,7 +5,7 @@ import pytest
 
 from hilore_jax import model
 from hilore_jax.loop import engine
-from hilore_jax.memory import allocator, buckets
+from hilore_jax.memory import buckets
 from hilore_jax.rl import train_step
 from hilore_jax.rl.config import GRPOConfig
 from hilore_jax.rl.update_batch import UpdateBatch
@@ -19,28 +19,6 @@ def test_unit_levels_by_hand():
   assert levels == (0, 2, -4, buckets.ZERO, buckets.ZERO)
   np.testing.assert_allclose(buckets.level_risk(levels, ref), [1.0, 2.0, 0.25, 0.0, 0.0])
   assert all(r >= s for r, s in zip(buckets.level_risk(levels, ref), [1.0, 1.5, 0.01, 0.0, 0.0]))  # never below
-
-
-def test_allocation_per_bucket_is_solved_once():
-  units = [allocator.UnitCost(f"u{i}", 100, 25, 1.0 + i, 0.1, 0.01 * (i + 1)) for i in range(4)]
-  calls = []
-
-  def solve(bucket):
-    calls.append(bucket)
-    return allocator.greedy(allocator.per_unit(units), 150, risk_budget=0.02 / (bucket + 1))
-
-  cache = buckets.AllocationCache(solve)
-  seq = [0, 0, 2, 0, 2, 2, 1]
-  allocs = [cache.get(b) for b in seq]
-  assert calls == [0, 2, 1] and [r for _, r in cache.solves][0] == "first allocation"
-  assert allocs[0] is allocs[1] is allocs[3]
-  cache.invalidate("allowance fitted", 2)  # only that bucket is solved again
-  cache.get(0)
-  cache.get(2)
-  assert calls == [0, 2, 1, 2]
-  cache.invalidate("calibration refreshed")
-  cache.get(0)
-  assert calls == [0, 2, 1, 2, 0]
 
 
 @pytest.mark.slow

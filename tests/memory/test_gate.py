@@ -168,8 +168,7 @@ def test_the_allocator_receives_each_units_p90_over_the_calibration_minibatches(
 @pytest.mark.usefixtures("fixed_op_times")
 def test_the_manager_runs_exposure_buckets_only_where_the_gate_passes(tiny):
   hooks, params, batches, mc = tiny
-  m = MemoryManager(mc, hooks)
-  probe.keep_measurements(m)
+  m = MemoryManager(mc, hooks, probe=probe.StudyProbe(keep_measurements=True))
   m.setup(params, batches, 0)
   cal, meas = m.state.calibration, probe.measurements(m)
   # the record is the pure gate of calibration's own arrays (no clip here: every minibatch counts as unclipped)

@@ -8,7 +8,7 @@ import manager_util
 import numpy as np
 import pytest
 
-from hilore_jax.memory import MemoryManager, calibrate, lgain, methods
+from hilore_jax.memory import MemoryManager, calibrate, lgain, methods, planner
 from hilore_jax.memory import profile as units
 from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.model import decoder
@@ -90,7 +90,7 @@ def test_calibration_runs_only_where_l_can_change_the_plan_and_only_for_its_kind
   assert not measured and off.state.calibration is None and off.state.calibrations == 0
   assert not off.state.lgain["calibrate"] and "below memory.min_l_gain" in off.state.lgain["reason"]
   assert alloc.metrics["alloc/frac_L"] == 0.0 and off.state.risk_free == [0] and not off.exposure_on
-  floor = methods.plan("optimal_hr", off._unit_list(batches[0]), off.state.profile["ops"],
+  floor = methods.plan("optimal_hr", off.unit_list(batches[0]), off.state.profile["ops"],
                        off.state.lgain["risk_free_allowance"], max_runs=mc.plan_runs)
   assert alloc.plan.choice == floor.choice  # the risk-free fit's plan (at most memory.plan_runs runs, as the manager)
   # any gain: calibrated, only the kinds the plan with every L unit free of risk holds in L, at every layer
@@ -98,14 +98,14 @@ def test_calibration_runs_only_where_l_can_change_the_plan_and_only_for_its_kind
   on.step(params, batches, 0)
   kinds = on.state.lgain["kinds"]
   assert on.state.lgain["calibrate"] and on.state.lgain["stage"] == "fitted" and kinds
-  zero_risk = on._plan(0, on.state.lgain["lowp_allowance"], zero_risk=True)
-  assert kinds == lgain.lowp_kinds(zero_risk, on._unit_list(batches[0]))
+  _, zero_risk = planner.solve(on.planner, on.planner_state, 0, on.state.lgain["lowp_allowance"], zero_risk=True)
+  assert kinds == lgain.lowp_kinds(zero_risk, on.unit_list(batches[0]))
   assert measured == [[(layer, k) for layer in range(2) for k in U.LOWP_UNITS if k in kinds]]
   assert on.state.calibration.kinds == kinds and on.lowp_ids == measured[0]
   assert len(on.state.calibration.static_risk) == len(measured[0]) and on.state.calibrations == 1
   # no kind outside them is L in any of its plans
-  plan = on._cache.get(0)
-  assert {u.kind for u, c in zip(on._unit_list(batches[0]), plan.choice) if c == "L"} <= set(kinds)
+  plan = on.bucket_plan(0)
+  assert {u.kind for u, c in zip(on.unit_list(batches[0]), plan.choice) if c == "L"} <= set(kinds)
 
 
 @pytest.mark.usefixtures("fixed_op_times")

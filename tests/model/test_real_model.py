@@ -237,6 +237,6 @@ def test_the_managers_plan_for_the_real_shape_compiles_within_its_budget(model_d
   # stacked copy of the layers' params and their gradients (docs/benchmarks.md, the real-model memory table)
   assert peak <= mm.state.budget_bytes, (peak, mm.state.budget_bytes)
   assert alloc.metrics["alloc/frac_H"] > 0  # the budget buys kept units, not only recompute
-  floor = mm._floor_fit  # optimal_hr's options fitted to the same budget: within it too
+  floor = mm.planner_state.floor  # optimal_hr's options fitted to the same budget: within it too
   assert floor is not None and floor.plan is not None
   assert any(p.fits and p.allowance == floor.allowance for p in floor.probes)
