@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hilore_jax import model, optim, sharding
@@ -17,7 +16,7 @@ from hilore_jax.loop import engine
 from hilore_jax.capacity import synthetic
 from experiments.common.config import BenchConfig
 from hilore_jax.config import Config
-from hilore_jax.rl import train_step
+from hilore_jax.rl import train_state, train_step
 
 MIB = 2 ** 20
 
@@ -38,8 +37,7 @@ def abstract_batch(cfg: Config, b: BenchConfig):
 
 
 def _state(params, optimizer):
-  return {"params": params, "opt_state": jax.eval_shape(optimizer.init, params),
-          "step": jax.ShapeDtypeStruct((), jnp.int32)}
+  return train_state.abstract(params, optimizer)
 
 
 def _temp(compiled) -> int:

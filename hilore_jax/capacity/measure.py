@@ -194,9 +194,9 @@ class Measurer:
     fwd_spec = dataclasses.replace(spec, policies=())
     batch_sh = stepper.batch_shardings(seqs)
     fn = jax.jit(lambda p, b: train_step.sequence_logprobs(fwd_spec, p, b),
-                 in_shardings=(stepper.state_shardings["params"], batch_sh),
+                 in_shardings=(stepper.state_shardings.params, batch_sh),
                  out_shardings=sharding.batch_sharding(stepper.mesh))
-    return fn.lower(stepper.state_abstract["params"], engine.abstract(seqs, batch_sh)).compile()
+    return fn.lower(stepper.state_abstract.params, engine.abstract(seqs, batch_sh)).compile()
 
   def measure(self, mcfg: model.ModelConfig, method: str, ratio: float | None, devices: int,
               completion_len: int) -> dict:
@@ -208,9 +208,9 @@ class Measurer:
     batch = abstract_batch(s.rows, s.prompt_len, completion_len, s.beta > 0, devices if s.packed else 0)
     pols = self.policies(cfg, stepper, spec, batch, method, ratio)
     step = stepper.get(dataclasses.replace(spec, policies=tuple(pols)), batch, count=False)
-    opt_b = device_bytes(stepper.state_abstract["opt_state"])
+    opt_b = device_bytes(stepper.state_abstract.opt_state)
     # a KL term's reference weights: a copy of the params, or with LoRA the frozen base the params hold already
-    ref_b = device_bytes(stepper.state_abstract["params"]) if s.beta > 0 and not mcfg.lora else 0
+    ref_b = device_bytes(stepper.state_abstract.params) if s.beta > 0 and not mcfg.lora else 0
     parts = {"grad": footprint(step.grad) + opt_b + ref_b, "update": footprint(step.update) + ref_b,
              "forward": footprint(self.forward(stepper, spec, batch)) + opt_b + ref_b}
     fr = {c: sum(getattr(p, a) != () for p in pols) / len(pols) for c, a in (("L", "lowp"), ("H", "save"))}

@@ -93,7 +93,7 @@ def project_plans(cfg: Config, mcfg: model.ModelConfig, rows: int, prompt_len: i
   spec = synthetic.step_spec(mcfg, cfg.grpo, cfg.train.logprob_chunk, completion_len)
   out = []
   for (method, ratio), pols in plans.items():
-    c, check = counts(eng.stepper, dataclasses.replace(spec, policies=tuple(pols)), batch, state["params"])
+    c, check = counts(eng.stepper, dataclasses.replace(spec, policies=tuple(pols)), batch, state.params)
     out.append({"method": method, "budget_ratio": ratio, **project_row(c, check, device)})
     progress(f"projection: {method} @ {ratio}: {1e3 * out[-1]['projected_step_s']:.3f} ms ({out[-1]['projected_bound']}"
              "-bound)")

@@ -1,6 +1,7 @@
 """A LoRA run's side of the loop (lora.*): its frozen base (an HF directory and the sha256 of its files), the params
-with adapters (fresh or from a PEFT directory), the checkpoint layout (adapters and optimizer state; the base by
-identity), the KL reference (the base itself) and the exports (PEFT and merged HF).
+with adapters (fresh or from a PEFT directory), the checkpoint's record of its learner (the base by identity; the
+adapters and optimizer state are the train state's own checkpoint, rl/train_state.py), the KL reference (the base
+itself) and the exports (PEFT and merged HF).
 
 Where the base is not a directory on disk (a random model, or any model the run warm-starts first) it is written
 once to `out_dir/base` before the first checkpoint: from then on every LoRA run's base is a directory, which a
@@ -129,18 +130,6 @@ def write_base(c: Config, model_cfg: ModelConfig, params: dict, tokenizer=None) 
 
 
 # ----------------------------------------------------------------------------- checkpoints and the reference
-
-
-def checkpoint_state(state: dict) -> dict:
-  """What a checkpoint holds of the train state: what trains (a LoRA model's adapters, else the params), the
-  optimizer state and the step; a tree of arrays, shardings or abstract values alike."""
-  return {"params": lora.trainable(state["params"]), "opt_state": state["opt_state"], "step": state["step"]}
-
-
-def restored_state(state: dict, tree: dict) -> dict:
-  """The train state from a restored checkpoint_state tree, on state's frozen base."""
-  return {"params": lora.partition(state["params"]).combined(tree["params"]), "opt_state": tree["opt_state"],
-          "step": tree["step"]}
 
 
 def check_checkpoint(meta: dict, model_cfg: ModelConfig, base: Base | None, step: int):

@@ -16,8 +16,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 
 from hilore_jax import model, optim, sharding
@@ -25,7 +23,8 @@ from hilore_jax.model import lora
 from hilore_jax.config import Config
 from hilore_jax.optim import logra
 from hilore_jax.optim.config import KLControlConfig
-from hilore_jax.rl import prompt_share, train_step
+from hilore_jax.rl import prompt_share, train_state, train_step
+from hilore_jax.rl.train_state import TrainState
 from hilore_jax.rl.train_step import StepSpec
 from hilore_jax.rl.update_batch import UpdateBatch
 
@@ -46,21 +45,18 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, opt_shape, para
                                 is_leaf=is_logra)
 
 
-def init_state(mesh, optimizer: optax.GradientTransformation, params_shape, make_params) -> tuple[dict, dict]:
+def init_state(mesh, optimizer: optax.GradientTransformation, params_shape, make_params
+               ) -> tuple[TrainState, TrainState]:
   """(state, state shardings): params from make_params(param shardings), optimizer state created sharded over what
   trains (model.lora.partition: a LoRA model's adapters); with make_params None, the abstract state (shapes and
   dtypes only: to compile and measure, nothing allocated)."""
-  param_sh = sharding.param_shardings(mesh, params_shape)
-  opt_shape = jax.eval_shape(optimizer.init, lora.trainable(params_shape))
-  rep = sharding.replicated(mesh)
-  opt_sh = opt_state_shardings(optimizer, opt_shape, lora.trainable(param_sh), rep)
-  state_sh = {"params": param_sh, "opt_state": opt_sh, "step": rep}
+  shapes = train_state.abstract(params_shape, optimizer)
+  param_sh, rep = sharding.param_shardings(mesh, params_shape), sharding.replicated(mesh)
+  state_sh = TrainState(params=param_sh, step=rep,
+                        opt_state=opt_state_shardings(optimizer, shapes.opt_state, lora.trainable(param_sh), rep))
   if make_params is None:
-    return {"params": params_shape, "opt_state": opt_shape, "step": jax.ShapeDtypeStruct((), jnp.int32)}, state_sh
-  params = make_params(param_sh)
-  opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(lora.trainable(params))
-  # from a host value: device_put of a committed device array onto a mesh spanning processes makes a broken array
-  return {"params": params, "opt_state": opt_state, "step": jax.device_put(np.int32(0), rep)}, state_sh
+    return shapes, state_sh
+  return train_state.create(make_params(param_sh), optimizer, state_sh), state_sh
 
 
 def _memory(compiled) -> tuple[int, int]:
@@ -110,8 +106,8 @@ class Step:
     """XLA's cost-analysis figure `key` ("flops", "bytes accessed") of the gradient and of the update program."""
     return _flops(self.grad, key), _flops(self.update, key)
 
-  def __call__(self, state: dict, batch: UpdateBatch):
-    grads, metrics = self.grad(state["params"], batch)
+  def __call__(self, state: TrainState, batch: UpdateBatch):
+    grads, metrics = self.grad(state.params, batch)
     if self.kl_control:
       state, m = self.update(state, grads, batch.sequences())
     else:
@@ -138,7 +134,7 @@ class Stepper:
     self.kl = kl_control if kl_control is not None and kl_control.target > 0 else None
     self.state_abstract = abstract(state, state_shardings)
     # gradients are shaped like what trains (model.lora.partition: a LoRA model's adapters, else the params)
-    self.grad_shardings = lora.trainable(state_shardings.get("params"))  # None: a stepper without a state
+    self.grad_shardings = lora.trainable(state_shardings.params) if state_shardings is not None else None
     self._compiled: dict[tuple, Step] = {}
     # compiled only to read their memory; promoted (not recompiled) if run. Bounded, least recently used out: every
     # XLA:CPU executable holds JIT-mapped code, and a run that probes hundreds of plans (the exposure bench's arms)
@@ -164,15 +160,15 @@ class Stepper:
     if key not in self._forwards:
       batch_sh = self.batch_shardings(seqs)
       fn = jax.jit(lambda p, b: train_step.sequence_logprobs(spec, p, b),
-                   in_shardings=(self.state_shardings["params"], batch_sh),
+                   in_shardings=(self.state_shardings.params, batch_sh),
                    out_shardings=sharding.batch_sharding(self.mesh))
-      self._forwards[key] = fn.lower(self.state_abstract["params"], abstract(seqs, batch_sh)).compile()
+      self._forwards[key] = fn.lower(self.state_abstract.params, abstract(seqs, batch_sh)).compile()
     return self._forwards[key](params, seqs)
 
   def update_program(self, spec: StepSpec, batch: UpdateBatch):
     """The update program; with KL control keyed by the spec without its policies and the sequences' shapes."""
     param_sh, metrics_sh = self.grad_shardings, sharding.replicated(self.mesh)
-    grads_abstract = lora.trainable(self.state_abstract["params"])
+    grads_abstract = lora.trainable(self.state_abstract.params)
     if self.kl is None:
       if None not in self._updates:
         def update_program(s, g):
@@ -198,7 +194,7 @@ class Stepper:
 
   def _compile(self, spec: StepSpec, batch: UpdateBatch) -> Step:
     batch_sh = self.batch_shardings(batch)
-    param_sh, metrics_sh = self.state_shardings["params"], sharding.replicated(self.mesh)
+    param_sh, metrics_sh = self.state_shardings.params, sharding.replicated(self.mesh)
     metrics_sh = {**{k: metrics_sh for k in train_step.SCALAR_METRICS},
                   train_step.TOKEN_LOGP: sharding.batch_sharding(self.mesh)}
 
@@ -206,7 +202,7 @@ class Stepper:
       return train_step.gradient_step(p, b, spec)
 
     fn = jax.jit(grad_program, in_shardings=(param_sh, batch_sh), out_shardings=(self.grad_shardings, metrics_sh))
-    grad = fn.lower(self.state_abstract["params"], abstract(batch, batch_sh)).compile()
+    grad = fn.lower(self.state_abstract.params, abstract(batch, batch_sh)).compile()
     update = self.update_program(spec, batch)
     grad_temp, grad_out = _memory(grad)
     update_temp, _ = _memory(update)
@@ -279,11 +275,11 @@ class Engine:
 
   @property
   def param_shardings(self):
-    return self.state_shardings["params"]
+    return self.state_shardings.params
 
 
 def build(cfg: Config, model_cfg: model.ModelConfig, total_updates: int, host_params: dict | None = None,
-          rng: jax.Array | None = None, abstract: bool = False) -> tuple[Engine, dict]:
+          rng: jax.Array | None = None, abstract: bool = False) -> tuple[Engine, TrainState]:
   """(the run's engine, its sharded train state): params from host_params (a loaded checkpoint) or initialised
   from rng, created sharded; abstract: shapes only (compile-only measurements)."""
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp)

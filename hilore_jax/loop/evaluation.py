@@ -7,7 +7,6 @@ import os
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hilore_jax import model, optim, stats, tasks
@@ -16,7 +15,7 @@ from hilore_jax import config as config_lib
 from hilore_jax.config import Config
 from hilore_jax.errors import CheckpointError
 from hilore_jax.model import lora
-from hilore_jax.rl import rollout, rollout_engine
+from hilore_jax.rl import rollout, rollout_engine, train_state
 from hilore_jax.rl.config import SamplingConfig
 from hilore_jax.tasks import Example, prompts
 from hilore_jax.tasks.prompts import Prompter
@@ -85,11 +84,9 @@ def restore_params(run_dir: str, config: Config) -> tuple[model.ModelConfig, dic
     params = jax.eval_shape(lambda: model.init_params(model_cfg, jax.random.PRNGKey(0)))
     if meta.get(checkpointing.LAYERS_KEY) == checkpointing.STACKED:  # the train layout (older runs: per layer)
       params = jax.eval_shape(model.stacked, params)
-    opt = optim.make_optimizer(run_config.optimizer, 1)
-    train = {"params": params, "opt_state": jax.eval_shape(opt.init, lora.trainable(params)),
-             "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    train = train_state.abstract(params, optim.make_optimizer(run_config.optimizer, 1))
     ref = params if run_config.grpo.beta > 0 and not meta.get("lora") else None
-    tree = checkpointing.run_tree(adapters.checkpoint_state(train), ref)
+    tree = checkpointing.run_tree(train.checkpoint(), ref)
     return engine.abstract(tree, jax.tree.map(lambda _: dev, tree))
 
   try:

@@ -137,3 +137,27 @@ def build(c: Config, roll, rng: np.random.Generator, replay_buffer, step: int, u
   return UpdatePlan(tuple(place(b) for b in batches), stats, lengths, tuple(b.prompt_mask.sum(1) for b in batches),
                     plans["max_tokens_per_microbatch"], plans["max_tokens_per_logprob_pass"],
                     prompt_keys=tuple(keys) if c.train.share_prompt else (), split=split)
+
+
+def with_logprobs(c: Config, plan: UpdatePlan, params, logprobs: Callable, reference: Callable | None) -> UpdatePlan:
+  """The plan with ref_logp (reference(batch, micros), where the loss has a KL term) and old_logp filled in on the
+  devices (logprobs(params, batch, micros)), and `current`: the current policy's log-probs of each minibatch where a
+  forward computed them, else None. old_logp comes from the policy that sampled, which is the current one: every
+  fresh row an update sees after the rollout's first update needs it; replayed rows keep the behaviour log-probs
+  stored with them (their current log-probs are the exposure's ratio numerator)."""
+  later = c.grpo.num_iterations > 1
+  sampled = c.grpo.old_logp == "sampler"  # fresh rows carry the sampler's: no forward for them
+  out, current = [], []
+  for i, (b, micros) in enumerate(zip(plan.batches, plan.logp)):
+    if reference is not None:
+      b = b.replace(ref_logp=reference(b, micros))
+    logp = None
+    if update_batch.needs_old_forward(b, i, later) and not (sampled and b.replayed is None):
+      logp = logprobs(params, b, micros)
+      if b.replayed is not None:  # replayed rows keep their stored behaviour log-probs
+        b = b.replace(old_logp=jnp.where(b.replayed[:, None] > 0, b.old_logp, logp))
+      else:  # every row: a later pass reads the on-policy rows' too
+        b = b.replace(old_logp=logp)
+    out.append(b)
+    current.append(logp if b.replayed is not None else None)
+  return plan.replace(batches=tuple(out), current=tuple(current))

@@ -15,6 +15,7 @@ from hilore_jax.model import LayerPolicy, ModelConfig, lora
 from hilore_jax.optim.config import KLControlConfig
 from hilore_jax.rl import grpo, kl_control, logprobs, packing
 from hilore_jax.rl.config import GRPOConfig
+from hilore_jax.rl.train_state import TrainState
 from hilore_jax.rl.update_batch import UpdateBatch
 
 
@@ -227,7 +228,7 @@ def minibatch_kl(kl_fn, spec: StepSpec, params, updates, batch: UpdateBatch, chu
   return jnp.sum(jax.lax.map(one, split)) / jnp.maximum(jnp.sum(batch.mask).astype(jnp.float32), 1.0)
 
 
-def update_step(state: dict, grads, optimizer: optax.GradientTransformation, batch: UpdateBatch | None = None,
+def update_step(state: TrainState, grads, optimizer: optax.GradientTransformation, batch: UpdateBatch | None = None,
                 spec: StepSpec | None = None, kl: KLControlConfig | None = None):
   """The update program: clipping and the optimizer on finished gradients -> (new state, metrics).
 
@@ -235,20 +236,19 @@ def update_step(state: dict, grads, optimizer: optax.GradientTransformation, bat
   predicted)) before it is applied, predicted the second-order mean per-token KL on the batch's completion tokens;
   the optimizer's state advances as without the control. Without kl the program is the plain one.
   """
-  split = lora.partition(state["params"])  # clipping and the optimizer see what trains (a LoRA model's adapters)
-  updates, opt_state = optimizer.update(grads, state["opt_state"], split.trainable)
+  # clipping and the optimizer see what trains (a LoRA model's adapters)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.trainable)
   metrics = {"grad_norm": optax.tree.norm(grads)}
   if kl is not None:
-    predicted = minibatch_kl(kl_control.predicted_kl, spec, state["params"], updates, batch, kl.chunk)
+    predicted = minibatch_kl(kl_control.predicted_kl, spec, state.params, updates, batch, kl.chunk)
     s = kl_control.control_scale(predicted, kl.target)
     updates = jax.tree.map(lambda u: (u * s).astype(u.dtype), updates)
-    realized = minibatch_kl(kl_control.realized_kl, spec, state["params"], updates, batch, kl.chunk)
+    realized = minibatch_kl(kl_control.realized_kl, spec, state.params, updates, batch, kl.chunk)
     metrics.update({"kl_control/predicted": predicted, "kl_control/scale": s, "kl_control/realized": realized})
-  params = split.combined(optax.apply_updates(split.trainable, updates))
-  return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+  return state.take_step(updates, opt_state), metrics
 
 
-def train_step(state: dict, batch: UpdateBatch, spec: StepSpec, optimizer: optax.GradientTransformation,
+def train_step(state: TrainState, batch: UpdateBatch, spec: StepSpec, optimizer: optax.GradientTransformation,
                kl: KLControlConfig | None = None):
   """One optimizer update on a minibatch -> (new state, metrics), as one function (what the two programs compute).
 
@@ -256,6 +256,6 @@ def train_step(state: dict, batch: UpdateBatch, spec: StepSpec, optimizer: optax
   backward, XLA:CPU, which drops the optimization barriers that order remat, hoists recomputation into the forward
   and keeps most of what remat was meant to free.
   """
-  grads, metrics = gradient_step(state["params"], batch, spec)
+  grads, metrics = gradient_step(state.params, batch, spec)
   state, m = update_step(state, grads, optimizer, batch, spec, kl)
   return state, {**metrics, **m}

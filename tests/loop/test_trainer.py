@@ -29,7 +29,7 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
 
   def poisoned(step):
     if step == 3:  # corrupt the weights mid-run: the next update must be caught
-      t.state["params"] = jax.tree_util.tree_map(lambda x: x * jnp.nan, t.state["params"])
+      t.state = t.state.replace(params=jax.tree_util.tree_map(lambda x: x * jnp.nan, t.state.params))
     return run_step(step)
 
   t.run_step = poisoned

@@ -1,12 +1,11 @@
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from hilore_jax import model
 from hilore_jax.loop import engine
-from hilore_jax.memory import buckets
-from hilore_jax.rl import train_step
+from hilore_jax.memory import allocator, buckets
+from hilore_jax.rl import train_state, train_step
 from hilore_jax.rl.config import GRPOConfig
 from hilore_jax.rl.update_batch import UpdateBatch
 
@@ -30,7 +29,7 @@ def test_second_step_in_the_same_bucket_compiles_nothing(tiny_cfg):
   mesh = sharding.make_mesh(1, 1)
   params = model.init_params(tiny_cfg, jax.random.PRNGKey(0))
   opt = optax.adam(1e-3)
-  state = {"params": params, "opt_state": opt.init(params), "step": jnp.int32(0)}
+  state = train_state.create(params, opt)
   shardings = jax.tree_util.tree_map(lambda _: sharding.replicated(mesh), state)
   stepper = engine.Stepper(mesh, opt, state, shardings)
   rng = np.random.default_rng(0)
@@ -56,7 +55,7 @@ def test_probe_compiles_are_bounded_and_the_recent_ones_promoted(tiny_cfg):
   mesh = sharding.make_mesh(1, 1)
   params = model.init_params(tiny_cfg, jax.random.PRNGKey(0))
   opt = optax.adam(1e-3)
-  state = {"params": params, "opt_state": opt.init(params), "step": jnp.int32(0)}
+  state = train_state.create(params, opt)
   stepper = engine.Stepper(mesh, opt, state, jax.tree_util.tree_map(lambda _: sharding.replicated(mesh), state),
                            probe_cache=2)
   batch = UpdateBatch(np.full((4, 3), 5, np.int32), np.ones((4, 3), np.int32), np.full((4, 2), 7, np.int32),

@@ -10,7 +10,8 @@ from trainer_util import tiny_config
 
 from hilore_jax.loop import metrics
 from hilore_jax.memory import store as stores
-from hilore_jax.loop.trainer import Trainer, memory_store
+from hilore_jax.loop.trainer import Trainer
+from hilore_jax.memory.cache_key import run_store as memory_store
 
 # every plan priced with fixed op times: which plan a step runs never depends on this machine's speed
 pytestmark = pytest.mark.usefixtures("fixed_op_times")

@@ -12,7 +12,7 @@ from hilore_jax import model
 from hilore_jax.model import lora
 from hilore_jax.model import units as U
 from hilore_jax.model.config import LoraSpec
-from hilore_jax.rl import rollout, train_step
+from hilore_jax.rl import rollout, train_state, train_step
 from hilore_jax.rl.config import GRPOConfig, SamplingConfig
 from hilore_jax.rl.update_batch import UpdateBatch
 
@@ -101,7 +101,7 @@ def test_the_train_step_trains_the_adapters_alone(tiny_cfg):
   micro, _ = train_step.grads_and_stats(params, batch, dataclasses.replace(spec, microbatches=2))
   assert_trees_close(micro, grads, ulps=64, scale="tree")
   opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
-  state = {"params": params, "opt_state": opt.init(lora.trainable(params)), "step": jnp.int32(0)}
+  state = train_state.create(params, opt)
   new, _ = jax.jit(lambda s, g: train_step.update_step(s, g, opt))(state, grads)
   assert_trees_close(lora.base_of(new["params"]), lora.base_of(params), ulps=0)  # the base stays frozen
   moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), lora.trainable(new["params"]),

@@ -97,7 +97,7 @@ def test_control_off_is_the_plain_update_program_bit_for_bit():
   params, batch = _host()
   _, after, metrics, step = _run(0.0)
   assert not step.kl_control and "kl_control/scale" not in metrics
-  assert engine.Stepper(sharding.make_mesh(), OPT, {}, {}).kl is None  # no kl_control section: off as well
+  assert engine.Stepper(sharding.make_mesh(), OPT, None, None).kl is None  # no kl_control section: off as well
   mesh = sharding.make_mesh()
   state, _ = engine.init_state(mesh, OPT, jax.eval_shape(lambda: params), lambda sh: jax.device_put(params, sh))
   grads, _ = jax.jit(lambda p, b: train_step.gradient_step(p, b, SPEC))(state["params"], batch)
