@@ -10,9 +10,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from hilore_jax.model import ops
 from hilore_jax.model import units as U
 from hilore_jax.model.config import ModelConfig
-from hilore_jax.model.decoder import OPS, decoder_layer, embed, layer_ctx, logits, rms_norm, rope_cos_sin, stack_layers
+from hilore_jax.model.decoder import embed, logits
+from hilore_jax.model.layer import Prefill, decoder_layer
+from hilore_jax.model.layers import stack_layers
+from hilore_jax.model.ops import layer_ctx, rms_norm
+from hilore_jax.model.rope import rope_cos_sin
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> tuple:
@@ -31,7 +36,7 @@ def forward_cached(cfg: ModelConfig, params: dict, input_ids_BT, positions_BT, k
 
   def body(x, layer):
     p, kv = layer
-    x, kv = decoder_layer(cfg, p, x, ctx, kv, cache_index)
+    x, kv = decoder_layer(cfg, p, x, ctx, Prefill(kv, cache_index))
     return x, kv
 
   layers = params["layers"]
@@ -82,7 +87,7 @@ def decode_step(cfg: ModelConfig, params: dict, tok_R: jax.Array, pos_R: jax.Arr
   position pos_R; each row attends to its own slots key_start_r..slot. params["layers"] is stacked; cache is the
   stacked (k, v) [L, R, S, K, H], a carry of the layer scan written in place (one [R, 1, K, H] slot per layer),
   never copied. Attention reads the first n_chunks chunks of `chunk` slots (static; the caller's bound on slot + 1,
-  within the cache). The layer computes the decoder's own producer ops (decoder.OPS), attention aside."""
+  within the cache). The layer computes the decoder's own producer ops (model/ops.py), attention aside."""
   if not 0 < n_chunks * chunk <= cache[0].shape[2]:
     raise ValueError(f"{n_chunks} attention chunks of {chunk} slots do not fit a cache of {cache[0].shape[2]} slots")
   cos, sin = rope_cos_sin(cfg, pos_R[:, None])
@@ -93,16 +98,15 @@ def decode_step(cfg: ModelConfig, params: dict, tok_R: jax.Array, pos_R: jax.Arr
     x, k_all, v_all = carry
     p, i = xs
     t = {U.LAYER_INPUT: x}
-    t[U.ATTN_NORM] = OPS["attn_norm_op"](cfg, p, t, rope)
-    q, k, v = (OPS[op](cfg, p, t, rope) for op in ("q_proj", "k_proj", "v_proj"))
+    for name, fn in ops.BEFORE_ATTENTION:
+      t[name] = fn(cfg, p, t, rope)
+    q, k, v = t[U.Q], t[U.K], t[U.V]
     k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), (i, 0, slot, 0, 0))
     v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), (i, 0, slot, 0, 0))
     t[U.ATTN_CTX] = filled_attention(q[:, 0], k_all, v_all, i, slot + 1, key_start_R, chunk, n_chunks)[:, None]
-    t[U.MLP_INPUT] = OPS["o_proj"](cfg, p, t, rope)
-    t[U.MLP_NORM] = OPS["mlp_norm_op"](cfg, p, t, rope)
-    t[U.MLP_GATE], t[U.MLP_UP] = OPS["gate_proj"](cfg, p, t, rope), OPS["up_proj"](cfg, p, t, rope)
-    t[U.MLP_DOWN_IN] = OPS["act"](cfg, p, t, rope)
-    return (t[U.MLP_INPUT] + OPS["down_proj"](cfg, p, t, rope), k_all, v_all), None
+    for name, fn in ops.AFTER_ATTENTION:
+      t[name] = fn(cfg, p, t, rope)
+    return (t[U.MLP_INPUT] + t[U.MLP_OUT], k_all, v_all), None
 
   n = cfg.num_hidden_layers
   (x, k_all, v_all), _ = jax.lax.scan(layer, (x, *cache), (params["layers"], jnp.arange(n, dtype=jnp.int32)))

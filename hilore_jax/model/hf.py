@@ -16,7 +16,7 @@ from safetensors.flax import save_file
 
 from hilore_jax.model import config as model_config
 from hilore_jax.model.config import ModelConfig
-from hilore_jax.model.decoder import unstacked
+from hilore_jax.model.layers import unstacked
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

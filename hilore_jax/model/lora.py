@@ -31,24 +31,25 @@ from hilore_jax.model.layers import stack_layers
 
 
 class Target(NamedTuple):
-  """Where an adapter sits: the frozen weight (block, leaf), its projection's einsum, its input unit and the HF
-  module it is in Hugging Face / peft names."""
+  """A projection an adapter may sit on: its frozen weight (block, leaf) and bias leaf, its einsum, its input unit
+  and the HF module it is in Hugging Face / peft names."""
 
   block: str
   weight: str
+  bias: str
   spec: str
   unit: str
   module: str
 
 
 TARGETS: dict[str, Target] = {
-    "q": Target("attn", "wq_DNH", "btd,dnh->btnh", U.ATTN_NORM, "self_attn.q_proj"),
-    "k": Target("attn", "wk_DKH", "btd,dkh->btkh", U.ATTN_NORM, "self_attn.k_proj"),
-    "v": Target("attn", "wv_DKH", "btd,dkh->btkh", U.ATTN_NORM, "self_attn.v_proj"),
-    "o": Target("attn", "wo_NHD", "btnh,nhd->btd", U.ATTN_CTX, "self_attn.o_proj"),
-    "gate": Target("mlp", "wgate_DF", "btd,df->btf", U.MLP_NORM, "mlp.gate_proj"),
-    "up": Target("mlp", "wup_DF", "btd,df->btf", U.MLP_NORM, "mlp.up_proj"),
-    "down": Target("mlp", "wdown_FD", "btf,fd->btd", U.MLP_DOWN_IN, "mlp.down_proj"),
+    "q": Target("attn", "wq_DNH", "bq_NH", "btd,dnh->btnh", U.ATTN_NORM, "self_attn.q_proj"),
+    "k": Target("attn", "wk_DKH", "bk_KH", "btd,dkh->btkh", U.ATTN_NORM, "self_attn.k_proj"),
+    "v": Target("attn", "wv_DKH", "bv_KH", "btd,dkh->btkh", U.ATTN_NORM, "self_attn.v_proj"),
+    "o": Target("attn", "wo_NHD", "bo_D", "btnh,nhd->btd", U.ATTN_CTX, "self_attn.o_proj"),
+    "gate": Target("mlp", "wgate_DF", "bgate_F", "btd,df->btf", U.MLP_NORM, "mlp.gate_proj"),
+    "up": Target("mlp", "wup_DF", "bup_F", "btd,df->btf", U.MLP_NORM, "mlp.up_proj"),
+    "down": Target("mlp", "wdown_FD", "bdown_D", "btf,fd->btd", U.MLP_DOWN_IN, "mlp.down_proj"),
 }
 assert tuple(TARGETS) == LORA_TARGETS
 KEY = "lora"  # a layer's adapters: params["layers"][i][KEY]

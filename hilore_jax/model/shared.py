@@ -20,10 +20,12 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from hilore_jax.model import units as U
 from hilore_jax.model.config import ModelConfig
 from hilore_jax.model.attention import Segments
-from hilore_jax.model.decoder import decoder_layer, default_positions, embed, layer_ctx, rms_norm, run_layers
+from hilore_jax.model.decoder import default_positions, embed
+from hilore_jax.model.layer import Train, decoder_layer
+from hilore_jax.model.layers import run_layers
+from hilore_jax.model.ops import layer_ctx, rms_norm
 from hilore_jax.model.policy import NO_REMAT, LayerPolicy, uniform
 
 
@@ -59,15 +61,14 @@ def _layer(cfg: ModelConfig, policy: LayerPolicy):
   def fn(p, xs, consts):
     x_UPD, x_BND = xs
     ctx_prompt, ctx_completion, index_B = consts
-    taps: dict = {}
-    x_UPD = decoder_layer(cfg, p, x_UPD, ctx_prompt, policy=policy, taps=taps)[0]
+    x_UPD, kv_prompt = decoder_layer(cfg, p, x_UPD, ctx_prompt, Train(policy))
     if index_B is None:
       flat = lambda t: jnp.broadcast_to(t.reshape(1, -1, *t.shape[2:]),
                                         (x_BND.shape[0], t.shape[0] * t.shape[1], *t.shape[2:]))
-      prefix = (flat(taps[U.K]), flat(taps[U.V]))
+      prefix = tuple(flat(t) for t in kv_prompt)
     else:
-      prefix = (jnp.take(taps[U.K], index_B, axis=0), jnp.take(taps[U.V], index_B, axis=0))
-    x_BND = decoder_layer(cfg, p, x_BND, ctx_completion, policy=policy, prefix_kv=prefix)[0]
+      prefix = tuple(jnp.take(t, index_B, axis=0) for t in kv_prompt)
+    x_BND = decoder_layer(cfg, p, x_BND, ctx_completion, Train(policy, prefix_kv=prefix))[0]
     return x_UPD, x_BND
 
   return fn

@@ -1,7 +1,7 @@
 """The layer dataflow table: every tensor a decoder layer tags for backward, who produces it, who reads it.
 
 This is the one statement of that fact. The decoder tags its tensors with these names, the memory profile times
-the producer ops (the decoder's own functions, `decoder.OPS`), the cost model derives what backward must rerun,
+the producer ops (the decoder's own functions, `ops.OPS`), the cost model derives what backward must rerun,
 calibration and the methods read which units may be low-precision and which weights' gradients they reach.
 `tests/model/test_units.py` checks the table against the names the decoder emits and the tensors each op reads.
 """
@@ -25,7 +25,7 @@ MLP_SILU = "mlp_silu"            # silu(gate)
 MLP_DOWN_IN = "mlp_down_in"      # silu(gate) * up, the down-projection input
 MLP_OUT = "mlp_out"              # down-projection output
 LORA_XA = "lora_xa"              # LoRA: x A of every adapted projection, [B, T, r] each (its B gradient reads it)
-LORA_OP = "lora_a"               # the op computing a layer's x A products (decoder.OPS)
+LORA_OP = "lora_a"               # the op computing a layer's x A products (ops.OPS)
 # the projection inputs an adapter may read (model/lora.py's targets sit on their projections)
 PROJECTION_INPUTS = (ATTN_NORM, ATTN_CTX, MLP_NORM, MLP_DOWN_IN)
 
@@ -42,7 +42,7 @@ class Tensor:
   name: str
   shape: str  # shape letters: B batch, T query positions, S key positions, D hidden, N heads, K kv heads,
   #             G query heads per kv head, H head size, F intermediate
-  producer: str | None  # the op (a key of decoder.OPS) that computes it; None: the layer boundary
+  producer: str | None  # the op (a key of ops.OPS) that computes it; None: the layer boundary
   reads: tuple[str, ...]  # tensors that op reads (recomputing it needs them)
   backward: str  # EXACT | WEIGHTS | NONE
   weights: tuple[str, ...] = ()  # (sub-dict, leaf) of the params whose gradient reads it

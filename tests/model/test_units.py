@@ -79,7 +79,7 @@ def _layer_names(cfg, policy):
   ctx = model.LayerCtx(*model.rope_cos_sin(cfg, jnp.broadcast_to(jnp.arange(T), (B, T))),
                        jnp.ones((B, T, T), bool))
   # the backward pass (vjp) traces the custom VJPs of L units too
-  fn = lambda p, x: jax.vjp(lambda p, x: model.decoder.decoder_layer(cfg, p, x, ctx, policy=policy)[0], p, x)[0]
+  fn = lambda p, x: jax.vjp(lambda p, x: model.decoder_layer(cfg, p, x, ctx, model.Train(policy))[0], p, x)[0]
   return _names(jax.make_jaxpr(fn)(p, x).jaxpr)
 
 
