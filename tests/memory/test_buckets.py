@@ -4,7 +4,7 @@ import pytest
 
 from hilore_jax import model
 from hilore_jax.loop import engine
-from hilore_jax.memory import allocator, buckets
+from hilore_jax.memory import buckets
 from hilore_jax.rl import train_state, train_step
 from hilore_jax.rl.config import GRPOConfig
 from hilore_jax.rl.update_batch import UpdateBatch
