@@ -277,6 +277,20 @@ class Engine:
   def param_shardings(self):
     return self.state_shardings.params
 
+  def place(self, batch):
+    """A host pytree (an UpdateBatch, a dict of arrays) on the mesh in one transfer: an UpdateBatch as the compiled
+    steps read it (Stepper.batch_shardings), a dict's rows split over the batch axes where they divide, else
+    replicated."""
+    split, rep = sharding.batch_sharding(self.mesh), sharding.replicated(self.mesh)
+    n = sharding.num_batch_shards(self.mesh)
+    shardings = (self.stepper.batch_shardings(batch) if isinstance(batch, UpdateBatch)
+                 else jax.tree.map(lambda v: split if v.shape[0] % n == 0 else rep, batch))
+    if jax.process_count() == 1:
+      return jax.device_put(batch, shardings)
+    # every process holds the whole host batch and places only its own devices' rows: device_put would first
+    # check that the processes agree, and NaN (old_logp's "to be filled in") never equals itself
+    return jax.tree.map(lambda v, s: jax.make_array_from_callback(v.shape, s, lambda idx: v[idx]), batch, shardings)
+
 
 def build(cfg: Config, model_cfg: model.ModelConfig, total_updates: int, host_params: dict | None = None,
           rng: jax.Array | None = None, abstract: bool = False) -> tuple[Engine, TrainState]:
