@@ -1,11 +1,7 @@
 """The trainer's configuration: the wings' sections composed into one frozen, typed Config, validated at the
-boundary, and its loading from YAML plus dotted overrides.
-
-Each wing owns its settings (model/config.py, tasks/config.py, rl/config.py, optim/config.py, memory/config.py);
-this module adds only what the run itself needs (where the model comes from, the mesh, checkpoints, logging), the
-checks that span sections, and the loader. It does no I/O beyond parsing what it is given. Over 320 lines
-on purpose: the sections of the model wing (model, lora) live here because model/ imports nothing of the package's
-errors, beside the run's own and the loader.
+boundary, and its loading from YAML plus dotted overrides. Each wing owns its settings (model/config.py, ...); this
+module adds what the run itself needs, the checks that span sections, and the loader. Over 320 lines on purpose: the
+model wing's sections (model, lora) live here because model/ imports nothing of the package's errors.
 """
 
 from __future__ import annotations
@@ -234,9 +230,7 @@ def _coerce(key: str, value, tp):
   origin = typing.get_origin(tp)
   if origin in (typing.Union, types.UnionType):
     args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if value is None:
-      return None
-    return _coerce(key, value, args[0])
+    return None if value is None else _coerce(key, value, args[0])
   if origin is tuple:
     if isinstance(value, str):
       value = [value]
@@ -267,7 +261,8 @@ def _coerce(key: str, value, tp):
   return value
 
 
-def _build(cls, d: dict, prefix: str):
+def build(cls, d: dict, prefix: str = ""):
+  """A section (any of these frozen dataclasses) from its mapping; `prefix` names it in errors."""
   if not isinstance(d, dict):
     raise ConfigError(f"config section {prefix.rstrip('.') or '<root>'} must be a mapping, got {d!r}")
   hints = typing.get_type_hints(cls)
@@ -285,7 +280,7 @@ def _build(cls, d: dict, prefix: str):
       raise ConfigError(f"unknown config key '{prefix}{key}'; valid keys here: {valid}")
     tp = hints[key]
     if dataclasses.is_dataclass(tp):
-      kwargs[key] = _build(tp, dict(value) if isinstance(value, dict) else ({} if value is None else value),
+      kwargs[key] = build(tp, dict(value) if isinstance(value, dict) else ({} if value is None else value),
                            f"{prefix}{key}.")
     else:
       kwargs[key] = _coerce(prefix + key, value, tp)
@@ -326,14 +321,9 @@ def merged(d: dict, overrides: Sequence[str] = ()) -> dict:
   return _merge(d, parse_overrides(list(overrides)))
 
 
-def build(cls, d: dict, prefix: str = ""):
-  """A section (any of these frozen dataclasses) from its mapping; `prefix` names it in errors."""
-  return _build(cls, d, prefix)
-
-
 def from_dict(d: dict, overrides: Sequence[str] = ()) -> Config:
   """A loaded YAML mapping plus dotted overrides -> validated Config."""
-  return _build(Config, merged(d, overrides), "")
+  return build(Config, merged(d, overrides), "")
 
 
 def read_yaml(path: str | None) -> dict:

@@ -146,7 +146,7 @@ def measure_in_child(shape, layers, completion, attention, policies, scan: bool 
 
   arg = json.dumps({"shape": shape, "layers": layers, "completion": completion, "attention": attention,
                     "policies": _policy_json(policies), "scan": scan})
-  out = subprocess.run([sys.executable, "-c", "from experiments import compile_time; compile_time.child()"],
+  out = subprocess.run([sys.executable, "-c", "from experiments.compile_time import run; run.child()"],
                        input=arg, capture_output=True, text=True, timeout=timeout_s)
   rows = [line[4:] for line in out.stdout.splitlines() if line.startswith("ROW ")]
   if out.returncode or not rows:
