@@ -127,10 +127,15 @@ def op(fn: Op) -> Op:
 # ----------------------------------------------------------------------------- the ops, in the table's order
 
 
+def _pre_norm(c: ModelConfig, p: dict, t: dict, r: Reads, unit_in: str, weight: str, unit_out: str):
+  """RMSNorm of t[unit_in] by p[weight], read in backward as unit_in's policy says (an L code, or kept)."""
+  x = t[unit_in]
+  return r.tag(unit_out, lowp.norm(rms_norm, x, p[weight], c.rms_norm_eps, r.km(unit_in, x)))
+
+
 @op
 def attn_norm_op(c: ModelConfig, p: dict, t: dict, ctx, r: Reads = EXACT):
-  x = t[U.LAYER_INPUT]
-  return r.tag(U.ATTN_NORM, lowp.norm(rms_norm, x, p["attn_norm_D"], c.rms_norm_eps, r.km(U.LAYER_INPUT, x)))
+  return _pre_norm(c, p, t, r, U.LAYER_INPUT, "attn_norm_D", U.ATTN_NORM)
 
 
 @op
@@ -178,8 +183,7 @@ def o_proj(c: ModelConfig, p: dict, t: dict, ctx, r: Reads = EXACT):
 
 @op
 def mlp_norm_op(c: ModelConfig, p: dict, t: dict, ctx, r: Reads = EXACT):
-  x = t[U.MLP_INPUT]
-  return r.tag(U.MLP_NORM, lowp.norm(rms_norm, x, p["mlp_norm_D"], c.rms_norm_eps, r.km(U.MLP_INPUT, x)))
+  return _pre_norm(c, p, t, r, U.MLP_INPUT, "mlp_norm_D", U.MLP_NORM)
 
 
 @op
