@@ -25,6 +25,9 @@ from experiments.exposure.sweep import at_violation
 
 NAN = float("nan")
 UNTESTABLE = "untestable with these kinds"
+# a sweep status besides crossed, memory binds first and max doublings: the arm is over the target at delta 0 (units
+# whose calibrated risk is 0 are L with no risk budget at all), so no delta reads it at the target: undefined, never 0
+OVER_AT_ZERO = "over at delta 0"
 
 
 def tolerance_rule(aggressive_err_K: Sequence[float], share: float) -> float:
@@ -44,9 +47,12 @@ def sweep_until(point_at: Callable[[float], dict], delta0: float, e: E1bSettings
   point is already over the target) doubled until the violation rate crosses e.violation_target, then e.refine
   bisections in log delta of the octave where it crossed. point_at(delta) -> {violation_rate, saturated, ...}:
   saturated where every minibatch's plan is already its plan at an unbounded risk budget, so no larger delta can
-  change anything. status: crossed | memory binds first (never crosses: undefined) | max doublings."""
+  change anything. status: crossed | memory binds first (never crosses: undefined) | max doublings | over at delta 0
+  (undefined too: its one point)."""
   target, pts = e.violation_target, {0.0: point_at(0.0)}
   over = lambda p: p["violation_rate"] > target
+  if over(pts[0.0]):  # over already with no risk budget (units of zero risk L): no delta is at or under the target
+    return [pts[0.0]], OVER_AT_ZERO
   d = delta0 * e.sweep_start if delta0 > 0 else 1e-12
   pts[d] = point_at(d)
   for _ in range(e.max_doublings):  # already over at the start: halve toward delta 0 (never over: no L)

@@ -14,7 +14,7 @@ from hilore_jax.loop.engine import Stepper
 from hilore_jax.memory import exposure
 from hilore_jax.memory.hooks import StepHooks
 from hilore_jax.model import lora
-from hilore_jax.model.decoder import WEIGHT_READS
+from hilore_jax.model.decoder import WEIGHT_READS, weight_read_leaves
 from hilore_jax.rl import packing, prompt_share, train_step
 from hilore_jax.rl.train_step import StepSpec
 from hilore_jax.rl.update_batch import UpdateBatch
@@ -24,18 +24,31 @@ from hilore_jax.rl.update_batch import UpdateBatch
 _grad = jax.jit(lambda p, b, s, mix: model.unstacked(train_step.grads_and_stats(p, b, s, mix)[0]), static_argnums=2)
 
 
+def error_channels(cfg, params) -> dict:
+  """Each weight-read kind's error channels (model/lowp.py), zeros stacked over the layers: one per trained leaf
+  that reads the kind's unit (decoder.weight_read_leaves), shaped like it: its projections' weights, or under LoRA
+  (whose frozen weights have no gradient) the A of each adapter on them. A kind no trained leaf reads (a LoRA whose
+  targets skip its projections) has none: its L error reaches no gradient."""
+  layer = model.layer_params(lora.trainable(params), 0)
+  return {kind: tuple(jnp.zeros((cfg.num_hidden_layers,) + layer[a][b].shape, jnp.float32) for a, b in paths)
+          for kind, paths in weight_read_leaves(cfg).items() if paths}
+
+
 @functools.partial(jax.jit, static_argnums=2)
 def _weight_errors(params, batch, spec: StepSpec):
-  """(exact gradient, [L, len(WEIGHT_READS)] ||dg_u||): the probe at zero mix, each weight-read unit's error channel
-  (zeros shaped like its projections' weights) differentiated alongside the params."""
-  L, layer = spec.model_cfg.num_hidden_layers, model.layer_params(params, 0)
-  channels = {kind: tuple(jnp.zeros((L,) + layer[blk][n].shape, jnp.float32) for n in names)
-              for kind, (blk, names) in WEIGHT_READS.items()}
-  probe = {"mix": jnp.zeros((L, len(model.UNITS)), jnp.float32), "channels": channels}
+  """(exact gradient, [L, len(WEIGHT_READS)] ||dg_u||): the probe at zero mix, each weight-read unit's error channels
+  differentiated alongside what trains. A channel's gradient is what that unit's int8 round trip alone adds to the
+  gradient of the leaf it stands for (e^T ct: the VJP of the leaf's product is linear in the unit, e = decoded -
+  exact), so ||dg_u|| is the norm of the difference between the gradient with that unit L and the exact one; 0
+  exactly for a kind with no channel (error_channels)."""
+  cfg = spec.model_cfg
+  channels = error_channels(cfg, params)
+  probe = {"mix": jnp.zeros((cfg.num_hidden_layers, len(model.UNITS)), jnp.float32), "channels": channels}
   (g, g_probe), _ = train_step.grads_and_stats(params, batch, spec, probe, wrt_probe=True)
   sq = lambda c: jnp.sum(jnp.square(c), axis=tuple(range(1, c.ndim)))
-  return model.unstacked(g), jnp.stack([jnp.sqrt(sum(sq(c) for c in g_probe["channels"][kind]))
-                                        for kind in WEIGHT_READS], axis=1)
+  norm_L = lambda kind: (jnp.sqrt(sum(sq(c) for c in g_probe["channels"][kind])) if kind in channels
+                         else jnp.zeros((cfg.num_hidden_layers,), jnp.float32))
+  return model.unstacked(g), jnp.stack([norm_L(kind) for kind in WEIGHT_READS], axis=1)
 
 
 def _per_layer_update(update):
@@ -100,10 +113,10 @@ def memory_hooks(stepper: Stepper | None, spec: StepSpec, max_grad_norm: float =
       gradient=lambda p, b, pols: _grad(p, b, with_policies(pols), None),
       probe_gradient=lambda p, b, mix, fmt, group: _grad(p, b, dataclasses.replace(probe_spec, lowp_probe=(fmt, group)),
                                                          mix),
-      # a weight-read unit's error lands in its projections' weight gradients: with LoRA's frozen weights, in the
-      # adapters' A gradients instead, which the error channels do not cover; calibration then probes each unit
-      probe_errors=None if cfg.lora is not None else (
-          lambda p, b, fmt, group: _weight_errors(p, b, dataclasses.replace(probe_spec, lowp_probe=(fmt, group)))),
+      # a weight-read unit's error lands in its projections' weight gradients, or with LoRA's frozen weights in the
+      # A gradients of the adapters on them: the error channels stand for those leaves (error_channels)
+      probe_errors=lambda p, b, fmt, group: _weight_errors(p, b, dataclasses.replace(probe_spec,
+                                                                                    lowp_probe=(fmt, group))),
       token_weights=token_weights, unit_tensors=unit_tensors, logprobs=logprobs,
       optimizer_update=None if stepper is None else _per_layer_update(optimizer_update),
       max_grad_norm=max_grad_norm)

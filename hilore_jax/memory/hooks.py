@@ -33,8 +33,9 @@ class StepHooks:
     tokens (for per-token reconstruction errors).
   op_profile(model_cfg, rows, seq, group_size): the op times the cost model prices plans with (default: measured).
   probe_errors(params, batch, format, group size): (the exact gradient, [layers, len(WEIGHT_READS)] the norm of each
-    weight-read unit's L error on its projections' weight gradients), both from one backward: the probe program at
-    zero mix with an error channel per such unit (model/lowp.py).
+    weight-read unit's L error on its projections' weight gradients, or under LoRA on the A gradients of their
+    adapters; 0 where no trained leaf reads the unit), both from one backward: the probe program at zero mix with
+    an error channel per such unit (model/lowp.py).
   logprobs(params, batch): the current policy's log-probs of the completion tokens [B, N] (a forward pass).
   optimizer_update(grads, opt_state, params) -> (updates, opt_state): the optimizer (optax), for the update risk
     metric; max_grad_norm: its global-norm clip (0: none), for the clipped one.

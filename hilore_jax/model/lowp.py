@@ -80,7 +80,8 @@ def _zero_mixes(mixes):
 def _error_channels(fn, res, keeps, mixes, args, ct) -> tuple:
   """The mixes' cotangents: zero, but where a probe's mix is (mix, channel), the channel's cotangent is what the
   other arguments' cotangents would be were this input its L error alone (decoded - exact, at any mix): for a
-  projection, the error its code puts into the weight gradients, e^T ct (fn is linear in it)."""
+  projection, the error its code puts into the weight gradients, e^T ct (fn is linear in it); under LoRA, x A's
+  (model/lora.py), into the A gradients."""
   out = []
   for i, (r, k, m) in enumerate(zip(res, keeps, mixes)):
     if not isinstance(m, tuple):

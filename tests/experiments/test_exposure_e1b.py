@@ -71,6 +71,9 @@ def test_a_start_over_the_target_halves_and_a_saturated_arm_is_undefined_never_z
   pts, status = crit.sweep_until(lambda d: _point(d, lambda x: 0.0, lambda x: x), 1.0,
                                  E1bSettings(json="x", sweep_start=1.0, max_doublings=3))
   assert status == "max doublings" and max(p["delta"] for p in pts) == 8.0
+  # over the target already at delta 0 (units of zero calibrated risk L with no budget): one point, undefined
+  pts, status = crit.sweep_until(lambda d: _point(d, lambda x: 0.5, lambda x: x), 1.0, E)
+  assert status == crit.OVER_AT_ZERO and len(pts) == 1 and np.isnan(crit.read(pts, 0.10)["recompute_removed_pct"])
 
 
 def _sweep(cross_at: float, rate: float):
@@ -257,3 +260,35 @@ def test_static_clips_plan_is_statics_at_delta_over_the_clip_share(tmp_path):
     for d in (0.5 * cal.delta, cal.delta, 4 * cal.delta):
       assert scaled.plan_at(0, d, allowance)[1] == static.plan_at(0, d / f, allowance)[1]
   assert static.plan_at(0, 0.25 * cal.delta, allowance)[1] != static.plan_at(0, 4 * cal.delta, allowance)[1]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fixed_op_times")  # free codecs: L pays where memory binds, whatever this machine measures
+def test_e1b_under_lora_runs_from_the_committed_config_to_its_json(tmp_path, monkeypatch):
+  # the real run's command (configs/exposure_e1b_smollm2.yaml, lora.rank=16 and the LoRA json), on the tiny decoder
+  # and tiny rollouts: collection, calibration and the held-out pass through the adapters' error channels, every
+  # arm's sweep and the files; the regime thresholds lowered so the run goes past its checks to the end
+  import repo
+  from experiments.exposure import e1b_arms, main
+  from trainer_util import TINY
+
+  data = tmp_path / "data" / "exposure_e1b_lora.json"
+  tiny = [o for o in TINY if o.startswith(("model.", "train.warmstart"))]
+  argv = ["--config", "configs/exposure_e1b_smollm2.yaml", "lora.rank=16", f"bench_exposure.e1b.json={data}",
+          "model.path=null", *tiny, "task.prompt_format=template", "rollout.num_prompts=3", "rollout.num_generations=4",
+          "rollout.max_prompt_len=6", "rollout.max_new_tokens=5", "train.minibatch_size=6", "optimizer.lr=0.01",
+          "memory.group_size=8", "memory.budget_ratio=1.5", "memory.budget_probes=2", "bench_exposure.rollout_steps=4",
+          "bench_exposure.calib_minibatches=8", "bench_exposure.bootstrap=20",
+          "bench_exposure.criteria.regime_clipfrac_min=0", "bench_exposure.criteria.regime_length_ratio_min=1",
+          "bench_exposure.e1b.binds_share=0.01", "--out", str(tmp_path / "run")]
+  monkeypatch.chdir(repo.ROOT)  # the config by the command's own relative path
+  monkeypatch.setattr("sys.argv", ["experiments.exposure.main", *argv])
+  main.main(argv)
+  saved = json.loads(data.read_text())
+  a = np.load(tmp_path / "data" / "exposure_e1b_lora_arrays.npz")
+  assert saved["config"] == "configs/exposure_e1b_smollm2.yaml" and "lora.rank=16" in saved["command"]
+  assert saved["regime"]["met"] and saved["held_out"]["minibatches"] > 0 and set(saved["arms"]) == set(e1b_arms.ARMS)
+  assert np.all(a["err_clipped"] > 0) and np.all(np.isfinite(a["err_clipped"]))  # the channels' errors, per unit
+  for r in saved["arms"].values():
+    assert r["crossed"] == bool(np.isfinite(r["at_target"]["recompute_removed_pct"]))
+  assert saved["decision"]["verdict"] and (tmp_path / "run" / "e1b.md").exists()
