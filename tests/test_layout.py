@@ -1,15 +1,14 @@
-"""The repository's architecture as rules on the import graph of the library, train/ and the lab (an ast walk), and
-on what the lab may touch of the library, checked in CI."""
+"""The repository's architecture as rules on the import graph of the library, train/ and the lab (an ast walk,
+tests/layout_util.py), and on what the lab may touch of the library, checked in CI. The rules on rooms, floors and
+module length are in tests/test_house.py."""
 
 import ast
 import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PKG = "hilore_jax"
-LAB = "experiments"  # the lab: benchmarks and studies, beside the package and not installed with it
-PACKAGES = (PKG, "train", LAB)  # the walked modules: the library, the user's entry points, the lab
+from layout_util import LAB, PKG, ROOT, closure, cycles, files, import_graph, ours
+
 WINGS = ("model", "memory", "rl", "tasks", "optim")  # the wings with settings; loop/ and capacity/ have none
 # the root config composes the wings' sections; a wing's config imports only leaf constants and checks
 CONFIG_MAY_IMPORT = {"hilore_jax.errors", "hilore_jax.model.config"} | {f"hilore_jax.{w}.config" for w in WINGS}
@@ -26,108 +25,6 @@ LAB_MEMORY_MODULES = {"hilore_jax.memory"} | {f"hilore_jax.memory.{m}" for m in 
 TRAINER = ("hilore_jax.loop.trainer", "hilore_jax.loop.engine", "hilore_jax.loop.step_hooks")
 
 
-def _module_name(path: str) -> str:
-  rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
-  return rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
-
-
-def _type_checking(node) -> bool:
-  return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-
-
-def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
-  """Modules a module imports, outside TYPE_CHECKING: modules of the library, train/ and the lab by name (`from a
-  import b` is a.b when that is a module), anywhere; others by their top-level name, at module level only (an import
-  inside a function runs only when it is called)."""
-  out = set()
-  stack = [(tree, False)]
-  while stack:
-    node, nested = stack.pop()
-    if _type_checking(node):
-      continue
-    if isinstance(node, ast.Import):
-      for a in node.names:
-        if a.name.split(".")[0] in PACKAGES:
-          out.add(a.name)
-        elif not nested:
-          out.add(a.name.split(".")[0])
-    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-      if node.module.split(".")[0] not in PACKAGES:
-        if not nested:
-          out.add(node.module.split(".")[0])
-        continue
-      for a in node.names:
-        out.add(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module)
-    inner = nested or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-    stack.extend((child, inner) for child in ast.iter_child_nodes(node))
-  return out
-
-
-def import_graph(external: bool = False) -> dict[str, set[str]]:
-  """Module of the library, train/ or the lab -> the modules of those it imports (with external=True, also
-  third-party top-level names)."""
-  files = _files(*PACKAGES)
-  modules = {_module_name(f) for f in files}
-  graph = {}
-  for f in files:
-    with open(f) as fh:
-      deps = _imports(ast.parse(fh.read()), modules) - {_module_name(f)}
-    graph[_module_name(f)] = deps if external else {d for d in deps if _ours(d)}
-  return graph
-
-
-def _files(*packages: str) -> list[str]:
-  return [os.path.join(d, f) for p in packages for d, _, fs in os.walk(os.path.join(ROOT, p)) for f in fs
-          if f.endswith(".py")]
-
-
-def _ours(mod: str) -> bool:
-  return mod.split(".")[0] in PACKAGES
-
-
-def closure(graph: dict[str, set[str]], mod: str) -> set[str]:
-  """Everything mod imports, directly or through package modules."""
-  seen, stack = set(), [mod]
-  while stack:
-    for dep in graph.get(stack.pop(), ()):
-      if dep not in seen:
-        seen.add(dep)
-        stack.append(dep)
-  return seen
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-  """Every strongly connected set of more than one module (Tarjan)."""
-  index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
-
-  def visit(v):
-    index[v] = low[v] = counter[0]
-    counter[0] += 1
-    stack.append(v)
-    on.add(v)
-    for w in graph.get(v, ()):
-      if w not in index:
-        visit(w)
-        low[v] = min(low[v], low[w])
-      elif w in on:
-        low[v] = min(low[v], index[w])
-    if low[v] == index[v]:
-      comp = []
-      while True:
-        w = stack.pop()
-        on.discard(w)
-        comp.append(w)
-        if w == v:
-          break
-      if len(comp) > 1:
-        out.append(sorted(comp))
-
-  for v in list(graph):
-    if v not in index:
-      visit(v)
-  return out
-
-
 def _in(mod: str, *wings: str) -> bool:
   return any(mod == f"{PKG}.{w}" or mod.startswith(f"{PKG}.{w}.") for w in wings)
 
@@ -141,7 +38,7 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
   out = []
   for mod, deps in sorted(graph.items()):
     for dep in sorted(deps):
-      internal = _ours(dep)
+      internal = ours(dep)
       if _in(mod, "model") and internal and not _in(dep, "model"):
         out.append(f"{mod} -> {dep}: model/ imports nothing from the package outside itself")
       if mod == "hilore_jax.rl.grpo" and internal:
@@ -175,8 +72,8 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
                    "(hilore_jax.memory, memory/probe.py) and the wing's settings, types and numerics")
       if dep == "hilore_jax.loop.trainer" and not (_lab(mod) or mod.split(".")[0] == "train"):
         out.append(f"{mod} -> {dep}: only experiments/ and train/ import the trainer")
-  internal_graph = {m: {d for d in ds if _ours(d)} for m, ds in graph.items()}
-  out += [f"import cycle: {' -> '.join(c)}" for c in _cycles(internal_graph)]
+  internal_graph = {m: {d for d in ds if ours(d)} for m, ds in graph.items()}
+  out += [f"import cycle: {' -> '.join(c)}" for c in cycles(internal_graph)]
   return out
 
 
@@ -207,10 +104,10 @@ def private_reaches(path: str, source: str) -> list[str]:
 
 
 def test_the_lab_reaches_no_private_state():
-  files = _files(LAB)
-  assert len(files) > 20
+  paths = files(LAB)
+  assert len(paths) > 20
   out = []
-  for path in files:
+  for path in paths:
     with open(path) as fh:
       out += private_reaches(os.path.relpath(path, ROOT), fh.read())
   assert out == [], "the lab reaches the library only through public names (memory/probe.py for the manager):\n" + \
@@ -285,7 +182,7 @@ def test_a_cycle_is_caught():
 
 
 TEST_FOLDERS = ("model", "memory", "rl", "tasks", "optim", "capacity", "loop", "experiments")
-PROJECT_WIDE_TESTS = ("test_layout.py", "test_docs.py")  # the repository as a whole
+PROJECT_WIDE_TESTS = ("test_layout.py", "test_house.py", "test_docs.py")  # the repository as a whole
 
 
 def test_tests_mirror_the_wings():
@@ -298,12 +195,3 @@ def test_tests_mirror_the_wings():
       root_module = os.path.isfile(os.path.join(ROOT, PKG, f[len("test_"):]))
       assert folder in TEST_FOLDERS or (folder == "." and (f in PROJECT_WIDE_TESTS or root_module)), \
           f"tests/{folder}/{f}"
-
-
-def test_modules_stay_short_or_say_why():
-  for path in _files(*PACKAGES):
-    with open(path) as fh:
-      text = fh.read()
-    doc = ast.get_docstring(ast.parse(text)) or ""
-    if text.count("\n") > 320:
-      assert "on purpose" in doc, f"{path}: {text.count(chr(10))} lines and no reason in its docstring"

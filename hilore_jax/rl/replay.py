@@ -74,14 +74,20 @@ class ReplayBuffer:
   def from_state(cls, cfg: ReplayConfig, state: dict) -> ReplayBuffer:
     """The buffer that produced `state` (numpy, jax or orbax-restored arrays)."""
     buf = cls(cfg, np.shape(state["prompt_ids"])[1], np.shape(state["tokens"])[1])
+    buf.load_state(state)
+    return buf
+
+  def load_state(self, state: dict):
+    """Replaces what the buffer holds with `state` (from state(); its widths and capacity must be this buffer's)."""
+    arrays = {}
     for k, (_, dt) in FIELDS.items():
       v = np.asarray(state[k]).astype(dt)
-      if v.shape != buf._a[k].shape:
-        raise ValueError(f"replay state {k!r} has shape {v.shape}, expected {buf._a[k].shape} "
-                         f"(replay.capacity={cfg.capacity})")
-      buf._a[k] = v
-    buf._next_seq, buf._evicted = int(state["next_seq"]), int(state["evicted"])
-    return buf
+      if v.shape != self._a[k].shape:
+        raise ValueError(f"replay state {k!r} has shape {v.shape}, expected {self._a[k].shape} "
+                         f"(replay.capacity={self.cfg.capacity})")
+      arrays[k] = v
+    self._a = arrays
+    self._next_seq, self._evicted = int(state["next_seq"]), int(state["evicted"])
 
   def _check_widths(self, prompt_ids, tokens):
     P, N = self._a["prompt_ids"].shape[1], self._a["tokens"].shape[1]
