@@ -79,6 +79,15 @@ def files(*packages: str) -> list[str]:
           if f.endswith(".py")]
 
 
+def findings(paths: list[str], check) -> list[str]:
+  """check(repository-relative path, source) over every file, its findings concatenated."""
+  out = []
+  for path in paths:
+    with open(path) as fh:
+      out += check(os.path.relpath(path, ROOT), fh.read())
+  return out
+
+
 def ours(mod: str) -> bool:
   return mod.split(".")[0] in PACKAGES
 

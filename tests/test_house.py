@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from layout_util import LAB, PKG, ROOM_WINGS, ROOT, files, house, import_graph, room
+from layout_util import LAB, PKG, ROOM_WINGS, ROOT, files, findings, house, import_graph, room
 
 MAX_LINES = 350
 DESIGN = os.path.join(ROOT, "docs", "design.md")
@@ -162,10 +162,7 @@ def private_writes(path: str, source: str) -> list[str]:
 def test_the_library_writes_no_private_attribute_from_outside_its_class():
   paths = files(PKG, "train")
   assert len(paths) > 100
-  out = []
-  for path in paths:
-    with open(path) as fh:
-      out += private_writes(os.path.relpath(path, ROOT), fh.read())
+  out = findings(paths, private_writes)
   assert out == [], "a module sets another object's state through its public methods or constructor:\n" + \
       "\n".join(out)
 

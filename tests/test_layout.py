@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from layout_util import LAB, PKG, ROOT, closure, cycles, files, import_graph, ours
+from layout_util import LAB, PKG, ROOT, closure, cycles, files, findings, import_graph, ours
 
 WINGS = ("model", "memory", "rl", "tasks", "optim")  # the wings with settings; loop/ and capacity/ have none
 # the root config composes the wings' sections; a wing's config imports only leaf constants and checks
@@ -106,10 +106,7 @@ def private_reaches(path: str, source: str) -> list[str]:
 def test_the_lab_reaches_no_private_state():
   paths = files(LAB)
   assert len(paths) > 20
-  out = []
-  for path in paths:
-    with open(path) as fh:
-      out += private_reaches(os.path.relpath(path, ROOT), fh.read())
+  out = findings(paths, private_reaches)
   assert out == [], "the lab reaches the library only through public names (memory/probe.py for the manager):\n" + \
       "\n".join(out)
 
