@@ -14,6 +14,9 @@ that on XLA:CPU the scanned plan keeps what the same plan unrolled keeps (docs/d
   8 x 2048 tokens);
 - the layers' gradients are written into one stacked buffer that every run's backward loop carries on to the next,
   so no run's weight gradients wait past another run's loop (XLA:CPU deferred them and the activations they read);
+  only the first run in backward, while every run's residuals are still held, carries a stack of its own layers'
+  gradients, placed in the whole buffer after its loop (a buffer carried from the start is held before any gradient
+  exists, where the unrolled program still uses that memory: SmolLM2 x16, 8 x 2048 tokens, +9% peak);
 - a one-layer run (XLA inlines a loop of one) reruns its forward only once its output's cotangent exists, and passes
   its input's cotangent on only with its weight gradients (policy.tie).
 """
@@ -176,11 +179,14 @@ def _stack(spans: tuple[tuple[int, int], ...], steps: tuple[Callable, ...]):
 
   def bwd(res, ct):
     layers, consts, kept, static = res
-    acc = jax.tree_util.tree_map(jnp.zeros_like, layers)
     const_leaves = jax.tree_util.tree_leaves(consts)
+    acc = None
     for (start, end), stacks, (tree, where) in reversed(list(zip(spans, kept, static.value))):
+      first = acc is None  # the first run in backward carries only its own layers' gradients (module docstring)
+      if first:
+        acc = jax.tree_util.tree_map(lambda x: jnp.zeros((end - start, *x.shape[1:]), x.dtype), layers)
 
-      def body(state, xs, tree=tree, where=where, single=end - start == 1):
+      def body(state, xs, tree=tree, where=where, single=end - start == 1, base=start if first else 0):
         ct_c, acc = state
         i, own = xs
         p = jax.tree_util.tree_leaves(layer_at(layers, i))
@@ -193,11 +199,14 @@ def _stack(spans: tuple[tuple[int, int], ...], steps: tuple[Callable, ...]):
         if single:  # and what flows on waits for its weight gradients (no loop of its own carries them on)
           ct_c = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(ct_c),
                                               tie(jax.tree_util.tree_leaves(ct_c), jax.tree_util.tree_leaves(g_p)))
-        acc = jax.tree_util.tree_map(lambda a, g: jax.lax.dynamic_update_index_in_dim(a, g.astype(a.dtype), i, 0),
-                                     acc, g_p)
+        acc = jax.tree_util.tree_map(
+            lambda a, g: jax.lax.dynamic_update_index_in_dim(a, g.astype(a.dtype), i - base, 0), acc, g_p)
         return (ct_c, acc), None
 
       (ct, acc), _ = jax.lax.scan(body, (ct, acc), (jnp.arange(start, end), stacks), reverse=True)
+      if first and end - start < _depth(layers):
+        acc = jax.tree_util.tree_map(
+            lambda a, x: jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(x), a, start, 0), acc, layers)
     zero = lambda x: jnp.zeros(x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else np.zeros(
         x.shape, jax.dtypes.float0)
     return acc, ct, jax.tree_util.tree_map(zero, consts)

@@ -96,11 +96,16 @@ def test_a_scanned_plan_compiles_to_what_it_keeps_unrolled():
   ids = (jnp.arange(16 * 128).reshape(16, 128) * 7) % 97
   keep = LayerPolicy(remat=True, save=(model.ATTN_CTX,))
 
-  def temp(pols, scan):
+  def memory(pols, scan):
     c = cfg.replace(scan_layers=scan)
     grad = jax.jit(jax.grad(lambda q: jnp.sum(model.forward(c, q, ids, layer_policies=pols))))
-    return grad.lower(p).compile().memory_analysis().temp_size_in_bytes
+    return grad.lower(p).compile().memory_analysis()
 
   for pols in ((model.FULL_REMAT,) * 8, (model.FULL_REMAT,) * 4 + (keep,) * 3 + (model.FULL_REMAT,)):
     # measured 1.056 and 1.028: XLA:CPU schedules a loop body's backward on its own, a few buffers apart
-    assert temp(pols, True) <= 1.10 * temp(pols, False)
+    assert memory(pols, True).temp_size_in_bytes <= 1.10 * memory(pols, False).temp_size_in_bytes
+  # the compiled peak (temp and the gradients, engine.Step.peak_bytes) of two runs: 1.004 of the unrolled one;
+  # 1.073 while the stacked gradient buffer was carried from the first run's backward on (issue 46)
+  peak = lambda m: m.temp_size_in_bytes + m.output_size_in_bytes
+  pols = (model.FULL_REMAT,) * 4 + (keep,) * 4
+  assert peak(memory(pols, True)) <= 1.02 * peak(memory(pols, False))
