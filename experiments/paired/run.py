@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 # what each arm's first (compiling) update did: its work, and a planned method's plan (units kept H and L, whether
 # the guard or a fallback ran GC's program instead)
 COUNTS = ("rows_updated", "tokens/computed", "tokens/real", "tokens/fill", "tokens/unshared",
-          "budget/microbatches", "compile/count", "alloc/frac_H", "alloc/frac_L", "alloc/frac_R",
-          "memory/compiled_bytes")
+          "budget/microbatches", "budget/packed_frac", "compile/count", "alloc/frac_H", "alloc/frac_L",
+          "alloc/frac_R", "memory/compiled_bytes")
 
 
 @dataclasses.dataclass(frozen=True)
