@@ -98,7 +98,7 @@ class UpdatePlan:
 
 
   def packed_frac(self) -> float:
-    """The share of a gradient pass's minibatches that run packed buffers (the rest fell back to length buckets)."""
+    """The share of a gradient pass's minibatches that run packed buffers (the rest: length buckets, or unbudgeted)."""
     return sum(_packed(m) for m in self.grad) / len(self) if len(self) else 0.0
 
 
