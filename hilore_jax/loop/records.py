@@ -82,7 +82,7 @@ class TokenRecord:
   padding_frac: float
   microbatches: int | None = None
   compiled_shapes: int | None = None
-  packed_frac: float | None = None  # train.packing: the share of minibatches packed (the rest in length buckets)
+  packed_frac: float | None = None  # train.packing: the share of minibatches packed (the rest padded)
 
   @classmethod
   def of(cls, plan, passes: int, microbatches: int, packer=None) -> TokenRecord:

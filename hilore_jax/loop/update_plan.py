@@ -28,7 +28,7 @@ class UpdatePlan:
   """Per minibatch i: batches[i] (on the mesh), lengths[i] and prompt_lengths[i] ([B] host ints), grad[i] and
   logp[i] (its microbatches, or None); current[i]: the current policy's log-probs where a forward computed them;
   prompt_keys[i] ([B] host ids, equal for equal prompts) and split (its tables' slices) where prompts are shared;
-  packing: train.packing (each minibatch packed or, where that saves too little, in length buckets)."""
+  packing: train.packing (each minibatch packed or, where that saves too little, padded: see microbatches)."""
 
   batches: tuple[UpdateBatch, ...]
   stats: dict
@@ -96,13 +96,13 @@ class UpdatePlan:
                for b, m in zip(self.batches, self.grad))
     return 1.0 - real / held if held else 0.0
 
-
   def packed_frac(self) -> float:
     """The share of a gradient pass's minibatches that run packed buffers (the rest: length buckets, or unbudgeted)."""
     return sum(_packed(m) for m in self.grad) / len(self) if len(self) else 0.0
 
 
 def _packed(micros: Micros) -> bool:
+  """Whether a minibatch's microbatches are packed buffers."""
   return bool(micros) and isinstance(micros[0], packing.Buffer)
 
 

@@ -143,8 +143,9 @@ class TrainConfig:
   # segment ids keep the rows apart. False: the budget's length buckets (rows padded to a bucket's cap)
   packing: bool = False
   # a minibatch is packed only where its buffers compute at least this fraction of positions fewer than the padded
-  # layout under the same budget (rows padded to a length bucket's cap), which it runs otherwise: packing that
-  # removes no padding still pays for a buffer's attention; 0: always packed
+  # layout under the same budget (rows padded to a length bucket's cap; every row at the cap in one microbatch: the
+  # step without a budget), which it runs otherwise: packing that removes no padding still pays for a buffer's
+  # attention; 0: always packed
   packing_min_saving: float = 0.1
   # how minibatches are drawn: whole groups (a minibatch's prompt table then serves G rows each) or rows
   shuffle: str = "group"
