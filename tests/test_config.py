@@ -53,6 +53,8 @@ def dataclasses_frozen_error():
     ("task.arithmetic.max_valu=3", r"unknown config key 'task.arithmetic.max_valu'"),
     ("model.attention=flash", r"model.attention must be one of \['xla', 'dot_product_attention', 'blockwise'\]"),
     ("model.attention_block_k=0", r"model.attention_block_k must be a positive integer, got 0"),
+    ("train.packing_min_saving=1", r"train.packing_min_saving must be in \[0, 1\), got 1"),
+    ("train.packing_min_saving=-0.1", r"train.packing_min_saving must be in \[0, 1\), got -0.1"),
 ])
 def test_bad_values_name_the_key(override, message):
   with pytest.raises(ValueError, match=message):

@@ -17,7 +17,8 @@ DEFAULT_ARMS = ("padded:train.max_tokens_per_microbatch=0", "buckets:", "packed:
 
 
 def fill(config_path, base: list[str], arms: list[tuple[str, tuple[str, ...]]], rollouts: int) -> dict:
-  """{arm: {computed, real, unshared, fill, shapes}} summed over the rollouts the base config samples."""
+  """{arm: {computed, real, unshared, fill, shapes, packed_frac}} over the rollouts the base config samples (summed;
+  packed_frac: the share of minibatches packed, with train.packing)."""
   from hilore_jax.loop import update_plan
   from hilore_jax.loop.trainer import Trainer
 
@@ -29,15 +30,16 @@ def fill(config_path, base: list[str], arms: list[tuple[str, tuple[str, ...]]], 
   for name, overrides in arms:
     c = cli.load_config(config_path, [*base, *overrides])
     split = c.minibatch_size // (c.train.microbatch_size or c.minibatch_size)
-    tot, shapes = np.zeros(3, np.int64), set()
+    tot, shapes, packed = np.zeros(3, np.int64), set(), []
     for step, roll in enumerate(rolls):  # the trainer's shuffle of each step
       plan = update_plan.build(c, roll, np.random.default_rng([c.seed, step]), None, step, True, split, 1,
                                lambda b: b)
       tot += plan.tokens()
       shapes |= {m.shape for micros in plan.grad if micros for m in micros}
+      packed.append(plan.packed_frac())
     computed, real, unshared = (int(x) for x in tot)
     out["arms"][name] = {"computed": computed, "real": real, "unshared": unshared, "fill": real / computed,
-                         "shapes": sorted(shapes)}
+                         "shapes": sorted(shapes), "packed_frac": float(np.mean(packed))}
   return out
 
 
@@ -48,11 +50,11 @@ def body(args):
     arms.append((name, tuple(o for o in rest.split(",") if o)))
   out = fill(args.config, list(args.overrides), arms, args.rollouts)
   print(f"rollouts' completion length p50: {out['completion_len_p50']}")
-  print("| arm | tokens/computed | tokens/real | fill | computed / unshared | shapes |")
-  print("| --- | ---: | ---: | ---: | ---: | --- |")
+  print("| arm | tokens/computed | tokens/real | fill | computed / unshared | packed | shapes |")
+  print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
   for name, a in out["arms"].items():
     print(f"| {name} | {a['computed']:,} | {a['real']:,} | {a['fill']:.3f} | {a['computed'] / a['unshared']:.3f} | "
-          f"{a['shapes']} |")
+          f"{a['packed_frac']:.2f} | {a['shapes']} |")
   if args.out:
     with open(args.out, "w") as f:
       json.dump(out, f, indent=2)

@@ -4,10 +4,11 @@ against arm A, paired per rollout and repetition, with bootstrap CIs of the rati
 The arms are the config plus each arm's overrides (e.g. `train.share_prompt=false` against `true`, a token budget
 against rows padded to the cap). Both arms start every update from the same state (a copy of the same parameters
 and optimizer state), see the same rollouts (sampled once, by arm A's policy at its start) and build the same
-minibatches (the update's shuffle is keyed by the rollout's index); each arm's first update compiles and is not
-timed; the order of the arms alternates between repetitions so that a drift of the machine's speed falls on both.
-With `floor`, a third arm is arm A compiled a second time (its own trainer): A again / A is the noise floor, what
-two compilations of one setting differ by, against which B / A is read.
+minibatches (the update's shuffle is keyed by the rollout's index); each arm's first update of every rollout
+compiles (another mix of lengths may need another shape) and is not timed (`timed_compiles` counts any left); the
+order of the arms alternates between repetitions so that a drift of the machine's speed falls on both. With
+`floor`, a third arm is arm A compiled a second time (its own trainer): A again / A is the noise floor, what two
+compilations of one setting differ by, against which B / A is read.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ log = logging.getLogger(__name__)
 # what each arm's first (compiling) update did: its work, and a planned method's plan (units kept H and L, whether
 # the guard or a fallback ran GC's program instead)
 COUNTS = ("rows_updated", "tokens/computed", "tokens/real", "tokens/fill", "tokens/unshared",
-          "budget/microbatches", "compile/count", "alloc/frac_H", "alloc/frac_L", "alloc/frac_R",
-          "memory/compiled_bytes")
+          "budget/microbatches", "budget/packed_frac", "compile/count", "alloc/frac_H", "alloc/frac_L",
+          "alloc/frac_R", "memory/compiled_bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,14 +90,18 @@ def run(config_path: str | None, base: list[str], a: Arm, b: Arm, rollouts: int,
                "rollouts": rollouts, "reps": reps, "update_s": {arm.name: [] for arm in timed}, "rows": {},
                # the regime the times are of: each rollout's completion lengths (a token budget pays below the cap)
                "completion_len": [lengths(r.mask) for r in rolls]}
-  for arm in timed:  # compile (not timed)
+  compiles = {}
+  for arm in timed:  # compile (not timed): every rollout, since another mix of lengths may need another shape
     t = arms[arm.name]
-    t.state = _copy(start)
-    row = t.update(rolls[0], 0)
-    if not row["updates"]:
-      raise ValueError(f"arm {arm.name} made no update on rollout 0 (every group's rewards equal and "
-                       "grpo.filter_zero_std on?): there is nothing to time")
-    out["rows"][arm.name] = {k: v for k, v in row.items() if k in COUNTS}
+    for r, roll in enumerate(rolls):
+      t.state = _copy(start)
+      row = t.update(roll, r)
+      if r == 0 and not row["updates"]:
+        raise ValueError(f"arm {arm.name} made no update on rollout 0 (every group's rewards equal and "
+                         "grpo.filter_zero_std on?): there is nothing to time")
+      if r == 0:
+        out["rows"][arm.name] = {k: v for k, v in row.items() if k in COUNTS}
+    compiles[arm.name] = t.stepper.compile_count
   for rep in range(reps):
     order = timed if rep % 2 == 0 else timed[::-1]
     for r, roll in enumerate(rolls):
@@ -106,6 +111,10 @@ def run(config_path: str | None, base: list[str], a: Arm, b: Arm, rollouts: int,
         row = t.update(roll, r)
         out["update_s"][arm.name].append(row["time/update_s"])
         log.info("rep %d rollout %d %s: update %.2f s", rep, r, arm.name, row["time/update_s"])
+  # a program compiled inside a timed update would count its compile as update time
+  out["timed_compiles"] = {n: arms[n].stepper.compile_count - c for n, c in compiles.items()}
+  if any(out["timed_compiles"].values()):
+    log.warning("programs compiled during timed updates: %s", out["timed_compiles"])
   ratio = np.asarray(out["update_s"][b.name]) / np.asarray(out["update_s"][a.name])
   out["update_ratio"] = {**stats.summary(ratio), "median_a_s": float(np.median(out["update_s"][a.name])),
                          "median_b_s": float(np.median(out["update_s"][b.name]))}

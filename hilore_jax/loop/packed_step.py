@@ -65,7 +65,7 @@ class PackedStepper:
   def _gradient(self, spec: StepSpec, batch: UpdateBatch, micro):
     """(the packed gradient program of micro's shape (a token_budget.Micro or packing.Buffer), its peak bytes: temp
     plus the accumulator it writes)."""
-    key = ("grad", spec, batch.signature(), micro.key)
+    key = ("grad", spec, batch.signature(), micro.key, micro.layout)  # a bucket and a buffer can share a key
     if key not in self._programs:
       t0, st = time.perf_counter(), self.stepper
       batch_sh, rep, acc_sh = self._shardings(batch)
@@ -116,7 +116,7 @@ class PackedStepper:
     batch_sh, rep, acc_sh = self._shardings(seqs)
     acc = None
     for m in micros:
-      key = ("logp", spec, seqs.signature(), m.key)
+      key = ("logp", spec, seqs.signature(), m.key, m.layout)
       if key not in self._programs:
         layout = m.layout
         fn = jax.jit(lambda p, b, i, a: train_step.packed_logprobs(spec, p, b, i, a, layout),

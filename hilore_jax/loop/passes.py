@@ -55,9 +55,9 @@ def run(c: Config, state: TrainState, plan: update_plan.UpdatePlan, step: int, s
       if it > 0 and per_pass:
         allocations = memory.allocate(*plan.memory_batches(batches, token_logp))
       specs = [dataclasses.replace(spec, policies=a.policies) for a in allocations]
-      if plans[0] is not None:  # one spec per microbatch, grouped by minibatch
-        ends = np.cumsum([len(m) for m in plans])
-        specs = [specs[e - len(m):e] for e, m in zip(ends, plans)]
+      if any(m is not None for m in plans):  # one spec per microbatch, by minibatch (one for one run whole)
+        ends = np.cumsum([1 if m is None else len(m) for m in plans])
+        specs = [specs[e - 1] if m is None else specs[e - len(m):e] for e, m in zip(ends, plans)]
       alloc_rows += [a.metrics for a in allocations]
     token_logp = []
     for s, b, micros in zip(specs, batches, plans):

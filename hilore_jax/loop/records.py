@@ -82,6 +82,7 @@ class TokenRecord:
   padding_frac: float
   microbatches: int | None = None
   compiled_shapes: int | None = None
+  packed_frac: float | None = None  # train.packing: the share of minibatches packed (the rest padded)
 
   @classmethod
   def of(cls, plan, passes: int, microbatches: int, packer=None) -> TokenRecord:
@@ -91,13 +92,16 @@ class TokenRecord:
     if packer is not None:
       micro = passes * sum(microbatches if m is None else len(m) for m in plan.grad)
       shapes = len(packer.shapes)
-    return cls(*plan.tokens(), passes, plan.padding_frac(), micro, shapes)
+    return cls(*plan.tokens(), passes, plan.padding_frac(), micro, shapes,
+               plan.packed_frac() if plan.packing else None)
 
   def metrics(self) -> dict:
     out = {**metrics.token_counts(self.computed, self.real, self.unshared, self.passes),
            "budget/padding_frac": self.padding_frac}
     if self.microbatches is not None:
       out.update({"budget/microbatches": self.microbatches, "budget/compiled_shapes": self.compiled_shapes})
+    if self.packed_frac is not None:
+      out["budget/packed_frac"] = self.packed_frac
     return out
 
 

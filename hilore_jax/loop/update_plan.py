@@ -27,7 +27,8 @@ _values = jax.jit(lambda x, idx, layout: layout.values(x, idx), static_argnums=2
 class UpdatePlan:
   """Per minibatch i: batches[i] (on the mesh), lengths[i] and prompt_lengths[i] ([B] host ints), grad[i] and
   logp[i] (its microbatches, or None); current[i]: the current policy's log-probs where a forward computed them;
-  prompt_keys[i] ([B] host ids, equal for equal prompts) and split (its tables' slices) where prompts are shared."""
+  prompt_keys[i] ([B] host ids, equal for equal prompts) and split (its tables' slices) where prompts are shared;
+  packing: train.packing (each minibatch packed or, where that saves too little, padded: see microbatches)."""
 
   batches: tuple[UpdateBatch, ...]
   stats: dict
@@ -38,6 +39,7 @@ class UpdatePlan:
   current: tuple = ()
   prompt_keys: tuple = ()
   split: int = 1
+  packing: bool = False
 
   @classmethod
   def of(cls, batches, stats: dict | None = None) -> UpdatePlan:
@@ -63,11 +65,15 @@ class UpdatePlan:
   def memory_batches(self, batches, logp=None) -> tuple[list, list | None]:
     """(batches, logp), or with the token budget their microbatches, gathered on the devices, and logp's slices of
     them: what the memory manager plans for (loop/shaped_memory.py: one manager per microbatch shape)."""
-    if not self.grad or self.grad[0] is None:
+    if all(p is None for p in self.grad):
       return list(batches), logp
-    micro = [_gather(b, m.arrays(), m.layout) for b, p in zip(batches, self.grad) for m in p]
+    # a minibatch without microbatches (packing fell back to it unbudgeted) is planned as itself
+    micro = [x for b, p in zip(batches, self.grad) for x in ([b] if p is None else
+                                                             [_gather(b, m.arrays(), m.layout) for m in p])]
     if logp is not None:
-      logp = [None if x is None else _values(x, m.arrays(), m.layout) for x, p in zip(logp, self.grad) for m in p]
+      logp = [y for x, p in zip(logp, self.grad) for y in ([x] if p is None else
+                                                           [None if x is None else _values(x, m.arrays(), m.layout)
+                                                            for m in p])]
     return micro, logp
 
   def tokens(self) -> tuple[int, int, int]:
@@ -82,7 +88,7 @@ class UpdatePlan:
   def padding_frac(self) -> float:
     """Padded positions / the positions one gradient pass holds (rows x (P + cap), before sharing; packed: of the
     positions it computes, 1 - tokens/fill)."""
-    if any(isinstance(m, packing.Buffer) for micros in self.grad if micros for m in micros):
+    if self.packing:
       computed, real, _ = self.tokens()
       return 1.0 - real / computed if computed else 0.0
     real = sum(float(np.sum((n + p) * (n > 0))) for n, p in zip(self.lengths, self.prompt_lengths))
@@ -90,11 +96,20 @@ class UpdatePlan:
                for b, m in zip(self.batches, self.grad))
     return 1.0 - real / held if held else 0.0
 
+  def packed_frac(self) -> float:
+    """The share of a gradient pass's minibatches that run packed buffers (the rest: length buckets, or unbudgeted)."""
+    return sum(_packed(m) for m in self.grad) / len(self) if len(self) else 0.0
+
+
+def _packed(micros: Micros) -> bool:
+  """Whether a minibatch's microbatches are packed buffers."""
+  return bool(micros) and isinstance(micros[0], packing.Buffer)
+
 
 def _real(batch: UpdateBatch, micros: Micros, n_B, p_B, keys_B, split: int) -> int:
   """Positions of a minibatch's gradient pass that hold a real token: each live row's completion, and its prompt
   once per row or, where a table holds it, once per table (slice, microbatch or buffer) that computes it."""
-  if micros and isinstance(micros[0], packing.Buffer):
+  if _packed(micros):
     return packing.real_positions(micros, p_B)
   prompts = lambda rows, shared: int(p_B[rows].sum() if not shared else
                                      p_B[rows[np.unique(keys_B[rows], return_index=True)[1]]].sum())
@@ -108,19 +123,30 @@ def _real(batch: UpdateBatch, micros: Micros, n_B, p_B, keys_B, split: int) -> i
 
 def microbatches(c: Config, key: str, batch: UpdateBatch, prompt_keys, n_shards: int) -> Micros:
   """A minibatch's microbatches under train.<key> (batch: its host rows; prompt_keys: each row's prompt, or None
-  without a shared prompt): packed buffers with train.packing, else length buckets; None where that budget is off."""
+  without a shared prompt): length buckets, or with train.packing packed buffers where they save
+  train.packing_min_saving of the positions of the length buckets under the buffers' own count (a shared prompt's
+  rows: completions only, as a buffer holds them); None where that budget is off, or packing falls back to every
+  row at the cap (the minibatch unbudgeted)."""
   budget = getattr(c.train, key)
   if not budget:
     return None
-  if c.train.packing:
-    return packing.plan(batch.mask, batch.prompt_mask, packing.sizes(budget // n_shards, c.train.length_buckets),
-                        n_shards, prompt_keys, prompt_share.max_distinct(c), f"train.{key}")
-  lengths = batch.mask.sum(1)
+  P, distinct = c.rollout.max_prompt_len, prompt_share.max_distinct(c)
   caps = token_budget.bucket_caps(c.rollout.max_new_tokens, c.train.length_buckets)
-  micros = token_budget.plan(lengths, c.rollout.max_prompt_len, caps, budget, c.minibatch_size, n_shards)
+  # a packed budget counts a buffer's positions: the padded rows it falls back to count theirs the same way, so
+  # neither holds more than the longest buffer (and its table) does
+  row_prompt = 0 if c.train.packing and prompt_keys is not None else P
+  micros = token_budget.plan(batch.mask.sum(1), row_prompt, caps, budget, c.minibatch_size, n_shards)
   if prompt_keys is not None:
-    micros = token_budget.share(micros, prompt_keys, prompt_share.max_distinct(c))
-  return micros
+    micros = token_budget.share(micros, prompt_keys, distinct)
+  if not c.train.packing:
+    return micros
+  buffers = packing.plan(batch.mask, batch.prompt_mask, packing.sizes(budget // n_shards, c.train.length_buckets),
+                         n_shards, prompt_keys, distinct, f"train.{key}")
+  chosen = packing.choose(buffers, micros, P, c.train.packing_min_saving)
+  # every row at the cap in one microbatch is the minibatch itself: the step without a budget runs it, with no
+  # gather or gradient accumulator
+  whole = chosen is micros and len(micros) == 1 and micros[0].shape == (batch.rows, batch.completion_len)
+  return None if whole and micros[0].live.all() else chosen
 
 
 def build(c: Config, roll, rng: np.random.Generator, replay_buffer, step: int, use_old_logp: bool,
@@ -136,7 +162,8 @@ def build(c: Config, roll, rng: np.random.Generator, replay_buffer, step: int, u
            for k in ("max_tokens_per_microbatch", "max_tokens_per_logprob_pass")}
   return UpdatePlan(tuple(place(b) for b in batches), stats, lengths, tuple(b.prompt_mask.sum(1) for b in batches),
                     plans["max_tokens_per_microbatch"], plans["max_tokens_per_logprob_pass"],
-                    prompt_keys=tuple(keys) if c.train.share_prompt else (), split=split)
+                    prompt_keys=tuple(keys) if c.train.share_prompt else (), split=split,
+                    packing=c.train.packing)
 
 
 def with_logprobs(c: Config, plan: UpdatePlan, params, logprobs: Callable, reference: Callable | None) -> UpdatePlan:

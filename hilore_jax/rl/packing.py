@@ -198,6 +198,19 @@ def _with_table(buf: Buffer, prompt_keys_B, distinct: int, B: int) -> Buffer:
                              index=index)
 
 
+def worth_packing(packed_positions: int, padded_positions: int, min_saving: float) -> bool:
+  """Whether buffers computing packed_positions save at least min_saving of the padded layout's positions (0: always
+  pack): where they save less, the padded rows are cheaper, a buffer's attention spanning all its rows."""
+  return min_saving == 0 or packed_positions <= (1 - min_saving) * padded_positions
+
+
+def choose(buffers: list[Buffer], padded: list, prompt_len: int, min_saving: float) -> list:
+  """A minibatch's microbatches: its packed buffers where worth_packing against its padded microbatches (the token
+  budget's length buckets of the same rows), else those."""
+  count = lambda micros: sum(m.computed_positions(prompt_len) for m in micros)
+  return buffers if worth_packing(count(buffers), count(padded), min_saving) else padded
+
+
 def real_positions(buffers: list[Buffer], prompt_lengths_B) -> int:
   """Positions that hold a real token: the buffers' rows and each table's distinct prompts a row reads."""
   p = np.asarray(prompt_lengths_B)

@@ -15,6 +15,7 @@ def test_paired_bench_times_both_arms_on_the_same_rollouts(tmp_path):
   out = paired.run(None, BASE, paired.Arm("xla", ()), paired.Arm("blockwise", ("model.attention=blockwise",)),
                    rollouts=2, reps=2, out_dir=str(tmp_path), sampler=True)
   assert len(out["update_s"]["xla"]) == len(out["update_s"]["blockwise"]) == 4
+  assert out["timed_compiles"] == {"xla": 0, "blockwise": 0}  # every rollout's programs compiled before timing
   assert out["update_ratio"]["n"] == 4 and out["update_ratio"]["ci_low"] <= out["update_ratio"]["mean"]
   # the same rollouts and minibatches: both arms updated the same rows
   assert out["rows"]["xla"]["rows_updated"] == out["rows"]["blockwise"]["rows_updated"] == 12

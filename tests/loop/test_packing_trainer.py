@@ -12,6 +12,7 @@ from hilore_jax.errors import ConfigError
 from hilore_jax.loop import metrics
 from hilore_jax.loop.trainer import Trainer
 from hilore_jax.rl import packing
+from hilore_jax.rl.rollout import Rollout
 
 PACKED = ("train.packing=true", "train.max_tokens_per_microbatch=24", "train.max_tokens_per_logprob_pass=16")
 
@@ -62,6 +63,41 @@ def test_a_step_reduces_allocations_of_managers_in_different_phases():
   warming = {"alloc/frac_H": 0.0, "memory/compiled_bytes": 9, "time/plan_fit_s": 2.0}
   assert metrics.reduce_allocations([planning, warming]) == {"alloc/frac_H": 0.25, "alloc/greedy_gap": 0.1,
                                                              "memory/compiled_bytes": 9, "time/plan_fit_s": 3.0}
+
+
+def _rollout(lengths) -> Rollout:
+  """The tiny config's 3 prompts x 4 completions (of up to 3 tokens), each group's rewards not all equal."""
+  B, P, N = 12, 6, 3
+  mask = (np.arange(N)[None] < np.asarray(lengths)[:, None]).astype(np.int32)
+  prompts = (np.repeat(np.arange(3), 4)[:, None] * 7 + np.arange(P)[None]) % 70 + 3
+  rewards = np.array([1, 0, 0, 1, 1, 0, 1, 0, 0, 1, 0, 1], np.float32)
+  return Rollout(prompts.astype(np.int32), np.ones((B, P), np.int32), np.full((B, N), 5, np.int32) * mask, mask,
+                 np.zeros((B, N), np.float32), [""] * B, rewards)
+
+
+def test_rows_that_packing_would_not_shorten_run_padded(tmp_path):
+  # 12 rows at the 3-token cap: two buffers of 18 and their tables (2 x (18 + 4 x 6)) compute what two padded
+  # microbatches of 6 rows x 3 and theirs do: nothing to save, so the update runs the padded bucket's program and no
+  # buffer compiles; ragged rows then pack (17 tokens in one buffer of 18 against 2 x 6 rows x 3 padded)
+  t = Trainer(tiny_config(tmp_path, "train.packing=true", "train.max_tokens_per_microbatch=18", "memory.policy=gc",
+                          "eval.at_start=false", "eval.at_end=false"))
+  row = t.update(_rollout([3] * 12), 0)
+  assert t.packer.shapes == {("grad", 6, 3)} and row["budget/packed_frac"] == 0.0
+  assert row["tokens/computed"] == 2 * (6 * 3 + 4 * 6) and row["budget/microbatches"] == 2
+  row = t.update(_rollout([3, 1, 1, 1, 2, 1, 1, 1, 3, 1, 1, 1]), 1)
+  assert t.packer.shapes == {("grad", 6, 3), ("grad", 1, 18)} and row["budget/packed_frac"] == 1.0
+  assert row["tokens/computed"] == 18 + 4 * 6 and row["budget/compiled_shapes"] == 2
+
+
+def test_rows_at_the_cap_in_one_microbatch_run_the_step_without_a_budget(tmp_path):
+  # a budget of 36 holds the 12 rows at the cap in one buffer or one padded microbatch of 12 x 3: the minibatch
+  # itself, so the step without a budget runs it (no gather, no accumulator) and neither program compiles
+  t = Trainer(tiny_config(tmp_path, "train.packing=true", "train.max_tokens_per_microbatch=36", "memory.policy=gc",
+                          "eval.at_start=false", "eval.at_end=false"))
+  before = t.stepper.compile_count
+  row = t.update(_rollout([3] * 12), 0)
+  assert t.packer.shapes == set() and t.stepper.compile_count == before + 1, t.stepper.compile_log
+  assert row["budget/packed_frac"] == 0.0 and row["tokens/computed"] == 12 * 3 + 4 * 6
 
 
 @pytest.mark.slow

@@ -1,11 +1,14 @@
 """The update's typed plan (loop/update_plan.py): the trainer builds it once per rollout, with each minibatch's host
-lengths and the token budget's microbatches for both passes; later passes turn the first minibatch off-policy."""
+lengths and the token budget's microbatches for both passes (packed only where that saves enough); later passes turn
+the first minibatch off-policy."""
 
+import builders
 import numpy as np
 from trainer_util import tiny_config
 
 from hilore_jax.loop.trainer import Trainer
-from hilore_jax.loop.update_plan import UpdatePlan
+from hilore_jax.loop.update_plan import UpdatePlan, microbatches
+from hilore_jax.rl import packing, prompt_share, token_budget
 from hilore_jax.rl.rollout import Rollout
 
 B, P, N = 12, 6, 3
@@ -37,3 +40,21 @@ def test_the_plan_carries_each_minibatchs_lengths_and_both_passes_microbatches(t
   micro, _ = plan.memory_batches(plan.batches)  # what the memory manager plans for: every microbatch
   assert len(micro) == sum(len(m) for m in plan.grad)
   assert 0 < plan.padding_frac() < UpdatePlan.of(plan.batches).padding_frac()  # packing pads less
+
+
+def test_packing_falls_back_to_the_padded_layout_where_it_saves_too_little(tmp_path):
+  # the 12 rows (3 prompts x 4) at the 3-token cap: buffers and padded buckets compute the same 2 x (18 + 4 x 6)
+  # positions, so the buckets run (on 2 devices too: their rows a multiple of 2); ragged rows pack; a budget that
+  # holds every row at the cap leaves the minibatch unbudgeted (None)
+  def plan(lengths, budget=18, shards=1, *more):
+    c = tiny_config(tmp_path, "train.packing=true", f"train.max_tokens_per_microbatch={budget}", *more)
+    batch = builders.update_batch(np.random.default_rng(0), P, N, 31, lengths, order=np.repeat(np.arange(3), 4))
+    return microbatches(c, "max_tokens_per_microbatch", batch, prompt_share.prompt_keys(batch), shards)
+
+  at_cap = [3] * 12
+  for shards in (1, 2):
+    micros = plan(at_cap, 18, shards)
+    assert all(isinstance(m, token_budget.Micro) for m in micros) and [m.key for m in micros] == [(6, 3, 4)] * 2
+  assert {type(m) for m in plan(at_cap, 18, 1, "train.packing_min_saving=0")} == {packing.Buffer}
+  assert [b.key for b in plan([3, 1, 1, 1, 2, 1, 1, 1, 3, 1, 1, 1])] == [(1, 18, 4)]  # 17 tokens: 42 positions, not 84
+  assert plan(at_cap, 36) is None

@@ -17,7 +17,7 @@ from tolerance import assert_close
 from hilore_jax import model
 from hilore_jax.errors import ConfigError
 from hilore_jax.model.attention import Segments, visible_blocks
-from hilore_jax.rl import grpo, packing, prompt_share, train_step
+from hilore_jax.rl import grpo, packing, prompt_share, token_budget, train_step
 from hilore_jax.rl.update_batch import UpdateBatch
 
 sys.path.insert(0, __file__.rsplit("/rl/", 1)[0] + "/loop")
@@ -93,6 +93,26 @@ def test_first_fit_decreasing_then_the_smallest_lengths_that_hold_the_rest():
     assert sorted(i for _, items in ladder for i in items) == list(range(len(sizes)))
     assert all(sizes[items].sum() <= n for n, items in ladder)
     assert sum(n for n, _ in ladder) <= sum(n for n, _ in single)
+
+
+def test_buffers_are_kept_only_where_they_save_enough_positions():
+  # by hand: 54 of 60 positions is exactly the 10% saving; 55 is less; 0 packs even where buffers compute more
+  assert packing.worth_packing(54, 60, 0.1) and not packing.worth_packing(55, 60, 0.1)
+  assert packing.worth_packing(61, 60, 0.0) and not packing.worth_packing(60, 60, 0.05)
+  # every row at the cap: 4 rows of 6 in one buffer of 24 and its 2-prompt table (24 + 2 x 5) against 4 rows x 6
+  # padded with the same table (24 + 10): nothing saved, the padded rows run; ragged rows 6, 1, 1, 1 fill 9 of the
+  # buffer of 12 (12 + 10 = 22 of the padded 34: 35% saved), so the buffer runs
+  pmask, keys = np.ones((4, P), np.int32), np.array([0, 0, 1, 1])
+  caps = token_budget.bucket_caps(6, 3)
+  for lengths, want in (([6, 6, 6, 6], token_budget.Micro), ([6, 1, 1, 1], packing.Buffer)):
+    mask = (np.arange(6)[None] < np.array(lengths)[:, None]).astype(np.int32)
+    buffers = packing.plan(mask, pmask, packing.sizes(24, 3), 1, keys, 2)
+    padded = token_budget.share(token_budget.plan(mask.sum(1), 0, caps, 24, 4), keys, 2)
+    chosen = packing.choose(buffers, padded, P, 0.1)
+    assert {type(m) for m in chosen} == {want}, chosen
+    assert packing.choose(buffers, padded, P, 0.0) is buffers  # 0: always packed
+  assert [b.computed_positions(P) for b in buffers] == [12 + 2 * P]
+  assert [m.computed_positions(P) for m in padded] == [4 * 6 + 2 * P]
 
 
 def test_a_row_longer_than_the_buffer_is_a_one_line_error():
