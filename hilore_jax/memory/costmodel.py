@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from typing import Sequence
 
 import numpy as np
@@ -103,15 +102,16 @@ def _rerun_matrix(codes: np.ndarray, kinds: Sequence[str]) -> dict[str, np.ndarr
 
 def _dominated(b: np.ndarray, t: np.ndarray, lbits: np.ndarray) -> np.ndarray:
   """Which rows another row beats: no more bytes, no more time and a subset of the L units, one of them strictly.
-  Each set's rows come as its strict (bytes, time) front, so per set a row's best time at no more bytes is a prefix
-  minimum: a pass over the rows per L set, where comparing every pair took seconds at ~10^4 rows."""
+  Rows come sorted by L set, then bytes, each set's rows its strict (bytes, time) front: a set's best time at no more
+  bytes is a prefix minimum, and its proper supersets follow it. A pass over the later rows per set, where comparing
+  every pair of rows took seconds at ~10^4 rows."""
   dominated = np.zeros(len(b), bool)
-  for s in np.unique(lbits):
-    mine = lbits == s
-    order = np.argsort(b[mine], kind="stable")
-    sb, best_t = b[mine][order], np.minimum.accumulate(t[mine][order])
-    # a proper superset's rows: s's rows with no more bytes; s's own: those with fewer (its front has no ties)
-    for rows, side in ((((lbits & s) == s) & ~mine, "right"), (mine, "left")):
+  sets, starts = np.unique(lbits, return_index=True)
+  for s, lo, hi in zip(sets, starts, [*starts[1:], len(b)]):
+    sb, best_t = b[lo:hi], np.minimum.accumulate(t[lo:hi])
+    # its supersets' rows (s's rows with no more bytes), and its own (those with fewer: its front has no ties)
+    over = hi + np.flatnonzero((lbits[hi:] & s) == s)
+    for rows, side in ((over, "right"), (np.arange(lo, hi), "left")):
       k = np.searchsorted(sb, b[rows], side=side) - 1
       dominated[rows] |= (k >= 0) & (best_t[np.maximum(k, 0)] <= t[rows] + 1e-15)
   return dominated
@@ -122,7 +122,9 @@ def _candidates_cached(layer_units: tuple[Unit, ...], op_items: tuple, allow: tu
   op_s = dict(op_items)
   kinds = [u.kind for u in layer_units]
   allowed = dict(allow)
-  combos = np.array(list(itertools.product(*[[_CODE[c] for c in allowed[k]] for k in kinds])), np.int8)
+  # every combination, the last unit's choice varying fastest (itertools.product's order) without a Python tuple each
+  grids = np.meshgrid(*[np.array([_CODE[c] for c in allowed[k]], np.int8) for k in kinds], indexing="ij")
+  combos = np.stack([g.reshape(-1) for g in grids], axis=1)
   # an L layer boundary only where nothing reruns (or moves to the host): a recompute would need it exactly
   bnd = [i for i, k in enumerate(kinds) if k in U.BOUNDARY]
   if bnd:
