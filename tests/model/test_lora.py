@@ -91,14 +91,16 @@ def test_the_train_step_trains_the_adapters_alone(tiny_cfg):
   params = _trained(cfg, model.init_params(cfg, jax.random.PRNGKey(0)))
   spec = train_step.StepSpec(cfg, GRPOConfig(), model.uniform(3, model.FULL_REMAT))
   batch = _batch(0)
-  grads, stats = train_step.grads_and_stats(params, batch, spec)
+  # jitted as the trainer runs them (op by op, each of their ops compiled on its own)
+  grads_and_stats = jax.jit(train_step.grads_and_stats, static_argnums=2)
+  grads, stats = grads_and_stats(params, batch, spec)
   assert jax.tree.structure(grads) == jax.tree.structure(lora.trainable(params))  # no frozen weight's gradient
   # the same as the gradient of the whole tree, restricted to the adapters
   norm = train_step.grpo.normalisers(batch.mask)
-  full, _ = jax.grad(train_step.loss_and_stats, has_aux=True)(params, batch, spec, *norm)
+  full, _ = jax.jit(jax.grad(train_step.loss_and_stats, has_aux=True), static_argnums=2)(params, batch, spec, *norm)
   assert_trees_close(grads, lora.trainable(full), ulps=64, scale="tree")
   # accumulated over microbatches: the same gradient
-  micro, _ = train_step.grads_and_stats(params, batch, dataclasses.replace(spec, microbatches=2))
+  micro, _ = grads_and_stats(params, batch, dataclasses.replace(spec, microbatches=2))
   assert_trees_close(micro, grads, ulps=64, scale="tree")
   opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
   state = train_state.create(params, opt)
