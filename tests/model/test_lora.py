@@ -117,13 +117,15 @@ def test_dropout_acts_in_the_gradient_program_only(tiny_cfg):
   batch = _batch(1)
   spec = train_step.StepSpec(cfg, GRPOConfig(), model.uniform(3, model.NO_REMAT))
   no_drop = train_step.StepSpec(_lora_cfg(tiny_cfg, dropout=0.0), GRPOConfig(), spec.policies)
-  g_drop, s_drop = train_step.grads_and_stats(params, batch, spec)
-  g_exact, s_exact = train_step.grads_and_stats(params, batch, no_drop)
+  grads_and_stats = jax.jit(train_step.grads_and_stats, static_argnums=2)  # as the trainer runs it
+  g_drop, s_drop = grads_and_stats(params, batch, spec)
+  g_exact, s_exact = grads_and_stats(params, batch, no_drop)
   assert not np.allclose(s_drop["token_logp"], s_exact["token_logp"])  # the gradient's forward drops
-  again, _ = train_step.grads_and_stats(params, batch, spec)
+  again, _ = grads_and_stats(params, batch, spec)
   assert_trees_close(again, g_drop, ulps=0)  # the same rows draw the same masks (resume, calibration probes)
   # forward-only passes (old and reference log-probs, the sampler) run without dropout
-  assert_close(train_step.sequence_logprobs(spec, params, batch), s_exact["token_logp"], ulps=64)
+  logp = jax.jit(train_step.sequence_logprobs, static_argnums=0)(spec, params, batch)
+  assert_close(logp, s_exact["token_logp"], ulps=64)
 
 
 def test_the_merged_sampler_matches_the_unmerged_forward(tiny_cfg):
