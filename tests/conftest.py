@@ -1,5 +1,6 @@
 """Shared test fixtures: tiny odd-shaped configs, no network, and one compilation cache for the whole session."""
 
+import gc
 import os
 import subprocess
 import sys
@@ -40,6 +41,12 @@ def _test_flags() -> tuple[str, ...]:
 if not runtime.configure_xla_flags(_test_flags()):
   raise RuntimeError("a JAX backend started before tests/conftest.py set the test XLA flags")
 
+# JAX's tracing and lowering allocate millions of short-lived objects: at Python's default thresholds (700, 10, 10) the
+# collector ran about 3,300 times over tests/rl/test_prompt_share.py's 15 tests, its full collections scanning every
+# compiled program a worker holds (6% of that file's CPU time). Collections of young objects every 50,000
+# allocations, of all of them rarely: cycles still go, a little later.
+gc.set_threshold(50_000, 20, 20)
+
 
 @pytest.fixture
 def tiny_cfg():
@@ -60,10 +67,16 @@ def _session_cache(tmp_path_factory):
   yield root
 
 
-# the files whose tests take a minute or more on two cores (measured with --durations), dealt out first: with one
-# file per worker at a time (--dist loadfile), a long file dealt last leaves the other worker idle until it ends
-LONG_FILES = ("test_resume.py", "test_real_model.py", "test_bench.py", "test_multiprocess.py", "test_calibration.py",
-              "test_op_profile.py", "test_hilore_trainer.py", "test_bench_controls.py")
+# the files whose tests take the most CPU (measured per test, whole suite; the quick tier's heaviest among them),
+# longest first, dealt out before the rest: with one file per worker at a time (--dist loadfile), a long file dealt
+# last leaves the other worker idle until it ends. xdist would deal files by their number of tests instead, which put
+# the long files of few tests last: pyproject's addopts turn that off (--no-loadscope-reorder)
+LONG_FILES = ("test_memory_cache.py", "test_packing.py", "test_prompt_share.py", "test_real_model.py",
+              "test_token_budget.py", "test_multiprocess.py", "test_recovery.py", "test_layers.py",
+              "test_compile_time.py", "test_packing_trainer.py", "test_exposure_e1b.py", "test_bench.py",
+              "test_calibration.py", "test_lora_trainer.py", "test_sampler_at_length.py", "test_sampler.py",
+              "test_lora.py", "test_blockwise_attention.py", "test_hilore_trainer.py", "test_op_profile.py",
+              "test_trainer.py", "test_exposure_runtime.py", "test_capacity.py", "test_step_hooks.py")
 
 
 def pytest_collection_modifyitems(items):

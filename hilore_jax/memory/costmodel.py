@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from typing import Sequence
 
 import numpy as np
@@ -101,12 +100,31 @@ def _rerun_matrix(codes: np.ndarray, kinds: Sequence[str]) -> dict[str, np.ndarr
   return ops
 
 
+def _dominated(b: np.ndarray, t: np.ndarray, lbits: np.ndarray) -> np.ndarray:
+  """Which rows another row beats: no more bytes, no more time and a subset of the L units, one of them strictly.
+  Rows come sorted by L set, then bytes, each set's rows its strict (bytes, time) front: a set's best time at no more
+  bytes is a prefix minimum, and its proper supersets follow it. A pass over the later rows per set, where comparing
+  every pair of rows took seconds at ~10^4 rows."""
+  dominated = np.zeros(len(b), bool)
+  sets, starts = np.unique(lbits, return_index=True)
+  for s, lo, hi in zip(sets, starts, [*starts[1:], len(b)]):
+    sb, best_t = b[lo:hi], np.minimum.accumulate(t[lo:hi])
+    # its supersets' rows (s's rows with no more bytes), and its own (those with fewer: its front has no ties)
+    over = hi + np.flatnonzero((lbits[hi:] & s) == s)
+    for rows, side in ((over, "right"), (np.arange(lo, hi), "left")):
+      k = np.searchsorted(sb, b[rows], side=side) - 1
+      dominated[rows] |= (k >= 0) & (best_t[np.maximum(k, 0)] <= t[rows] + 1e-15)
+  return dominated
+
+
 @functools.lru_cache(maxsize=64)
 def _candidates_cached(layer_units: tuple[Unit, ...], op_items: tuple, allow: tuple) -> tuple[Candidate, ...]:
   op_s = dict(op_items)
   kinds = [u.kind for u in layer_units]
   allowed = dict(allow)
-  combos = np.array(list(itertools.product(*[[_CODE[c] for c in allowed[k]] for k in kinds])), np.int8)
+  # every combination, the last unit's choice varying fastest (itertools.product's order) without a Python tuple each
+  grids = np.meshgrid(*[np.array([_CODE[c] for c in allowed[k]], np.int8) for k in kinds], indexing="ij")
+  combos = np.stack([g.reshape(-1) for g in grids], axis=1)
   # an L layer boundary only where nothing reruns (or moves to the host): a recompute would need it exactly
   bnd = [i for i, k in enumerate(kinds) if k in U.BOUNDARY]
   if bnd:
@@ -132,12 +150,7 @@ def _candidates_cached(layer_units: tuple[Unit, ...], op_items: tuple, allow: tu
   keep = np.where(np.r_[True, gid[1:] != gid[:-1]], True, shifted < prev - 1e-15)
   # across sets: a choice with no more bytes, no more time and a subset of the L units is as good for any risks
   b, t, lbits, combos = b[keep], t[keep], lbits[keep], combos[keep]
-  dominated = np.zeros(len(b), bool)
-  for s in range(0, len(b), 512):
-    e = slice(s, s + 512)
-    le = (b[None] <= b[e, None]) & (t[None] <= t[e, None] + 1e-15) & ((lbits[None] & ~lbits[e, None]) == 0)
-    lt = (b[None] < b[e, None]) | (t[None] < t[e, None] - 1e-15) | (lbits[None] != lbits[e, None])
-    dominated[e] = (le & lt).any(1)
+  dominated = _dominated(b, t, lbits)
   names = {v: k for k, v in _CODE.items()}
   return tuple(Candidate(tuple(names[int(c)] for c in row), int(bb), float(tt), tuple(k for k, c in zip(kinds, row)
                                                                                       if c == _CODE[L]))

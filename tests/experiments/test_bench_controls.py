@@ -88,7 +88,9 @@ def _steps(clock, durations):
 
 
 @pytest.mark.slow
-def test_rounds_continue_until_every_gain_ci_is_tight_or_the_time_cap():
+def test_rounds_continue_until_every_gain_ci_is_tight_or_the_time_cap(monkeypatch):
+  import gc
+
   clock = _Clock()
   # base 1.0 s; a row 10% faster exactly: its paired gain has no spread, so min_rounds decide
   steps, calls = _steps(clock, [[1.0], [1.0 / 1.1]])
@@ -97,13 +99,18 @@ def test_rounds_continue_until_every_gain_ci_is_tight_or_the_time_cap():
   assert info["rounds"] == 3 and info["stopped_by"] == "min_rounds" and calls == [5, 5] and state == 10
   assert info["max_halfwidth_pct"] == pytest.approx(0.0, abs=1e-9)
   assert info["measures"]["warmup_rounds"] == 2 and not info["measures"]["pause_python_gc"]
-  # a row alternating 0.8 / 1.25 s: +25% / -20%, its CI never narrows to 2 points; the cap ends it
+  # a row alternating 0.8 / 1.25 s: +25% / -20%, its CI never narrows to 2 points; the cap ends it. Python's
+  # collector paused: a collection before each round (counted, not run: a full collection of a test worker's heap
+  # costs most of a second) and the collector back on after it
+  collected = []
+  monkeypatch.setattr(timing.gc, "collect", lambda *a: collected.append(gc.isenabled()))
   clock = _Clock()
   steps, _ = _steps(clock, [[1.0], [0.8, 1.25]])
   r = timing.Rounds(min_rounds=3, halfwidth_pct=2.0, time_cap_s=40.0, warmup_rounds=0, pause_python_gc=True)
   times, _, info = timing.interleave(steps, 0, r, base=0, clock=clock, progress=lambda s: None)
   assert info["stopped_by"] == "time_cap" and info["max_halfwidth_pct"] > 2.0
   assert 40.0 <= info["elapsed_s"] < 40.0 + 2.25 + 1e-9 and len(times[0]) == len(times[1]) == info["rounds"] > 3
+  assert collected == [True] * info["rounds"] and gc.isenabled() and info["measures"]["pause_python_gc"]
   # noise that shrinks with more rounds: stops on the CI before the cap, past min_rounds
   clock = _Clock()
   rng = np.random.default_rng(0)

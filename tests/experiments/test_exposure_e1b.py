@@ -187,6 +187,7 @@ def _study(tmp_path, **e1b):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("fixed_op_times")  # plans from measured op times differ with the machine's load
 def test_e1b_end_to_end_on_a_tiny_decoder_and_its_arrays_re_read_every_sweep(tmp_path, monkeypatch):
   from experiments.exposure import e1b as exposure_e1b, e1b_arms
 
@@ -221,6 +222,7 @@ def test_e1b_end_to_end_on_a_tiny_decoder_and_its_arrays_re_read_every_sweep(tmp
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("fixed_op_times")  # plans from measured op times differ with the machine's load
 def test_e1b_stops_before_the_held_out_pass_where_the_risk_budget_does_not_bind(tmp_path, monkeypatch):
   from experiments.exposure import e1b as exposure_e1b, study as exposure_study
 

@@ -39,14 +39,19 @@ def spec(cfg, loss_agg: str, N: int) -> train_step.StepSpec:
                              use_ref_logp=True)
 
 
+# the compiled programs by their static arguments, once per process: tests that check another layout against the
+# same unpacked minibatch (shared and unshared, packed and budgeted) compute its reference gradient once
+_gradient = jax.jit(train_step.gradient_step, static_argnums=2)
+_packed_gradient = jax.jit(train_step.packed_gradient, static_argnums=(5, 6))
+_packed_start = jax.jit(train_step.packed_start)
+
+
 def assert_packed_equals_unpacked(params, batch, packed_batch, micros, spec) -> dict:
   """The packed gradient over micros (of packed_batch) equals batch's unpacked one to 1e-5; its metrics."""
-  want_g, want_m = jax.jit(lambda p, b: train_step.gradient_step(p, b, spec))(params, batch)
-  run = jax.jit(lambda p, b, i, n, a, layout: train_step.packed_gradient(p, b, i, n, a, spec, layout),
-                static_argnums=5)
-  acc, norm = jax.jit(train_step.packed_start)(params, packed_batch)
+  want_g, want_m = _gradient(params, batch, spec)
+  acc, norm = _packed_start(params, packed_batch)
   for m in micros:
-    acc = run(params, packed_batch, m.arrays(), norm, acc, m.layout)
+    acc = _packed_gradient(params, packed_batch, m.arrays(), norm, acc, spec, m.layout)
   grads, stats, logp = acc
   got_m = train_step.step_metrics({**stats, train_step.TOKEN_LOGP: logp})
   assert rel(got_m["loss"], want_m["loss"]) <= 1e-5

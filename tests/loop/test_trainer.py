@@ -63,7 +63,7 @@ def test_zero_std_filtering_and_minibatch_padding(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_end_to_end_writes_everything(tmp_path):
+def test_cli_end_to_end_writes_everything(tmp_path, capsys):
   import subprocess
   import sys
 
@@ -90,12 +90,14 @@ def test_cli_end_to_end_writes_everything(tmp_path):
   assert cfg.hidden_size == 24 and cfg.eos_token_id == tok.eos_token_id
   # evaluation from the run directory and from the HF export agree (same weights, same seeds)
   summary = json.load(open(out / "summary.json"))
+  # the eval command in this process (its argument parsing and output are the same; the run above is the process)
+  from train import eval as train_eval
+
   evals = []
   for ckpt in (f"--checkpoint={out}", f"checkpoint={out / 'hf'}"):
-    proc = subprocess.run([sys.executable, "-m", "train.eval", "--config", os.path.join(root, "configs", "tiny.yaml"),
-                           *args, ckpt], capture_output=True, text=True, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    evals.append(json.loads(proc.stdout))
+    capsys.readouterr()
+    train_eval.main(["--config", os.path.join(root, "configs", "tiny.yaml"), *args, ckpt])
+    evals.append(json.loads(capsys.readouterr().out))
   assert evals[0]["eval/accuracy"] == evals[1]["eval/accuracy"] == summary["eval_after"]["eval/accuracy"]
   assert evals[0]["eval/n"] == 8 and "eval/pass@2" in evals[0]
   lo, hi = summary["accuracy_gain_ci95_pp"]  # paired across the same 8 examples, around the gain

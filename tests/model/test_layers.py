@@ -50,10 +50,10 @@ def test_every_layout_and_structure_gives_the_same_gradients(attention):
   cfg = _cfg(attention=attention, attention_block_q=4, attention_block_k=4)
   p = _params(cfg)
   want = _grads(cfg.replace(scan_layers=False), p, PLAN)  # every layer a plain call, per-layer params
-  for scan in (True, False):
-    for params in (p, model.stacked(p)):
-      # float32 sums in another order (a loop body's fusion): a few ulps of each leaf's scale
-      assert_trees_close(_grads(cfg.replace(scan_layers=scan), params, PLAN), want, ulps=256)
+  # the other three of (scanned or plain calls) x (stacked or per-layer params)
+  for scan, params in ((True, p), (True, model.stacked(p)), (False, model.stacked(p))):
+    # float32 sums in another order (a loop body's fusion): a few ulps of each leaf's scale
+    assert_trees_close(_grads(cfg.replace(scan_layers=scan), params, PLAN), want, ulps=256)
 
 
 def test_a_run_stacks_its_residuals_as_bits_and_reads_its_layers_in_place():

@@ -91,14 +91,16 @@ def test_the_train_step_trains_the_adapters_alone(tiny_cfg):
   params = _trained(cfg, model.init_params(cfg, jax.random.PRNGKey(0)))
   spec = train_step.StepSpec(cfg, GRPOConfig(), model.uniform(3, model.FULL_REMAT))
   batch = _batch(0)
-  grads, stats = train_step.grads_and_stats(params, batch, spec)
+  # jitted as the trainer runs them (op by op, each of their ops compiled on its own)
+  grads_and_stats = jax.jit(train_step.grads_and_stats, static_argnums=2)
+  grads, stats = grads_and_stats(params, batch, spec)
   assert jax.tree.structure(grads) == jax.tree.structure(lora.trainable(params))  # no frozen weight's gradient
   # the same as the gradient of the whole tree, restricted to the adapters
   norm = train_step.grpo.normalisers(batch.mask)
-  full, _ = jax.grad(train_step.loss_and_stats, has_aux=True)(params, batch, spec, *norm)
+  full, _ = jax.jit(jax.grad(train_step.loss_and_stats, has_aux=True), static_argnums=2)(params, batch, spec, *norm)
   assert_trees_close(grads, lora.trainable(full), ulps=64, scale="tree")
   # accumulated over microbatches: the same gradient
-  micro, _ = train_step.grads_and_stats(params, batch, dataclasses.replace(spec, microbatches=2))
+  micro, _ = grads_and_stats(params, batch, dataclasses.replace(spec, microbatches=2))
   assert_trees_close(micro, grads, ulps=64, scale="tree")
   opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
   state = train_state.create(params, opt)
@@ -115,13 +117,15 @@ def test_dropout_acts_in_the_gradient_program_only(tiny_cfg):
   batch = _batch(1)
   spec = train_step.StepSpec(cfg, GRPOConfig(), model.uniform(3, model.NO_REMAT))
   no_drop = train_step.StepSpec(_lora_cfg(tiny_cfg, dropout=0.0), GRPOConfig(), spec.policies)
-  g_drop, s_drop = train_step.grads_and_stats(params, batch, spec)
-  g_exact, s_exact = train_step.grads_and_stats(params, batch, no_drop)
+  grads_and_stats = jax.jit(train_step.grads_and_stats, static_argnums=2)  # as the trainer runs it
+  g_drop, s_drop = grads_and_stats(params, batch, spec)
+  g_exact, s_exact = grads_and_stats(params, batch, no_drop)
   assert not np.allclose(s_drop["token_logp"], s_exact["token_logp"])  # the gradient's forward drops
-  again, _ = train_step.grads_and_stats(params, batch, spec)
+  again, _ = grads_and_stats(params, batch, spec)
   assert_trees_close(again, g_drop, ulps=0)  # the same rows draw the same masks (resume, calibration probes)
   # forward-only passes (old and reference log-probs, the sampler) run without dropout
-  assert_close(train_step.sequence_logprobs(spec, params, batch), s_exact["token_logp"], ulps=64)
+  logp = jax.jit(train_step.sequence_logprobs, static_argnums=0)(spec, params, batch)
+  assert_close(logp, s_exact["token_logp"], ulps=64)
 
 
 def test_the_merged_sampler_matches_the_unmerged_forward(tiny_cfg):

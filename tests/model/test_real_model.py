@@ -208,7 +208,7 @@ def test_weights_equal_transformers_dequantisation(model_dir, gguf_file):
     np.testing.assert_array_equal(t, ref[name].numpy(), err_msg=name)
 
 
-def test_the_managers_plan_for_the_real_shape_compiles_within_its_budget(model_dir):
+def test_the_managers_plan_for_the_real_shape_compiles_within_its_budget(model_dir, fixed_op_times):
   """hilore (a given uniform calibration: this test is about bytes) on the real 30-layer shape, a 2 x 96-token
   minibatch: the fitted plan's compiled peak (XLA's, compile only) is within 1.10x GC's. Its fit includes its
   risk-free subset's (optimal_hr's H/R plans at the same budget), so both methods' fits compile here."""

@@ -16,11 +16,15 @@ def setup(tiny_cfg):
   return tiny_cfg, model.init_params(tiny_cfg, jax.random.PRNGKey(3), init_std=0.4)
 
 
+# the whole forward as one program per length (op by op, each of its ops compiled again at every length)
+_forward = jax.jit(model.forward, static_argnums=0)
+
+
 def _greedy_by_recompute(cfg, params, prompt, n):
   seq = list(prompt)
   out = []
   for _ in range(n):
-    tok = int(jnp.argmax(model.forward(cfg, params, jnp.array([seq]))[0, -1]))
+    tok = int(jnp.argmax(_forward(cfg, params, jnp.array([seq]))[0, -1]))
     out.append(tok)
     if tok == EOS:
       break
