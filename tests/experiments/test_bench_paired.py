@@ -11,6 +11,7 @@ BASE = [o for o in TINY if not o.startswith(("eval.", "train.warmstart"))] + ["m
                                                                               "grpo.filter_zero_std=false"]
 
 
+@pytest.mark.slow  # a whole harness run: two trainers over two rollouts
 def test_paired_bench_times_both_arms_on_the_same_rollouts(tmp_path):
   out = paired.run(None, BASE, paired.Arm("xla", ()), paired.Arm("blockwise", ("model.attention=blockwise",)),
                    rollouts=2, reps=2, out_dir=str(tmp_path), sampler=True)
@@ -34,6 +35,7 @@ def test_paired_bench_refuses_an_arm_with_nothing_to_time(tmp_path):
     paired.run(None, base, paired.Arm("a", ()), paired.Arm("b", ()), 1, 1, str(tmp_path))
 
 
+@pytest.mark.slow  # three trainers: arm A compiled twice, and the packed arm
 def test_the_noise_floor_times_arm_a_compiled_again(tmp_path):
   out = paired.run(None, BASE, paired.Arm("padded", ()), paired.Arm("packed", (
       "train.packing=true", "train.max_tokens_per_microbatch=36")), rollouts=1, reps=2, out_dir=str(tmp_path),

@@ -3,11 +3,13 @@ per row (experiments/share/run.py), at a tiny shape."""
 
 import json
 
+import pytest
 from trainer_util import TINY
 
 from experiments.share import main as bench_share
 
 
+@pytest.mark.slow  # the harness end to end (tests/rl/test_prompt_share.py checks the shared step in the quick tier)
 def test_bench_share_writes_the_figures(tmp_path, capsys):
   out = tmp_path / "share.json"
   model = [o for o in TINY if o.startswith("model.")]

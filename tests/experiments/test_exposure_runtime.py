@@ -213,6 +213,7 @@ def test_calibration_measures_the_configured_risk_metric(setup):
   np.testing.assert_allclose(update.state.calibration.unit_errors[0], rel, rtol=1e-3)
 
 
+@pytest.mark.slow
 def test_exposure_arrays_store_grad_norm_and_absolute_unit_errors(setup, tmp_path):
   """Defect (e): the arrays lacked ||g|| and the absolute ||dg_u||; both are stored, checked against a probe."""
   hooks, params, _, mc, rng, adv = setup
@@ -238,6 +239,7 @@ def test_exposure_arrays_store_grad_norm_and_absolute_unit_errors(setup, tmp_pat
   np.testing.assert_allclose(a["abs_err_MU"], a["err_relative"] * a["grad_norm_M"][:, None], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_held_out_weight_read_units_keep_their_errors_not_their_gradients(setup):
   # with weight-read units only, a held-out minibatch's errors come from one instrumented backward and its exact
   # gradient is dropped (SmolLM2's 64 would not fit in host memory); the errors are the probe path's
@@ -257,6 +259,7 @@ def test_held_out_weight_read_units_keep_their_errors_not_their_gradients(setup)
     np.testing.assert_allclose(e, probed, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_a_calibration_on_spilled_records_keeps_their_params_on_disk(setup, tmp_path):
   # the bench's calibration keeps its measurements for the predictors' fits: its contexts read each record's
   # params back from disk, and its references keep neither params nor (weight-read units only) gradients, so 8

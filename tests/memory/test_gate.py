@@ -140,6 +140,7 @@ def tiny():
   return hooks, params, batches, mc
 
 
+@pytest.mark.slow  # a calibrated manager over four minibatches (the gate by hand above stays in the quick tier)
 @pytest.mark.usefixtures("fixed_op_times")
 def test_the_allocator_receives_each_units_p90_over_the_calibration_minibatches(tiny, monkeypatch):
   hooks, params, batches, mc = tiny
@@ -165,6 +166,7 @@ def test_the_allocator_receives_each_units_p90_over_the_calibration_minibatches(
   assert {"memory/gate/spread", "memory/gate/unclipped_share", "memory/gate/loo_rho"} <= set(allocs[0].metrics)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("fixed_op_times")
 def test_the_manager_runs_exposure_buckets_only_where_the_gate_passes(tiny):
   hooks, params, batches, mc = tiny
