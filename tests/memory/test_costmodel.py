@@ -66,6 +66,10 @@ def test_candidates_are_pareto_and_risk_prunes(tiny_cfg):
   layer0 = [u for u in us if u.layer == 0]
   cands = costmodel.candidates(layer0, ops)
   assert any(c.lowp for c in cands) and any(not c.lowp for c in cands)
+  for c in cands:  # pairwise, as the cost model's pruning once was: no candidate beats another on every count
+    assert not any(d is not c and d.bytes <= c.bytes and d.time_s <= c.time_s + 1e-15 and set(d.lowp) <= set(c.lowp)
+                   and (d.bytes < c.bytes or d.time_s < c.time_s - 1e-15 or set(d.lowp) != set(c.lowp))
+                   for d in cands)
   opts = costmodel.layer_options(cands, {k: 1.0 for k in model.LOWP_UNITS})
   b, t = np.array([o.bytes for o in opts]), np.array([o.time_s for o in opts])
   for i in range(len(opts)):  # nothing dominated remains
