@@ -134,6 +134,7 @@ def _segment_blocks(segments: Segments, sch: Schedule, km_n):
 
 
 def _key_blocks(T: int, k_BSKH, v_BSKH, key_mask_BS, segments, block_q: int, block_k: int, H: int) -> _Blocks:
+  """The keys in the blocks of their schedule: the band where segments carry their bound, else every block."""
   sch = schedule(T, k_BSKH.shape[1], block_q, block_k, segments.max_len if segments is not None else None)
   kv = lambda x: sch.layout(x.astype(jnp.float32)).transpose(0, 1, 3, 2, 4)  # [nk, B, K, bk, H]
   km_n = sch.layout(key_mask_BS.astype(bool), False)
