@@ -12,3 +12,17 @@ def eqn_count(jaxpr) -> int:
         if hasattr(inner, "eqns"):
           n += eqn_count(inner)
   return n
+
+
+def scan_lengths(jaxpr) -> list[int]:
+  """The trip count of every scan in a jaxpr and its sub-jaxprs (a lax.map is a scan too)."""
+  out = []
+  for e in jaxpr.eqns:
+    if e.primitive.name == "scan":
+      out.append(e.params["length"])
+    for v in e.params.values():
+      for sub in (v if isinstance(v, (list, tuple)) else (v,)):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          out += scan_lengths(inner)
+  return out

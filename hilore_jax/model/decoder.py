@@ -12,7 +12,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from hilore_jax.model import lora
+from hilore_jax.model import key_blocks, lora
 from hilore_jax.model.attention import Segments
 from hilore_jax.model.config import ModelConfig
 from hilore_jax.model.layer import Probe, Taps, Train, decoder_layer
@@ -57,7 +57,8 @@ def lm_head_weight(cfg: ModelConfig, params: dict) -> jax.Array:
 
 def hidden_states(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array, attention_mask_BT=None, *,
                   positions_BT=None, layer_policies: Sequence[LayerPolicy] | None = None,
-                  taps: dict | None = None, probe=None, segment_ids_BT=None) -> jax.Array:
+                  taps: dict | None = None, probe=None, segment_ids_BT=None,
+                  max_segment_len: int | None = None) -> jax.Array:
   """Final-norm hidden states [B, T, D]; each layer runs under its own remat policy.
 
   Consecutive layers with the same policy run as one `lax.scan` (run_layers), so compile time grows with the
@@ -66,7 +67,8 @@ def hidden_states(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array, atten
   group size, mix [L, len(UNITS)]) runs every layer without remat, each unit read in backward as exact + mix *
   (decoded - exact): one program measures the gradient error of any set of L units (calibration).
   segment_ids_BT: packed rows (several sequences end to end, give their positions_BT): a position attends only to
-  earlier positions of its own segment id.
+  earlier positions of its own segment id; max_segment_len: no segment is longer (ids ascending along a row), so
+  blockwise attention visits only the band of keys that allows.
   """
   B, T = input_ids_BT.shape
   if attention_mask_BT is None:
@@ -76,7 +78,10 @@ def hidden_states(cfg: ModelConfig, params: dict, input_ids_BT: jax.Array, atten
   policies = tuple(layer_policies) if layer_policies is not None else uniform(cfg.num_hidden_layers, NO_REMAT)
   if len(policies) != cfg.num_hidden_layers:
     raise ValueError(f"got {len(policies)} layer policies for {cfg.num_hidden_layers} layers")
-  segments = None if segment_ids_BT is None else Segments(segment_ids_BT, segment_ids_BT, segment_ids_BT)
+  segments = None
+  if segment_ids_BT is not None:
+    key_blocks.check(segment_ids_BT, attention_mask_BT, max_segment_len)
+    segments = Segments(segment_ids_BT, segment_ids_BT, segment_ids_BT, max_segment_len)
   ctx = layer_ctx(cfg, positions_BT, attention_mask_BT, segments=segments)
   x = embed(cfg, params, input_ids_BT)
   if taps is not None:

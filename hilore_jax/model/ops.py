@@ -61,8 +61,9 @@ def fused_kernel(cfg: ModelConfig, ctx: LayerCtx, k_BSKH: jax.Array) -> tuple:
   """(the fused kernel of cfg.attention as fn(q, k, v, *args), its args besides q, k, v from the layer context)."""
   if cfg.attention == "blockwise":
     key_mask_BS = jnp.ones(k_BSKH.shape[:2], bool) if ctx.key_mask_BS is None else ctx.key_mask_BS
-    return (blockwise_kernel(cfg.attention_block_q, cfg.attention_block_k),
-            (key_mask_BS, jnp.asarray(ctx.query_offset, jnp.int32), *(ctx.segments or ())))
+    seg = ctx.segments
+    return (blockwise_kernel(cfg.attention_block_q, cfg.attention_block_k, seg.max_len if seg else None),
+            (key_mask_BS, jnp.asarray(ctx.query_offset, jnp.int32), *(seg.arrays() if seg else ())))
   return fused_attention, (ctx.mask_BTS,)
 
 

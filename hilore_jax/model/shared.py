@@ -20,6 +20,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from hilore_jax.model import key_blocks
 from hilore_jax.model.config import ModelConfig
 from hilore_jax.model.attention import Segments
 from hilore_jax.model.decoder import default_positions, embed
@@ -40,16 +41,19 @@ def completion_ctx(cfg: ModelConfig, prompt_mask_BP: jax.Array, mask_BN: jax.Arr
 
 
 def packed_ctx(cfg: ModelConfig, prompt_table_mask_UP: jax.Array, positions_SL: jax.Array, segment_SL: jax.Array,
-               entry_SL: jax.Array):
+               entry_SL: jax.Array, max_segment_len: int | None = None):
   """Packed completions' layer context over [the table's U x P keys | the buffer's L]: a query sees its prompt's
-  entry (id -(entry + 1)) and its own segment (ids >= 1; 0 on padding, whose entry is -1)."""
+  entry (id -(entry + 1)) and its own segment (ids >= 1, ascending; 0 on padding, whose entry is -1), at most
+  max_segment_len positions long where given (blockwise then visits only that band of the buffer's keys)."""
   U, P = prompt_table_mask_UP.shape
   S = segment_SL.shape[0]
+  key_blocks.check(segment_SL, segment_SL > 0, max_segment_len)
   segment_SL = segment_SL.astype(jnp.int32)
   table_ids = jnp.broadcast_to(-1 - jnp.repeat(jnp.arange(U, dtype=jnp.int32), P), (S, U * P))
   key_mask = jnp.concatenate([jnp.broadcast_to(prompt_table_mask_UP.reshape(1, U * P).astype(bool), (S, U * P)),
                               segment_SL > 0], axis=1)
-  seg = Segments(segment_SL, -1 - entry_SL.astype(jnp.int32), jnp.concatenate([table_ids, segment_SL], axis=1))
+  seg = Segments(segment_SL, -1 - entry_SL.astype(jnp.int32), jnp.concatenate([table_ids, segment_SL], axis=1),
+                 max_segment_len)
   return layer_ctx(cfg, positions_SL, key_mask, U * P, seg)
 
 
@@ -105,14 +109,16 @@ def shared_hidden_states(cfg: ModelConfig, params: dict, prompt_table_UP: jax.Ar
 def packed_shared_hidden_states(cfg: ModelConfig, params: dict, prompt_table_UP: jax.Array,
                                 prompt_table_mask_UP: jax.Array, tokens_SL: jax.Array, positions_SL: jax.Array,
                                 segment_SL: jax.Array, entry_SL: jax.Array,
-                                layer_policies: Sequence[LayerPolicy] | None = None) -> jax.Array:
+                                layer_policies: Sequence[LayerPolicy] | None = None,
+                                max_segment_len: int | None = None) -> jax.Array:
   """Final-norm hidden states [S, L, D] predicting each buffer token: completions packed end to end (segment ids
   >= 1, ascending; 0 on padding), each position at its unshared position and with its prompt's table entry
   (entry_SL, -1 on padding). A segment's first token is predicted by its prompt's last state, every other by the
-  buffer's previous position: what `hidden_states` gives there on the rows' full sequences."""
+  buffer's previous position: what `hidden_states` gives there on the rows' full sequences. max_segment_len: no
+  completion is longer (the completion cap): blockwise attention then visits only the band of keys it allows."""
   policies = _policies(cfg, layer_policies)
   ctx_p = layer_ctx(cfg, default_positions(prompt_table_mask_UP), prompt_table_mask_UP)
-  ctx_c = packed_ctx(cfg, prompt_table_mask_UP, positions_SL, segment_SL, entry_SL)
+  ctx_c = packed_ctx(cfg, prompt_table_mask_UP, positions_SL, segment_SL, entry_SL, max_segment_len)
   xs = (embed(cfg, params, prompt_table_UP), embed(cfg, params, tokens_SL))
   x_UPD, x_SLD = _layers(cfg, params, xs, ctx_p, ctx_c, None, policies)
   first_SL = jnp.concatenate([jnp.ones_like(segment_SL[:, :1], bool), segment_SL[:, 1:] != segment_SL[:, :-1]], 1)

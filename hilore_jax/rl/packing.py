@@ -275,11 +275,12 @@ def completion_logprobs(cfg: model.ModelConfig, params, batch: UpdateBatch, poli
   ids_SL = jnp.where(valid_SL, seq_BT[row_SL, pk.column], 0)
   if batch.prompt_index is not None:
     entry_SL = jnp.where(valid_SL, jnp.take(batch.prompt_index, row_SL), -1)
+    # a segment is one completion, at most the batch's N tokens: blockwise attention visits only that band
     h = model.packed_shared_hidden_states(cfg, params, batch.prompt_table, batch.prompt_table_mask, ids_SL,
-                                          pk.position, pk.segment, entry_SL, policies)
+                                          pk.position, pk.segment, entry_SL, policies, batch.completion_len)
   else:  # each segment holds its prompt too: position t - 1 predicts token t
     h = model.hidden_states(cfg, params, ids_SL, valid_SL, positions_BT=pk.position, layer_policies=policies,
-                            segment_ids_BT=pk.segment)
+                            segment_ids_BT=pk.segment, max_segment_len=P + batch.completion_len)
     h = jnp.concatenate([jnp.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
   logp_SL, ent_SL = logprobs.token_logprobs(h, model.lm_head_weight(cfg, params), ids_SL, chunk, temperature)
   target_SL = valid_SL & (pk.column >= P)

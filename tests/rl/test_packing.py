@@ -12,10 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_util import scan_lengths
 from tolerance import assert_close
 
 from hilore_jax import model
 from hilore_jax.errors import ConfigError
+from hilore_jax.model import key_blocks
 from hilore_jax.model.attention import Segments, visible_blocks
 from hilore_jax.rl import grpo, packing, prompt_share, token_budget, train_step
 from hilore_jax.rl.update_batch import UpdateBatch
@@ -200,6 +202,22 @@ def test_segments_never_attend_across_each_other(attention, shared):
   others = np.arange(len(ORDER)) != victim
   np.testing.assert_array_equal(a[others], b[others])
   assert np.abs(a[victim] - b[victim]).max() > 1e-3
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["unshared", "shared"])
+def test_the_packed_blockwise_pass_visits_only_the_band(shared):
+  # a packed segment is at most the batch's completion (with its prompt, unshared): blockwise's key loop runs over
+  # the table's blocks and the band of ceil((bound - 1) / block) + 1 buffer blocks, not every key block
+  cfg = CFG.replace(attention="blockwise")
+  params, batch = _params(), _batch()
+  keys = prompt_share.prompt_keys(batch) if shared else None
+  (buf,) = packing.plan(batch.mask, batch.prompt_mask, (128,), 1, keys, 4)
+  L, table = buf.shape[1], 4 * P if shared else 0
+  band = key_blocks.schedule(L, table + L, 4, 8, N if shared else P + N)
+  dense = key_blocks.schedule(L, table + L, 4, 8)
+  lengths = scan_lengths(jax.make_jaxpr(lambda p, b, i: train_step.completion_logprobs(cfg, p, packing.gather(b, i)))(
+      params, batch, buf.arrays()).jaxpr)
+  assert band.band and lengths.count(band.visits().shape[1]) >= 1 and dense.nk not in lengths, lengths
 
 
 def test_segment_ids_run_each_sequence_as_if_alone():
