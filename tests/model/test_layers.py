@@ -50,8 +50,11 @@ def test_every_layout_and_structure_gives_the_same_gradients(attention):
   cfg = _cfg(attention=attention, attention_block_q=4, attention_block_k=4)
   p = _params(cfg)
   want = _grads(cfg.replace(scan_layers=False), p, PLAN)  # every layer a plain call, per-layer params
-  # the other three of (scanned or plain calls) x (stacked or per-layer params)
-  for scan, params in ((True, p), (True, model.stacked(p)), (False, model.stacked(p))):
+  # the other three of (scanned or plain calls) x (stacked or per-layer params); the layout never reaches the
+  # attention (a scan stacks per-layer params first, a plain call reads one layer either way), so blockwise
+  # attention, whose custom VJP runs inside the layer scan's, is checked on the train layout's scan alone
+  others = ((True, p), (True, model.stacked(p)), (False, model.stacked(p)))
+  for scan, params in others if attention == "xla" else others[1:2]:
     # float32 sums in another order (a loop body's fusion): a few ulps of each leaf's scale
     assert_trees_close(_grads(cfg.replace(scan_layers=scan), params, PLAN), want, ulps=256)
 
