@@ -173,12 +173,37 @@ def candidates(layer_units: Sequence[Unit], op_s: dict[str, float], allow_l: boo
   return _candidates_cached(key, tuple(sorted(op_s.items())), tuple(allow))
 
 
+def _beaten(b: np.ndarray, t: np.ndarray, r: np.ndarray, rows: np.ndarray, by: np.ndarray) -> np.ndarray:
+  """Which of rows some row of `by` beats: no more bytes, time and risk, one of them strictly."""
+  bi, ti, ri = b[rows][:, None], t[rows][:, None], r[rows][:, None]
+  bj, tj, rj = b[by][None], t[by][None], r[by][None]
+  return ((bj <= bi) & (tj <= ti + 1e-15) & (rj <= ri) & ((bj < bi) | (tj < ti - 1e-15) | (rj < ri))).any(axis=1)
+
+
+def _beaten_rows(b: np.ndarray, t: np.ndarray, r: np.ndarray, chunk: int = 256) -> np.ndarray:
+  """Which rows another row beats, as the test of every pair decides, without testing every pair (~10^4 rows of a
+  few hundred unbeaten ones: 0.2-0.8 s a layer): chunks in (bytes, time, risk) order, each row first tested against
+  the unbeaten rows so far, then its chunk, and only what is left against every row. A row is marked only where a
+  row beats it, and is left unmarked only once no row does: the pairwise answer (within the time tolerance beating
+  is not transitive, so a row only a beaten row beats is still found by the last test)."""
+  beaten = np.zeros(len(b), bool)
+  front, every = np.zeros(0, np.intp), np.arange(len(b))
+  order = np.lexsort((r, t, b))
+  for lo in range(0, len(b), chunk):
+    rows = order[lo:lo + chunk]
+    for by in (front, rows, every):
+      if len(rows) and len(by):
+        hit = _beaten(b, t, r, rows, by)
+        beaten[rows[hit]] = True
+        rows = rows[~hit]
+    front = np.concatenate([front, rows])
+  return beaten
+
+
 def layer_options(cands: Sequence[Candidate], risk_of: dict[str, float]) -> list[allocator.Option]:
   """Options with risk = sum of the L units' risks, pruned to the (bytes, time, risk) Pareto set."""
   b = np.array([c.bytes for c in cands], float)
   t = np.array([c.time_s for c in cands])
   r = np.array([sum(risk_of.get(k, 0.0) for k in c.lowp) for c in cands])
-  le = (b[None] <= b[:, None]) & (t[None] <= t[:, None] + 1e-15) & (r[None] <= r[:, None])
-  lt = (b[None] < b[:, None]) | (t[None] < t[:, None] - 1e-15) | (r[None] < r[:, None])
-  dominated = (le & lt).any(axis=1)
+  dominated = _beaten_rows(b, t, r)
   return [allocator.Option(c.choice, c.bytes, c.time_s, float(ri)) for c, ri, d in zip(cands, r, dominated) if not d]

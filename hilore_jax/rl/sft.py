@@ -56,12 +56,24 @@ def _sft_step(cfg: ModelConfig, params, opt_state, batch, optimizer):
   return optax.apply_updates(params, updates), opt_state, loss
 
 
+def _on_mesh_of(params, tree):
+  """tree's leaves not yet on params' mesh (the optimizer's step counts) replicated on it, as the step returns them:
+  otherwise the second step's inputs differ in type from the first's and the step is traced and compiled again."""
+  mesh = next((x.sharding.mesh for x in jax.tree_util.tree_leaves(params)
+               if isinstance(x.sharding, jax.sharding.NamedSharding)), None)
+  if mesh is None:
+    return tree
+  on_mesh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.tree_util.tree_map(
+      lambda x: x if isinstance(x.sharding, jax.sharding.NamedSharding) else jax.device_put(x, on_mesh), tree)
+
+
 def warmstart(cfg: ModelConfig, params, prompter: Prompter, example_at: Callable[[int], Example], *, steps: int,
               batch_size: int, lr: float, max_prompt_len: int, max_new_tokens: int, place=lambda b: b,
               progress=None) -> tuple[dict, list[float]]:
   """Run `steps` supervised steps on the task's training stream (positions from 10**9, apart from GRPO's)."""
   optimizer = _optimizer(lr, steps)
-  opt_state = optimizer.init(params)
+  opt_state = _on_mesh_of(params, optimizer.init(params))
   params = jax.tree_util.tree_map(jnp.copy, params)  # the caller's params are not donated
   losses = []
   for step in range(steps):

@@ -17,8 +17,8 @@ def test_bench_writes_all_outputs_with_each_kind_of_method_under_budget(tmp_path
       "model.num_attention_heads=4", "model.num_key_value_heads=2", "memory.group_size=8", "memory.budget_probes=1",
       "bench.batch_size=4", "bench.group_size=2", "bench.seq_len=15", "bench.prompt_len=5", "bench.reps=3",
       "bench.budget_ratios=[1.3]", "bench.risk_batches=2", "grpo.beta=0.02", "bench.unit_risk_table=true",
-      "bench.risk_sets=2", "bench.time_cap_s=5", "bench.roofline=true", "memory.calib_sets=2", "memory.calib_batches=2",
-      "bench.methods=[none,gc,sac,optimal_hr,uniform_int8_gc,hilore_static,hilore]"], "bench")
+      "bench.risk_sets=2", "bench.time_cap_s=0.5", "bench.roofline=true", "memory.calib_sets=2",
+      "memory.calib_batches=2", "bench.methods=[none,gc,sac,optimal_hr,uniform_int8_gc,hilore_static,hilore]"], "bench")
   out = str(tmp_path / "bench")
   result = bench.run(cfg, bc, out, progress=lambda s: None)
   assert sorted(os.listdir(out)) == ["frontier.png", "results.json", "results.md", "risk.md"]

@@ -72,14 +72,17 @@ def test_bench_compile_depth_rows_and_plan_runs(tmp_path):
   shape.write_text(json.dumps(TINY_SHAPE))
   out = tmp_path / "depth"
   base = ["--shape", str(shape), "--completion", "16", "--attention", "xla", "--out", str(out)]
-  bench_compile.main([*base, "--layers", "3,5", "--unrolled"])
+  bench_compile.main([*base, "--layers", "4", "--unrolled"])
+  (first,) = json.load(open(out / "depth.json"))
+  # a rerun measures only what is missing: depth 3 (scanned), with depth 4's row as it was
+  bench_compile.main([*base, "--layers", "3,4"])
   rows = json.load(open(out / "depth.json"))
-  assert [(r["layers"], r["method"]) for r in rows] == [(3, "hilore"), (5, "hilore")]
+  assert [(r["layers"], r["method"]) for r in rows] == [(4, "hilore"), (3, "hilore")] and rows[0] == first
   for r in rows:
-    assert r["policy_runs"] <= 4 and r["compile_s"] > 0 and r["unrolled_compile_s"] > 0
-    assert 0 < r["peak_rss_gib"] < 8 and r["peak_bytes"] > 0 and r["unrolled_peak_bytes"] > 0
-  assert "| 5 |" in (out / "depth.md").read_text()
-  bench_compile.main([*base, "--layers", "5", "--runs", "0,1"])
+    assert r["policy_runs"] <= 4 and r["compile_s"] > 0 and 0 < r["peak_rss_gib"] < 8 and r["peak_bytes"] > 0
+  assert first["unrolled_compile_s"] > 0 and first["unrolled_peak_bytes"] > 0 and "unrolled_compile_s" not in rows[1]
+  assert "| 4 |" in (out / "depth.md").read_text() and "| 3 |" in (out / "depth.md").read_text()
+  bench_compile.main([*base, "--layers", "4", "--runs", "0,1"])
   cost = json.load(open(out / "plan_runs.json"))
   assert [(r["plan_runs"], r["policy_runs"] == 1) for r in cost] == [(0, cost[0]["policy_runs"] == 1), (1, True)]
   assert cost[1]["predicted_s"] >= cost[0]["predicted_s"] - 1e-12  # one run is a constraint, never a gain

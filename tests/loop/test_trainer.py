@@ -41,6 +41,19 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
   jax.tree_util.tree_map(lambda x: np.testing.assert_(np.isfinite(np.asarray(x)).all()), fresh.state["params"])
 
 
+def test_the_warm_start_traces_its_step_once(tmp_path, monkeypatch):
+  from hilore_jax.rl import sft
+
+  traces = []
+  logprobs = sft.train_step.completion_logprobs
+  monkeypatch.setattr(sft.train_step, "completion_logprobs", lambda *a, **k: traces.append(1) or logprobs(*a, **k))
+  # a learning rate of its own: a step no other test compiled (the optimizer is a static argument)
+  t = Trainer(tiny_config(tmp_path, "train.warmstart_steps=2", "train.warmstart_lr=0.0137"))
+  t.warmstart()
+  # the optimizer's step counts start on the params' mesh, as the step returns them: the second step is no new type
+  assert len(traces) == 1 and len(t.warmstart_losses) == 2
+
+
 def test_zero_std_filtering_and_minibatch_padding(tmp_path):
   t = Trainer(tiny_config(tmp_path, "train.minibatch_size=4"))
   from hilore_jax.rl.rollout import Rollout

@@ -78,6 +78,35 @@ def test_candidates_are_pareto_and_risk_prunes(tiny_cfg):
   assert min(o.bytes for o in opts) == 0 and max(o.time_s for o in opts) == sum(ops.values())
 
 
+def _pairwise_options(cands, risk_of):
+  """layer_options by its definition: every pair of rows compared."""
+  r = [sum(risk_of.get(k, 0.0) for k in c.lowp) for c in cands]
+  beats = lambda j, i: (cands[j].bytes <= cands[i].bytes and cands[j].time_s <= cands[i].time_s + 1e-15 and
+                        r[j] <= r[i] and (cands[j].bytes < cands[i].bytes or
+                                          cands[j].time_s < cands[i].time_s - 1e-15 or r[j] < r[i]))
+  return [(c.choice, c.bytes, c.time_s, r[i]) for i, c in enumerate(cands)
+          if not any(beats(j, i) for j in range(len(cands)))]
+
+
+def test_layer_options_are_the_pairwise_pareto_set():
+  got = lambda cands, risk_of: [(o.choice, o.bytes, o.time_s, o.risk) for o in costmodel.layer_options(cands, risk_of)]
+  # within the time tolerance beating is not transitive: c is beaten by b alone, which a beats (a's 1.8e-15 s is
+  # over c's 0 by more than 1e-15); 254 more rows a beats put c in the second chunk of rows, b in the first
+  chain = ([costmodel.Candidate(("a",), 0, 1.8e-15, ()), costmodel.Candidate(("b",), 1, 0.9e-15, ())] +
+           [costmodel.Candidate(("x", str(i)), 2, 1.0, ()) for i in range(254)] +
+           [costmodel.Candidate(("c",), 3, 0.0, ())])
+  assert got(chain, {}) == _pairwise_options(chain, {}) == [(("a",), 0, 1.8e-15, 0)]
+  # ties in every count, times a fraction of the tolerance apart, risks of any L set
+  rng = np.random.default_rng(0)
+  kinds = ("q", "k", "v")
+  for n in (0, 1, 7, 300):
+    cands = [costmodel.Candidate((str(i),), int(rng.integers(0, 6)),
+                                 float(rng.integers(0, 5) * 1e-3 + rng.choice([0.0, 5e-16, -5e-16, 2e-15])),
+                                 tuple(k for k in kinds if rng.random() < 0.4)) for i in range(n)]
+    risk_of = {"q": 0.1, "k": 0.2, "v": 0.30000000000000004}
+    assert got(cands, risk_of) == _pairwise_options(cands, risk_of)
+
+
 @pytest.mark.slow
 def test_plan_bytes_are_exactly_what_backward_keeps(tiny_cfg):
   # every Pareto layer choice, as the methods turn it into a policy, keeps exactly the cost model's bytes on top of

@@ -50,8 +50,11 @@ def test_every_layout_and_structure_gives_the_same_gradients(attention):
   cfg = _cfg(attention=attention, attention_block_q=4, attention_block_k=4)
   p = _params(cfg)
   want = _grads(cfg.replace(scan_layers=False), p, PLAN)  # every layer a plain call, per-layer params
-  # the other three of (scanned or plain calls) x (stacked or per-layer params)
-  for scan, params in ((True, p), (True, model.stacked(p)), (False, model.stacked(p))):
+  # the other three of (scanned or plain calls) x (stacked or per-layer params); the layout never reaches the
+  # attention (a scan stacks per-layer params first, a plain call reads one layer either way), so blockwise
+  # attention, whose custom VJP runs inside the layer scan's, is checked on the train layout's scan alone
+  others = ((True, p), (True, model.stacked(p)), (False, model.stacked(p)))
+  for scan, params in others if attention == "xla" else others[1:2]:
     # float32 sums in another order (a loop body's fusion): a few ulps of each leaf's scale
     assert_trees_close(_grads(cfg.replace(scan_layers=scan), params, PLAN), want, ulps=256)
 
@@ -101,11 +104,13 @@ def test_a_scanned_plan_compiles_to_what_it_keeps_unrolled():
     grad = jax.jit(jax.grad(lambda q: jnp.sum(model.forward(c, q, ids, layer_policies=pols))))
     return grad.lower(p).compile().memory_analysis()
 
-  for pols in ((model.FULL_REMAT,) * 8, (model.FULL_REMAT,) * 4 + (keep,) * 3 + (model.FULL_REMAT,)):
-    # measured 1.056 and 1.028: XLA:CPU schedules a loop body's backward on its own, a few buffers apart
-    assert memory(pols, True).temp_size_in_bytes <= 1.10 * memory(pols, False).temp_size_in_bytes
-  # the compiled peak (temp and the gradients, engine.Step.peak_bytes) of two runs: 1.004 of the unrolled one;
-  # 1.073 while the stacked gradient buffer was carried from the first run's backward on (issue 46)
+  gc = (model.FULL_REMAT,) * 8  # one run over the whole stack
+  # measured 1.056: XLA:CPU schedules a loop body's backward on its own, a few buffers apart
+  assert memory(gc, True).temp_size_in_bytes <= 1.10 * memory(gc, False).temp_size_in_bytes
+  # three runs, a one-layer run last in backward: the compiled peak (temp and the gradients, engine.Step.peak_bytes)
+  # measured 1.034 of the unrolled one; 1.10-1.17 with any one of the fixes undone: the residuals stacked as bf16,
+  # the one-layer run's cotangent not tied to its weight gradients, or the stacked gradient buffer carried from the
+  # first run's backward on (issue 46)
   peak = lambda m: m.temp_size_in_bytes + m.output_size_in_bytes
-  pols = (model.FULL_REMAT,) * 4 + (keep,) * 4
-  assert peak(memory(pols, True)) <= 1.02 * peak(memory(pols, False))
+  pols = (keep,) + (model.FULL_REMAT,) * 4 + (keep,) * 3
+  assert peak(memory(pols, True)) <= 1.07 * peak(memory(pols, False))

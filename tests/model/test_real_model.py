@@ -218,7 +218,7 @@ def test_the_managers_plan_for_the_real_shape_compiles_within_its_budget(model_d
   from hilore_jax.memory import Calibration, MemoryManager, calibration
   from hilore_jax.rl import train_step
 
-  cfg = cli.load_config(None, [f"model.path={model_dir}", "memory.budget_ratio=1.10", "memory.budget_probes=2",
+  cfg = cli.load_config(None, [f"model.path={model_dir}", "memory.budget_ratio=1.10", "memory.budget_probes=1",
                                "memory.buckets=1"])
   mcfg = engine.model_config(cfg)
   eng, _ = engine.build(cfg, mcfg, 10, abstract=True)
