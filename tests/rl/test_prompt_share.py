@@ -63,8 +63,10 @@ def test_shared_logprobs_loss_and_gradient_equal_unshared(attention, loss_agg):
   batch = _batch()
   shared = prompt_share.share_prompts(batch, microbatches=2)
   assert prompt_share.shared(shared)
-  # a mixed plan (unrolled layers) and one policy (the layer scan)
-  for policies in (model.uniform(3, model.FULL_REMAT), (model.NO_REMAT, model.FULL_REMAT, model.NO_REMAT)):
+  # one policy (the layer scan) and a mixed plan (unrolled layers): the loss aggregation never meets the plan (it
+  # weighs the log-probs the layers give by the mask), so the full run's other combinations check the scan alone
+  plans = (model.uniform(3, model.FULL_REMAT), (model.NO_REMAT, model.FULL_REMAT, model.NO_REMAT))
+  for policies in plans if (loss_agg, attention) in QUICK else plans[:1]:
     spec = train_step.StepSpec(cfg, GRPOConfig(loss_agg=loss_agg, max_completion_len=N), policies, microbatches=2)
     run = jax.jit(lambda p, b: train_step.grads_and_stats(p, b, spec))
     (g_ref, s_ref), (g, s) = run(params, batch), run(params, shared)
