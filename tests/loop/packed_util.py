@@ -2,6 +2,7 @@
 minibatch's loss, metrics, gradient and log-probs, and the short runs that compare a packed trainer with an unpacked
 one (on one device, and on a 2-device fsdp mesh in a subprocess)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -90,7 +91,7 @@ def unpacked(tmp_path_factory, *overrides):
 
 
 _ON_FSDP = """
-import sys
+import json, sys
 sys.path[:0] = [{here!r}, {tests!r}, {root!r}]
 from devices import force_cpu_devices
 force_cpu_devices(2)
@@ -99,17 +100,22 @@ from hilore_jax import runtime
 runtime.enable_compilation_cache()
 from packed_util import run
 off, _ = run({out!r} + '/off', 'mesh.data=1', 'mesh.fsdp=2')
-on, rows = run({out!r} + '/on', 'mesh.data=1', 'mesh.fsdp=2', *{on!r})
-{check}
-for x, y in zip(jax.tree.leaves(on.state['params']), jax.tree.leaves(off.state['params'])):
-  np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
+got = {{}}
+for name, overrides in {runs!r}.items():
+  on, _ = run({out!r} + '/' + name, 'mesh.data=1', 'mesh.fsdp=2', *overrides)
+  pairs = zip(jax.tree.leaves(on.state['params']), jax.tree.leaves(off.state['params']))
+  got[name] = {{'shapes': [list(s) for s in on.packer.shapes],
+               'params_match': all(np.allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5) for x, y in pairs)}}
+print('RESULT ' + json.dumps(got))
 """
 
 
-def assert_updates_as_unpacked_on_fsdp(out, on: tuple[str, ...], check: str):
-  """`run` with the overrides `on` ends with the unpacked run's parameters on a 1 x 2 fsdp mesh of forced CPU
-  devices (a subprocess); check: more Python over `on`, the packed run's Trainer."""
+def updates_on_fsdp(out, runs: dict[str, tuple[str, ...]]) -> dict:
+  """`run` with each of runs' overrides (name: overrides) on a 1 x 2 fsdp mesh of forced CPU devices, in one
+  subprocess beside one unpacked run: per name, its packer's shapes and whether its parameters ended as the unpacked
+  run's (to 1e-4)."""
   code = _ON_FSDP.format(here=os.path.dirname(os.path.abspath(__file__)), tests=repo.TESTS, root=repo.ROOT,
-                         out=str(out), on=tuple(on), check=check)
+                         out=str(out), runs={k: tuple(v) for k, v in runs.items()})
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])

@@ -1,6 +1,7 @@
 """Packing in the trainer (train.packing): a run with rows packed end to end updates as one without, on fewer
 positions, with one compiled program per buffer length; its metrics say how full the buffers were; HiLoRe plans
-per buffer length; bad settings are one-line config errors; on an fsdp mesh each device packs its own buffer."""
+per buffer length; bad settings are one-line config errors; on an fsdp mesh each device packs its own buffer (and
+the token budget's microbatches split over it, beside packing's for one unpacked run)."""
 
 import jax
 import numpy as np
@@ -15,6 +16,8 @@ from hilore_jax.rl import packing
 from hilore_jax.rl.rollout import Rollout
 
 PACKED = ("train.packing=true", "train.max_tokens_per_microbatch=24", "train.max_tokens_per_logprob_pass=16")
+# the token budget without packing: 3 rows at the cap (6 + 7 tokens) per microbatch, log-prob passes of 2
+BUDGET = ("train.max_tokens_per_microbatch=40", "train.max_tokens_per_logprob_pass=26")
 
 
 def test_bad_packing_settings_are_config_errors(tmp_path):
@@ -135,7 +138,23 @@ def test_hilore_plans_each_buffer_length_with_its_own_manager(tmp_path):
   assert all("alloc/frac_H" in r and 0 < r["tokens/fill"] <= 1 for r in rows)
 
 
+@pytest.fixture(scope="module")
+def on_fsdp(tmp_path_factory):
+  """Packing and the token budget's microbatches on a 1 x 2 fsdp mesh: one subprocess, one unpacked run for both."""
+  return packed_util.updates_on_fsdp(tmp_path_factory.mktemp("fsdp"), {"packed": PACKED, "budget": BUDGET})
+
+
 @pytest.mark.slow
-def test_packed_buffers_split_over_an_fsdp_mesh_update_as_unpacked(tmp_path):
-  packed_util.assert_updates_as_unpacked_on_fsdp(
-      tmp_path, PACKED, "assert {S for _, S, _ in on.packer.shapes} == {2}, on.packer.shapes  # a row per device")
+def test_packed_buffers_split_over_an_fsdp_mesh_update_as_unpacked(on_fsdp):
+  packed = on_fsdp["packed"]
+  assert packed["params_match"] and {S for _, S, _ in packed["shapes"]} == {2}, packed  # a row per device
+
+
+@pytest.mark.slow
+def test_budgeted_microbatches_split_over_an_fsdp_mesh_update_as_unpacked(on_fsdp):
+  # the token budget's (rl/token_budget.py, tests/loop/test_token_budget.py): here, beside packing's, for one
+  # unpacked run on the mesh
+  budget = on_fsdp["budget"]
+  assert budget["params_match"], budget
+  assert all(r % 2 == 0 for _, r, _ in budget["shapes"]), budget  # rows split over both devices
+  assert min(cap for _, _, cap in budget["shapes"]) < 7, budget

@@ -1,6 +1,7 @@
 """The token budget (rl/token_budget.py, packed_step.py): packed microbatches give the unpacked minibatch's loss,
 gradient and log-probs for every loss aggregation; every row is packed once within the budget; a run with the
-budget on updates as one with it off, on fewer positions; bad values are config errors."""
+budget on updates as one with it off, on fewer positions; bad values are config errors. On a 2-device fsdp mesh:
+tests/loop/test_packing_trainer.py, beside packing's, for one unpacked run in one subprocess."""
 
 import dataclasses
 
@@ -140,11 +141,3 @@ def test_hilore_plans_each_microbatch_shape_with_its_own_manager(tmp_path):
   fresh = ShapedMemory(lambda: MemoryManager(t.config.memory, t.memory.managers[next(iter(grad_shapes))].hooks))
   fresh.load_state(saved)
   assert fresh.state_json() == saved
-
-
-@pytest.mark.slow
-def test_packed_microbatches_split_over_an_fsdp_mesh_update_as_unpacked(tmp_path):
-  packed_util.assert_updates_as_unpacked_on_fsdp(
-      tmp_path, ("train.max_tokens_per_microbatch=40", "train.max_tokens_per_logprob_pass=26"),
-      "assert all(r % 2 == 0 for _, r, _ in on.packer.shapes), on.packer.shapes  # rows split over both devices\n"
-      "assert min(cap for _, _, cap in on.packer.shapes) < 7")
