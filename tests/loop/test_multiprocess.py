@@ -53,26 +53,21 @@ def _one_and_two(tmp_path, one_steps: int, two_steps: int, *overrides) -> tuple[
   return ref, got
 
 
+# 3 minibatches of 4 rows, two passes over each rollout: all but the first minibatch of the first pass are off-policy
+# and need a forward for old log-probs (the first is the plain run's on-policy update); a reference; replayed rows
+# from step 2 on. Every piece of the plain run's state and step is among them, and crosses the checkpoint
+RICH = ("train.minibatch_size=4", "grpo.num_iterations=2", "grpo.beta=0.05", "replay.enabled=true", "replay.share=0.5")
+
+
 @pytest.mark.slow
-def test_two_processes_match_one_and_resume_in_one(tmp_path):
-  ref, _ = _one_and_two(tmp_path, 3, 2)
+def test_two_processes_match_one_with_off_policy_minibatches_replay_and_a_reference_and_resume_in_one(tmp_path):
+  # (a plain run's test, and 3 two-process steps of this one, were dropped: 3 processes fewer)
+  ref, got = _one_and_two(tmp_path, 3, 2, *RICH)
+  assert any(r["kl"] > 0 for r in got), "no reference pass ran"
+  assert any(r["replay/frac"] > 0 for r in got), "no row was replayed: the comparison misses replay"
   # the two processes' checkpoint (step 2) resumes in one process and continues as the one-process run did
-  _wait(_launch(tmp_path, tmp_path / "two", 2, "train.steps=3", "train.resume=true"))
+  _wait(_launch(tmp_path, tmp_path / "two", 2, "train.steps=3", "train.resume=true", *RICH))
   got = stable(metrics.read_metrics(tmp_path / "two" / "metrics.jsonl"))
   assert [r["step"] for r in got] == [1, 2, 3]
   for k in got[2]:
     assert got[2][k] == pytest.approx(ref[2][k], rel=1e-5, abs=1e-7), k
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("overrides", [
-    # 3 minibatches of 4 rows, two passes over each rollout: all but the first minibatch of the first pass are
-    # off-policy and need a forward for old log-probs; replayed rows from step 2 on. (One pass alone ran the same
-    # off-policy path and was dropped: 3 processes fewer.)
-    ("train.minibatch_size=4", "grpo.num_iterations=2", "grpo.beta=0.05", "replay.enabled=true", "replay.share=0.5"),
-], ids=["two_passes_replay"])
-def test_two_processes_match_one_with_off_policy_minibatches_replay_and_a_reference(tmp_path, overrides):
-  ref, _ = _one_and_two(tmp_path, 3, 3, *overrides)
-  assert any(r["kl"] > 0 for r in ref), "no reference pass ran"
-  if "replay.enabled=true" in overrides:
-    assert any(r["replay/frac"] > 0 for r in ref), "no row was replayed: the comparison misses replay"
