@@ -62,8 +62,9 @@ def _spec(cfg, microbatches=1):
                              use_old_logp=True, use_ref_logp=True, microbatches=microbatches)
 
 
-@pytest.mark.parametrize("targets,microbatches", [(model.config.LORA_TARGETS, 1),  # the quick tier: every target
-                                                  pytest.param(("k", "o", "down"), 2, marks=pytest.mark.slow)])
+# the quick tier checks one channel by hand (above); this runs every target, then a split minibatch, in the full run
+@pytest.mark.slow
+@pytest.mark.parametrize("targets,microbatches", [(model.config.LORA_TARGETS, 1), (("k", "o", "down"), 2)])
 def test_lora_error_channels_are_each_units_own_probe_against_the_exact_gradient(tiny_cfg, targets, microbatches):
   # the slow way, one unit at a time: the adapters' gradient with only that unit read from its int8 code, against
   # the exact one (the same probe program at zero mix), over every trained leaf; the instrumented backward gives

@@ -53,7 +53,8 @@ def test_bucket_caps_and_the_plan_keep_every_row_once_within_the_budget():
     token_budget.plan(np.array([13]), P, caps, P + N, max_rows=4, multiple=2)
 
 
-@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("loss_agg", ["token-mean", *(pytest.param(a, marks=pytest.mark.slow)  # the quick tier: one
+                                                        for a in ("seq-mean-token-mean", "seq-mean-token-sum-norm"))])
 def test_packed_loss_and_gradient_equal_the_unpacked_minibatch(loss_agg):
   spec = packed_util.spec(CFG, loss_agg, N)
   params = builders.params(CFG, 3)

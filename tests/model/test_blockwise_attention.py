@@ -55,9 +55,9 @@ def _has_scores(fn, args, T, S, blocks=None) -> bool:
 
 
 @pytest.mark.parametrize("T,S,offset,pads,blocks", [
-    (13, 13, 0, (0, 3, 5), (8, 8)),  # remainders in both block axes
-    (37, 37, 0, (0, 11, 2), (8, 16)),
-    (37, 37, 0, (0, 11, 2), (128, 256)),  # the defaults: one block each way
+    pytest.param(13, 13, 0, (0, 3, 5), (8, 8), marks=pytest.mark.slow),  # remainders in both block axes
+    (37, 37, 0, (0, 11, 2), (8, 16)),  # remainders in the key axis (the quick tier's self-attention case)
+    pytest.param(37, 37, 0, (0, 11, 2), (128, 256), marks=pytest.mark.slow),  # the defaults: one block each way
     (5, 17, 9, (0, 4, 7), (2, 8)),  # a cache: 5 queries at slots 9..13 over 17 slots, later ones still empty
 ])
 def test_matches_the_xla_kernel_forward_and_gradients(T, S, offset, pads, blocks):
@@ -135,7 +135,7 @@ def _logp_loss(cfg, params, ids, mask, policies=None):
   return jnp.sum(tok * weight)
 
 
-@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("remat", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_the_model_matches_the_xla_kernel(tiny_cfg, remat):
   xla, blk = _cfg(tiny_cfg, "xla"), _cfg(tiny_cfg, "blockwise")
   params = model.init_params(xla, jax.random.PRNGKey(0), init_std=0.3)

@@ -82,7 +82,8 @@ def test_spans_by_hand():
   assert bool(key_blocks.outside_band(seg[:1], valid[:1], 7, 2))
 
 
-@pytest.mark.parametrize("table,blocks", [(0, (5, 5)), (9, (4, 8)), (12, (5, 3))])
+@pytest.mark.parametrize("table,blocks", [pytest.param(0, (5, 5), marks=pytest.mark.slow), (9, (4, 8)),  # quick: one
+                                         pytest.param(12, (5, 3), marks=pytest.mark.slow)])
 def test_the_band_matches_the_xla_kernel_forward_and_gradients(table, blocks):
   qkv, w, km, arrays, mask = _inputs(table)
   seen = np.asarray(w[..., 0, 0] != 0)

@@ -45,7 +45,7 @@ def test_layouts_round_trip():
   assert_trees_close(model.layer_params(s, 4), model.layer_params(p, 4), ulps=0)
 
 
-@pytest.mark.parametrize("attention", ["xla", "blockwise"])
+@pytest.mark.parametrize("attention", ["xla", pytest.param("blockwise", marks=pytest.mark.slow)])  # quick: one
 def test_every_layout_and_structure_gives_the_same_gradients(attention):
   cfg = _cfg(attention=attention, attention_block_q=4, attention_block_k=4)
   p = _params(cfg)

@@ -131,13 +131,20 @@ def test_a_row_longer_than_the_buffer_is_a_one_line_error():
     packing.plan(bad.mask, bad.prompt_mask, (24,))
 
 
-# the loss aggregations read the same per-row log-probs whatever the layout: token-mean runs in the quick tier
-AGGS = [grpo.LOSS_AGGS[0], *(pytest.param(a, marks=pytest.mark.slow) for a in grpo.LOSS_AGGS[1:])]
+# each kernel with a shared prompt and without, under token-mean; the loss aggregations weigh the same per-row
+# log-probs whatever the layout, so the other two run on the layout that has the most to get wrong (blockwise, a
+# shared prompt). The quick tier (-m "not slow") runs each kernel once and each sharing once.
+def _case(agg: str, attention: str, shared: bool, quick: bool):
+  return pytest.param(agg, attention, shared, id=f"{agg}-{attention}-{'shared' if shared else 'unshared'}",
+                      marks=() if quick else pytest.mark.slow)
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["unshared", "shared"])
-@pytest.mark.parametrize("attention", ["xla", "blockwise"])
-@pytest.mark.parametrize("loss_agg", AGGS)
+LAYOUTS = [_case(grpo.LOSS_AGGS[0], "xla", False, True), _case(grpo.LOSS_AGGS[0], "xla", True, False),
+           _case(grpo.LOSS_AGGS[0], "blockwise", False, False), _case(grpo.LOSS_AGGS[0], "blockwise", True, True),
+           *(_case(agg, "blockwise", True, False) for agg in grpo.LOSS_AGGS[1:])]
+
+
+@pytest.mark.parametrize("loss_agg,attention,shared", LAYOUTS)
 def test_packed_loss_gradient_and_logprobs_equal_the_unpacked_minibatch(loss_agg, attention, shared):
   # partial groups, replayed rows (one of a prompt in the batch, one of another), on- and off-policy rows, a row
   # without tokens; the minibatch's own table (shared) is not what a buffer reads: its own is
@@ -151,8 +158,10 @@ def test_packed_loss_gradient_and_logprobs_equal_the_unpacked_minibatch(loss_agg
   packed_util.assert_packed_equals_unpacked(params, batch, minibatch, bufs, spec)
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["unshared", "shared"])
-@pytest.mark.parametrize("attention", ["xla", "blockwise"])
+@pytest.mark.parametrize("attention,shared", [  # the quick tier: each kernel once, each sharing once
+    pytest.param("xla", False, id="xla-unshared"), pytest.param("xla", True, id="xla-shared", marks=pytest.mark.slow),
+    pytest.param("blockwise", False, id="blockwise-unshared", marks=pytest.mark.slow),
+    pytest.param("blockwise", True, id="blockwise-shared")])
 def test_the_packed_logprob_pass_equals_the_unpacked_one(attention, shared):
   # the old / reference log-prob forward, written back to the minibatch's rows (0 where no token counts)
   from hilore_jax.loop import packed_step

@@ -36,8 +36,10 @@ def _live_stops(cfg, params, ids, mask, sc, N):
   return (EOS, int(toks[1, N // 3]))
 
 
-@pytest.mark.parametrize("decode", [DecodeConfig(), SMALL], ids=["defaults", "small_buckets"])
-@pytest.mark.parametrize("G", [1, 3])
+@pytest.mark.parametrize("decode,G", [pytest.param(DecodeConfig(), 1, id="1-defaults"),  # quick: two of the four
+                                      pytest.param(SMALL, 1, id="1-small_buckets", marks=pytest.mark.slow),
+                                      pytest.param(DecodeConfig(), 3, id="3-defaults", marks=pytest.mark.slow),
+                                      pytest.param(SMALL, 3, id="3-small_buckets")])
 def test_greedy_tokens_are_todays(calm_setup, decode, G):
   cfg, params = calm_setup
   N = 17
