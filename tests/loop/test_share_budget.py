@@ -62,6 +62,7 @@ def test_each_microbatch_tables_the_distinct_prompts_of_its_own_rows():
   assert token_budget.computed_positions(micros, P) < token_budget.positions(micros, P)
 
 
+@pytest.mark.slow  # the quick tier packs a shared minibatch in tests/rl/test_packing.py (blockwise-shared)
 def test_packed_shared_loss_gradient_and_logprobs_equal_the_unpacked_unshared_minibatch():
   # one aggregation: the shared table touches the prompt side only, and each loss aggregation is checked packed
   # (test_token_budget.py) and shared (tests/rl/test_prompt_share.py); the per-row mean reads each row's own tokens

@@ -119,6 +119,7 @@ def test_memory_units_count_the_prompt_once():
   assert compiled < 0.5 and abs(predicted - compiled) < 0.2 * compiled, (predicted, compiled)
 
 
+@pytest.mark.slow  # two trainers; the quick tier shares in the gradient program itself (above)
 def test_the_trainer_shares_by_default_and_one_switch_turns_it_off(tmp_path):
   from trainer_util import tiny_config
 
