@@ -58,12 +58,32 @@ def test_key_follows_what_set_up_measures_and_nothing_else(tmp_path, monkeypatch
   assert hashed == [os.path.dirname(os.path.abspath(hilore_jax.__file__))]
 
 
+# checkpoint 1 is written after set-up and before GC's timing step: a run resumed from it must still run step 2 on GC
+COLD = [*RUN, "memory.verify_steps=2", "checkpoint.every=1", "checkpoint.keep=3"]
+
+
+@pytest.fixture(scope="module")
+def cold_run(tmp_path_factory):
+  """One run that warms up (verify_steps=2, a checkpoint every step) in its own cache: the cached plan's test starts a
+  second run on what it cached, the resume test restarts it from its first checkpoint."""
+  from hilore_jax.memory import profile
+  from hilore_jax.model import decoder
+
+  base = tmp_path_factory.mktemp("cold")
+  with pytest.MonkeyPatch.context() as mp:  # fixed_op_times and monkeypatch are per test: the same, for the module
+    mp.setattr(profile, "profile_ops", lambda *a, **k: {"ops": {op: 1e-3 for op in decoder.OPS}, "codec": {},
+                                                          "offload": {}})
+    mp.setenv("HILORE_CACHE", str(base / "cache"))
+    t = Trainer(tiny_config(base / "first", *COLD))
+    t.train()
+  return t, base
+
+
 @pytest.mark.slow
-def test_first_step_runs_gc_then_the_plan_and_a_second_run_starts_on_the_cached_plan(tmp_path, monkeypatch):
-  monkeypatch.setenv("HILORE_CACHE", str(tmp_path / "cache"))
-  first = Trainer(tiny_config(tmp_path / "first", *RUN, "memory.verify_steps=2"))
-  first.train()
-  rows = _rows(tmp_path / "first")
+def test_first_step_runs_gc_then_the_plan_and_a_second_run_starts_on_the_cached_plan(cold_run, tmp_path, monkeypatch):
+  first, base = cold_run
+  monkeypatch.setenv("HILORE_CACHE", str(base / "cache"))
+  rows = _rows(base / "first")
   # step 1: full checkpointing, nothing measured; set-up (and the plan's fit) after it on its minibatches; step 2
   # times GC without a compile (the guard's reference); the plan from step 3, fitted ahead
   assert rows[0]["alloc/warmup"] == 1 and rows[0]["alloc/frac_R"] == 1 and rows[0]["compile/probes"] == 0
@@ -80,7 +100,8 @@ def test_first_step_runs_gc_then_the_plan_and_a_second_run_starts_on_the_cached_
     cached = json.load(f)
   assert cached == json.loads(json.dumps(st.to_json()))
 
-  # verify_steps is not part of the key (the guard's verdict is a measurement, kept with the rest)
+  # verify_steps (and the checkpoints) are not part of the key (the guard's verdict is a measurement, kept with the
+  # rest)
   second = Trainer(tiny_config(tmp_path / "second", *RUN))
   assert second.memory.store.path == first.memory.store.path
   second.train()
@@ -129,10 +150,12 @@ def test_the_guard_runs_gc_where_the_plans_are_measured_slower(tmp_path, monkeyp
     return observe(self, plan_speed if self.guard.last == "plan" else 1.0, clean, grad_norms)
 
   monkeypatch.setattr(MemoryManager, "observe", scaled)
+  monkeypatch.setenv("HILORE_CACHE", str(tmp_path / "cache"))
   with caplog.at_level(logging.INFO):
-    t = Trainer(tiny_config(tmp_path, *RUN, "memory.cache=false", "memory.verify_steps=1", "train.steps=5"))
+    t = Trainer(tiny_config(tmp_path / "run", *RUN, "memory.cache=false", "memory.verify_steps=1", "train.steps=5"))
     t.train()
-  rows = _rows(tmp_path)
+  rows = _rows(tmp_path / "run")
+  assert not os.path.exists(tmp_path / "cache" / "memory")  # without the cache, nothing is written to it
   assert [r["alloc/warmup"] for r in rows] == [1, 1, 0, 0, 0]
   slower = plan_speed > 1
   assert t.memory.state.guard == ("gc" if slower else "plan")
@@ -147,37 +170,35 @@ def test_the_guard_runs_gc_where_the_plans_are_measured_slower(tmp_path, monkeyp
 @pytest.mark.slow
 def test_without_the_cache_or_the_warmup_set_up_runs_as_before(tmp_path, monkeypatch):
   monkeypatch.setenv("HILORE_CACHE", str(tmp_path / "cache"))
-  Trainer(tiny_config(tmp_path / "a", *RUN, "train.steps=1", "memory.cache=false")).train()
-  Trainer(tiny_config(tmp_path / "b", *RUN, "train.steps=1", "memory.cache=false")).train()
-  assert _rows(tmp_path / "b")[0]["alloc/warmup"] == 1  # nothing was cached: the second run warms up again
-  assert not os.path.exists(tmp_path / "cache" / "memory")
   t = Trainer(tiny_config(tmp_path / "c", *RUN, "train.steps=1", "memory.warmup=none"))
   t.train()
   (row,) = _rows(tmp_path / "c")
   assert row["alloc/warmup"] == 0 and row["compile/probes"] > 0 and t.memory.state.calibrated_at == 0
   assert t.memory.ready_at == 0
+  assert os.path.exists(t.memory.store.path)  # this recipe's set-up is cached (warmup is not part of the key) ...
+  Trainer(tiny_config(tmp_path / "b", *RUN, "train.steps=1", "memory.cache=false")).train()
+  assert _rows(tmp_path / "b")[0]["alloc/warmup"] == 1  # ... and a run without the cache warms up again
+  # (that a run without the cache writes none: the guard's test)
 
 
 @pytest.mark.slow
-def test_a_run_resumed_mid_warmup_warms_up_as_the_uninterrupted_one(tmp_path):
+def test_a_run_resumed_mid_warmup_warms_up_as_the_uninterrupted_one(cold_run, tmp_path):
   import shutil
 
   from trainer_util import stable
 
-  # checkpoint 1 is written after set-up and before GC's timing step: the resumed run must still run step 2 on GC
-  args = [*RUN, "memory.cache=false", "memory.verify_steps=2", "train.steps=4", "checkpoint.every=1",
-          "checkpoint.keep=4"]
-  Trainer(tiny_config(tmp_path / "a", *args)).train()
-  full = _rows(tmp_path / "a")
-  assert [r["alloc/warmup"] for r in full] == [1, 1, 0, 0]
-  shutil.copytree(tmp_path / "a", tmp_path / "b")
-  for step in (2, 3, 4):
+  _, base = cold_run
+  full = _rows(base / "first")
+  assert [r["alloc/warmup"] for r in full] == [1, 1, 0]
+  shutil.copytree(base / "first", tmp_path / "b")
+  for step in (2, 3):
     shutil.rmtree(tmp_path / "b" / "checkpoints" / str(step))
   os.remove(tmp_path / "b" / "summary.json")
-  t = Trainer(tiny_config(tmp_path / "b", *args, "train.resume=true"))
+  # without the cache: the warm-up's state must come from the checkpoint, not from the plan the first run cached
+  t = Trainer(tiny_config(tmp_path / "b", *COLD, "memory.cache=false", "train.resume=true"))
   t.train()
   resumed = _rows(tmp_path / "b")
-  assert [r["step"] for r in resumed] == [1, 2, 3, 4] and stable(resumed) == stable(full)
+  assert [r["step"] for r in resumed] == [1, 2, 3] and stable(resumed) == stable(full)
   # the same steps on GC (whether step 2 timed GC cleanly depends on what the resumed process had to compile)
   assert t.memory.state.warmup_steps == 2
 
