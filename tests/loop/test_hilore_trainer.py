@@ -40,8 +40,7 @@ def test_offload_on_cpu_is_a_clear_cli_error(tmp_path):
 
 @pytest.fixture(scope="module")
 def two_pass_run(tmp_path_factory):
-  """One 3-step run of two passes with L in its plan and the drift sentinels every step, with what each pass's
-  allocation was given: the later passes' and the rows' tests read it."""
+  """One 3-step run of two passes, L in its plan, the sentinels every step; what each pass's allocation was given."""
   from hilore_jax.memory import MemoryManager, profile
   from hilore_jax.model import decoder
 

@@ -64,8 +64,8 @@ COLD = [*RUN, "memory.verify_steps=2", "checkpoint.every=1", "checkpoint.keep=3"
 
 @pytest.fixture(scope="module")
 def cold_run(tmp_path_factory):
-  """One run that warms up (verify_steps=2, a checkpoint every step) in its own cache: the cached plan's test starts a
-  second run on what it cached, the resume test restarts it from its first checkpoint."""
+  """One run of COLD that warms up, in its own cache, and its trainer."""
+  # the cached plan's test starts a second run on what it cached, the resume test restarts it from checkpoint 1
   from hilore_jax.memory import profile
   from hilore_jax.model import decoder
 
@@ -122,8 +122,8 @@ WITH_L = [*RUN, "train.steps=6", "optimizer.warmup_steps=5", "rollout.num_prompt
 
 @pytest.fixture(scope="module")
 def l_cold_run(tmp_path_factory):
-  """A run of WITH_L without the warm-up (set-up before its first step) in its own cache, and its calibrations: the
-  warm-up's test reads its first step, the cached plan's test starts a second run on what it cached."""
+  """One run of WITH_L without the warm-up, in its own cache: its trainer and its calibrations."""
+  # the no-warm-up test reads its first step, the cached plan's test starts a second run on what it cached
   from hilore_jax.memory import calibrate, profile
   from hilore_jax.model import decoder
 
