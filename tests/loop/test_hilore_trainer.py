@@ -38,35 +38,46 @@ def test_offload_on_cpu_is_a_clear_cli_error(tmp_path):
               "eval.at_start=false", "grpo.filter_zero_std=false", "train.steps=1"])
 
 
-@pytest.mark.slow
-def test_later_passes_are_reallocated_from_the_previous_pass(tmp_path, monkeypatch):
-  from hilore_jax.memory import MemoryManager
+@pytest.fixture(scope="module")
+def two_pass_run(tmp_path_factory):
+  """One 3-step run of two passes, L in its plan, the sentinels every step; what each pass's allocation was given."""
+  from hilore_jax.memory import MemoryManager, profile
+  from hilore_jax.model import decoder
 
+  out = tmp_path_factory.mktemp("two_pass")
   seen, allocate = [], MemoryManager.allocate
 
   def spy(self, minibatches, logp=None):
     seen.append(list(logp or [None] * len(minibatches)))
     return allocate(self, minibatches, logp)
 
-  monkeypatch.setattr(MemoryManager, "allocate", spy)
-  t = Trainer(tiny_config(tmp_path, *HILORE, "memory.budget_ratio=1.02", "train.steps=1", "grpo.num_iterations=2"))
-  t.train()
-  # the first pass allocates from what the batch carries; the second from the first pass's own log-probs (the
-  # step's output, no extra forward), so its ratios and clipping are visible to the exposure
-  assert len(seen) == 2 and all(lp is None for lp in seen[0])
-  assert all(lp is not None and lp.shape == t.last_rollout.mask[:lp.shape[0]].shape for lp in seen[1])
+  with pytest.MonkeyPatch.context() as mp:  # monkeypatch and fixed_op_times are per test: the same, for the module
+    mp.setattr(MemoryManager, "allocate", spy)
+    mp.setattr(profile, "profile_ops", lambda *a, **k: {"ops": {op: 1e-3 for op in decoder.OPS}, "codec": {},
+                                                          "offload": {}})
+    t = Trainer(tiny_config(out, *HILORE, "train.steps=3", "grpo.num_iterations=2", "grpo.beta=0.05",
+                            "memory.drift_check_every=1", "memory.budget_ratio=1.3", "memory.min_l_gain=0"))
+    t.train()
+  return t, out, seen
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("fixed_op_times")
-def test_rows_log_the_gate_and_the_drift_sentinels_from_the_step_metrics(tmp_path):
+def test_later_passes_are_reallocated_from_the_previous_pass(two_pass_run):
+  t, _, seen = two_pass_run
+  # each step's first pass allocates from what the batch carries; the second from the first pass's own log-probs
+  # (the step's output, no extra forward), so its ratios and clipping are visible to the exposure
+  assert len(seen) == 2 * 3 and all(lp is None for first in seen[0::2] for lp in first)
+  assert all(lp is not None for second in seen[1::2] for lp in second)
+  assert all(lp.shape == t.last_rollout.mask[:lp.shape[0]].shape for lp in seen[-1])
+
+
+@pytest.mark.slow
+def test_rows_log_the_gate_and_the_drift_sentinels_from_the_step_metrics(two_pass_run):
   # two passes (every row's allocations reduced together, so each carries the same keys); the updates' ||g|| reach
   # the manager (MemoryManager.observe) and the sentinels read them after the step, against the run's own earlier
   # values: the first step's start the references, the second's are compared (in the third step's row)
-  t = Trainer(tiny_config(tmp_path, *HILORE, "train.steps=3", "grpo.num_iterations=2", "grpo.beta=0.05",
-                          "memory.drift_check_every=1", "memory.budget_ratio=1.3", "memory.min_l_gain=0"))
-  t.train()
-  first, second, third = metrics.read_metrics(tmp_path / "metrics.jsonl")
+  t, out, _ = two_pass_run
+  first, second, third = metrics.read_metrics(out / "metrics.jsonl")
   cal = t.memory.state.calibration
   assert all(r["alloc/frac_L"] > 0 for r in (first, second, third))  # the plan holds L: the sentinels run
   as_row = lambda x: "nan" if x != x else x  # the row writes a non-finite float as its name

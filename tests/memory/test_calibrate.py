@@ -26,13 +26,28 @@ def _calib_setup(tiny_cfg):
   return hooks, p, batches
 
 
+# calibration on whole minibatches with 2 sets each: the scaling test's unscaled case, the fit's measurement
+WHOLE = MemoryConfig(policy="hilore", group_size=8, calib_sets=2)
+
+
+@pytest.fixture(scope="module")
+def whole():
+  """(the tiny config (3 layers), hooks, params, both minibatches, their calibration under WHOLE)."""
+  import builders
+
+  cfg = builders.tiny_model(num_hidden_layers=3, tie_word_embeddings=False)  # conftest's tiny_cfg, for the module
+  hooks, p, batches = _calib_setup(cfg)
+  units = calibration.lowp_units(cfg.num_hidden_layers)
+  return cfg, hooks, p, batches, calibrate.measure(hooks, WHOLE, units, batches, [calibration.UpdateContext(p)] * 2)
+
+
 @pytest.mark.slow
-def test_calibration_on_fewer_rows_is_scaled_to_the_minibatch(tiny_cfg):
+def test_calibration_on_fewer_rows_is_scaled_to_the_minibatch(whole):
   """Defect (d): errors measured on calib_rows rows were applied to whole minibatches as they were; they are now
   scaled by sqrt(b / B) ||g_b|| / ||g_B|| (rows_factor), here checked against norms taken in numpy."""
-  hooks, p, batches = _calib_setup(tiny_cfg)
+  tiny_cfg, hooks, p, batches, m_all = whole
   units = calibration.lowp_units(tiny_cfg.num_hidden_layers)
-  mc = MemoryConfig(policy="hilore", group_size=8, calib_rows=4, calib_sets=2, calib_layers=0)
+  mc = dataclasses.replace(WHOLE, calib_rows=4)
   ctx = [calibration.UpdateContext(p)] * 2
   m = calibrate.measure(hooks, mc, units, batches, ctx)
   leaves = lambda t: [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(t)]
@@ -44,19 +59,16 @@ def test_calibration_on_fewer_rows_is_scaled_to_the_minibatch(tiny_cfg):
     assert m.row_scale[k] == pytest.approx(want, rel=1e-4) and abs(want - 1) > 0.01
     raw = calibration.measure_unit_errors(hooks, p, sub, units, 8)  # unscaled, on the 4 rows
     np.testing.assert_allclose(m.err[k], raw * want, rtol=1e-4)
-  # the whole minibatch: nothing to scale
-  m_all = calibrate.measure(hooks, dataclasses.replace(mc, calib_rows=0), units, batches[:1], ctx[:1])
-  assert list(m_all.row_scale) == [1.0]
+  # the whole minibatches: nothing to scale
+  assert WHOLE.calib_rows == 0 and list(m_all.row_scale) == [1.0, 1.0]
 
 
 @pytest.mark.slow
-def test_one_calibration_minibatch_warns_and_widens_score_max(tiny_cfg, caplog):
+def test_one_calibration_minibatch_warns_and_widens_score_max(whole, caplog):
   """Defect (d): with one calibration minibatch each unit's largest score is one sample; it is widened by
   SINGLE_BATCH_MARGIN, with a warning, and left as measured with two."""
-  hooks, p, batches = _calib_setup(tiny_cfg)
-  units = calibration.lowp_units(tiny_cfg.num_hidden_layers)
-  mc = MemoryConfig(policy="hilore", group_size=8, calib_sets=2)
-  m = calibrate.measure(hooks, mc, units, batches, [calibration.UpdateContext(p)] * 2)
+  tiny_cfg, hooks, _, _, m = whole
+  units, mc = calibration.lowp_units(tiny_cfg.num_hidden_layers), WHOLE
   one = dataclasses.replace(m, batches=m.batches[:1], contexts=m.contexts[:1], refs=m.refs[:1], err=m.err[:1],
                             set_err=m.set_err[:1], token_err=m.token_err[:1], row_scale=m.row_scale[:1])
   with caplog.at_level("WARNING"):

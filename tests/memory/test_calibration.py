@@ -94,7 +94,9 @@ def test_coherence_and_set_fit_by_hand():
 def test_zero_advantage_rows_carry_no_exposure(grpo_setup):
   hooks, p, batch = grpo_setup
   units = calibration.lowp_units(3)
-  only_zero = jax.tree.map(lambda v: v[4:], batch)
+  # the zero-advantage group twice: the whole batch's shape, so the three exposures share their (eager) ops' compiles
+  only_zero = jax.tree.map(lambda v: np.concatenate([v[4:], v[4:]]), batch)
+  assert not np.asarray(only_zero.adv).any()
   assert float(np.abs(np.asarray(calibration.raw_exposure(hooks, p, only_zero, units))).max()) == 0.0
   # with the update-mask/advantage terms ablated the same rows look exposed
   ablated = calibration.raw_exposure(hooks, p, only_zero, units, ExposureSwitches(ratio_clip=False, kl=False))

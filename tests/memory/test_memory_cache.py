@@ -58,12 +58,32 @@ def test_key_follows_what_set_up_measures_and_nothing_else(tmp_path, monkeypatch
   assert hashed == [os.path.dirname(os.path.abspath(hilore_jax.__file__))]
 
 
+# checkpoint 1 is written after set-up and before GC's timing step: a run resumed from it must still run step 2 on GC
+COLD = [*RUN, "memory.verify_steps=2", "checkpoint.every=1", "checkpoint.keep=3"]
+
+
+@pytest.fixture(scope="module")
+def cold_run(tmp_path_factory):
+  """One run of COLD that warms up, in its own cache, and its trainer."""
+  # the cached plan's test starts a second run on what it cached, the resume test restarts it from checkpoint 1
+  from hilore_jax.memory import profile
+  from hilore_jax.model import decoder
+
+  base = tmp_path_factory.mktemp("cold")
+  with pytest.MonkeyPatch.context() as mp:  # fixed_op_times and monkeypatch are per test: the same, for the module
+    mp.setattr(profile, "profile_ops", lambda *a, **k: {"ops": {op: 1e-3 for op in decoder.OPS}, "codec": {},
+                                                          "offload": {}})
+    mp.setenv("HILORE_CACHE", str(base / "cache"))
+    t = Trainer(tiny_config(base / "first", *COLD))
+    t.train()
+  return t, base
+
+
 @pytest.mark.slow
-def test_first_step_runs_gc_then_the_plan_and_a_second_run_starts_on_the_cached_plan(tmp_path, monkeypatch):
-  monkeypatch.setenv("HILORE_CACHE", str(tmp_path / "cache"))
-  first = Trainer(tiny_config(tmp_path / "first", *RUN, "memory.verify_steps=2"))
-  first.train()
-  rows = _rows(tmp_path / "first")
+def test_first_step_runs_gc_then_the_plan_and_a_second_run_starts_on_the_cached_plan(cold_run, tmp_path, monkeypatch):
+  first, base = cold_run
+  monkeypatch.setenv("HILORE_CACHE", str(base / "cache"))
+  rows = _rows(base / "first")
   # step 1: full checkpointing, nothing measured; set-up (and the plan's fit) after it on its minibatches; step 2
   # times GC without a compile (the guard's reference); the plan from step 3, fitted ahead
   assert rows[0]["alloc/warmup"] == 1 and rows[0]["alloc/frac_R"] == 1 and rows[0]["compile/probes"] == 0
@@ -80,7 +100,8 @@ def test_first_step_runs_gc_then_the_plan_and_a_second_run_starts_on_the_cached_
     cached = json.load(f)
   assert cached == json.loads(json.dumps(st.to_json()))
 
-  # verify_steps is not part of the key (the guard's verdict is a measurement, kept with the rest)
+  # verify_steps (and the checkpoints) are not part of the key (the guard's verdict is a measurement, kept with the
+  # rest)
   second = Trainer(tiny_config(tmp_path / "second", *RUN))
   assert second.memory.store.path == first.memory.store.path
   second.train()
@@ -92,24 +113,46 @@ def test_first_step_runs_gc_then_the_plan_and_a_second_run_starts_on_the_cached_
   assert second.memory.ready_at == 0 and second.memory.state.calibrated_at == 1
 
 
+# a plan with L units, so the drift sentinels run; 6 steps, the learning rate warming up over them: the gradient's scale
+# moves
+WITH_L = [*RUN, "train.steps=6", "optimizer.warmup_steps=5", "rollout.num_prompts=6", "rollout.num_generations=6",
+          "memory.budget_ratio=1.45", "memory.grad_err_tolerance=0.3", "memory.min_l_gain=0", "memory.calib_rows=4",
+          "memory.drift_check_every=2"]
+
+
+@pytest.fixture(scope="module")
+def l_cold_run(tmp_path_factory):
+  """One run of WITH_L without the warm-up, in its own cache: its trainer and its calibrations."""
+  # the no-warm-up test reads its first step, the cached plan's test starts a second run on what it cached
+  from hilore_jax.memory import calibrate, profile
+  from hilore_jax.model import decoder
+
+  base = tmp_path_factory.mktemp("l_cold")
+  calibrations, measure = [], calibrate.measure
+  with pytest.MonkeyPatch.context() as mp:  # fixed_op_times and monkeypatch are per test: the same, for the module
+    mp.setattr(profile, "profile_ops", lambda *a, **k: {"ops": {op: 1e-3 for op in decoder.OPS}, "codec": {},
+                                                          "offload": {}})
+    mp.setattr(calibrate, "measure", lambda *a, **k: calibrations.append(1) or measure(*a, **k))
+    mp.setenv("HILORE_CACHE", str(base / "cache"))
+    t = Trainer(tiny_config(base / "first", *WITH_L, "memory.warmup=none"))
+    t.train()
+  return t, base, calibrations
+
+
 @pytest.mark.slow
-def test_a_second_run_of_the_recipe_stays_warm_with_l_in_its_plan(tmp_path, monkeypatch):
-  # a plan with L units, so the drift sentinels run; 6 steps, the learning rate warming up over them: the gradient's
-  # scale moves. The second run starts on the cached plan and neither calibrates nor probes over its 6 steps
+def test_a_second_run_of_the_recipe_stays_warm_with_l_in_its_plan(l_cold_run, tmp_path, monkeypatch):
+  # the second run starts on the cached plan (the warm-up is not part of the key) and neither calibrates nor probes
+  # over its 6 steps
   from hilore_jax.memory import calibrate
 
-  monkeypatch.setenv("HILORE_CACHE", str(tmp_path / "cache"))
+  _, base, first_calibrations = l_cold_run
+  monkeypatch.setenv("HILORE_CACHE", str(base / "cache"))
+  first = _rows(base / "first")
+  assert first_calibrations and any(r["alloc/frac_L"] > 0 for r in first)  # calibrated, and its plan holds L
   calibrations = []
   measure = calibrate.measure
   monkeypatch.setattr(calibrate, "measure", lambda *a, **k: calibrations.append(1) or measure(*a, **k))
-  args = [*RUN, "train.steps=6", "optimizer.warmup_steps=5", "rollout.num_prompts=6", "rollout.num_generations=6",
-          "memory.budget_ratio=1.45", "memory.grad_err_tolerance=0.3", "memory.min_l_gain=0", "memory.calib_rows=4",
-          "memory.drift_check_every=2"]
-  Trainer(tiny_config(tmp_path / "first", *args)).train()
-  first = _rows(tmp_path / "first")
-  assert calibrations and any(r["alloc/frac_L"] > 0 for r in first)  # calibrated, and its plan holds L
-  calibrations.clear()
-  second = Trainer(tiny_config(tmp_path / "second", *args))
+  second = Trainer(tiny_config(tmp_path / "second", *WITH_L))
   second.train()
   rows = _rows(tmp_path / "second")
   assert len(rows) == 6 and not calibrations and all(r["compile/probes"] == 0 for r in rows)
@@ -120,7 +163,7 @@ def test_a_second_run_of_the_recipe_stays_warm_with_l_in_its_plan(tmp_path, monk
 
 @pytest.mark.slow
 @pytest.mark.parametrize("plan_speed", [10.0, 0.1])
-def test_the_guard_runs_gc_where_the_plans_are_measured_slower(tmp_path, monkeypatch, caplog, plan_speed):
+def test_the_guard_runs_gc_where_the_plans_are_measured_slower(cold_run, tmp_path, monkeypatch, caplog, plan_speed):
   from hilore_jax.memory import MemoryManager
 
   observe = MemoryManager.observe
@@ -129,11 +172,18 @@ def test_the_guard_runs_gc_where_the_plans_are_measured_slower(tmp_path, monkeyp
     return observe(self, plan_speed if self.guard.last == "plan" else 1.0, clean, grad_norms)
 
   monkeypatch.setattr(MemoryManager, "observe", scaled)
+  # the cold run's cache holds this recipe's plan (verify_steps and the step count are not part of the key): a run
+  # without the cache neither reads it (it warms up) nor writes its verdict to it
+  _, base = cold_run
+  monkeypatch.setenv("HILORE_CACHE", str(base / "cache"))
+  assert os.path.exists(memory_store(tiny_config(tmp_path / "run", *RUN)).path)
+  cache = lambda: {f: open(base / "cache" / "memory" / f).read() for f in os.listdir(base / "cache" / "memory")}
+  before = cache()
   with caplog.at_level(logging.INFO):
-    t = Trainer(tiny_config(tmp_path, *RUN, "memory.cache=false", "memory.verify_steps=1", "train.steps=5"))
+    t = Trainer(tiny_config(tmp_path / "run", *RUN, "memory.cache=false", "memory.verify_steps=1", "train.steps=5"))
     t.train()
-  rows = _rows(tmp_path)
-  assert [r["alloc/warmup"] for r in rows] == [1, 1, 0, 0, 0]
+  rows = _rows(tmp_path / "run")
+  assert [r["alloc/warmup"] for r in rows] == [1, 1, 0, 0, 0] and cache() == before
   slower = plan_speed > 1
   assert t.memory.state.guard == ("gc" if slower else "plan")
   # step 3 ran the plan and was measured; steps 4-5 follow the verdict
@@ -145,39 +195,33 @@ def test_the_guard_runs_gc_where_the_plans_are_measured_slower(tmp_path, monkeyp
 
 
 @pytest.mark.slow
-def test_without_the_cache_or_the_warmup_set_up_runs_as_before(tmp_path, monkeypatch):
-  monkeypatch.setenv("HILORE_CACHE", str(tmp_path / "cache"))
-  Trainer(tiny_config(tmp_path / "a", *RUN, "train.steps=1", "memory.cache=false")).train()
-  Trainer(tiny_config(tmp_path / "b", *RUN, "train.steps=1", "memory.cache=false")).train()
-  assert _rows(tmp_path / "b")[0]["alloc/warmup"] == 1  # nothing was cached: the second run warms up again
-  assert not os.path.exists(tmp_path / "cache" / "memory")
-  t = Trainer(tiny_config(tmp_path / "c", *RUN, "train.steps=1", "memory.warmup=none"))
-  t.train()
-  (row,) = _rows(tmp_path / "c")
-  assert row["alloc/warmup"] == 0 and row["compile/probes"] > 0 and t.memory.state.calibrated_at == 0
-  assert t.memory.ready_at == 0
+def test_without_the_cache_or_the_warmup_set_up_runs_as_before(l_cold_run):
+  t, base, _ = l_cold_run
+  row = _rows(base / "first")[0]
+  assert row["alloc/warmup"] == 0 and row["compile/probes"] > 0 and row["memory/calibrations"] == 1
+  assert t.memory.ready_at == 0 and t.memory.state.warmup_steps == 0 and t.memory.state.calibrated_at == 0
+  assert os.path.exists(t.memory.store.path)  # and cached for the next run (warmup is not part of the key)
+  # (that a run without the cache neither reads nor writes it: the guard's test)
 
 
 @pytest.mark.slow
-def test_a_run_resumed_mid_warmup_warms_up_as_the_uninterrupted_one(tmp_path):
+def test_a_run_resumed_mid_warmup_warms_up_as_the_uninterrupted_one(cold_run, tmp_path):
   import shutil
 
   from trainer_util import stable
 
-  # checkpoint 1 is written after set-up and before GC's timing step: the resumed run must still run step 2 on GC
-  args = [*RUN, "memory.cache=false", "memory.verify_steps=2", "train.steps=4", "checkpoint.every=1",
-          "checkpoint.keep=4"]
-  Trainer(tiny_config(tmp_path / "a", *args)).train()
-  full = _rows(tmp_path / "a")
-  assert [r["alloc/warmup"] for r in full] == [1, 1, 0, 0]
-  shutil.copytree(tmp_path / "a", tmp_path / "b")
-  for step in (2, 3, 4):
+  _, base = cold_run
+  full = _rows(base / "first")
+  assert [r["alloc/warmup"] for r in full] == [1, 1, 0]
+  shutil.copytree(base / "first", tmp_path / "b")
+  for step in (2, 3):
     shutil.rmtree(tmp_path / "b" / "checkpoints" / str(step))
   os.remove(tmp_path / "b" / "summary.json")
-  t = Trainer(tiny_config(tmp_path / "b", *args, "train.resume=true"))
+  # without the cache: the warm-up's state must come from the checkpoint, not from the plan the first run cached
+  t = Trainer(tiny_config(tmp_path / "b", *COLD, "memory.cache=false", "train.resume=true"))
   t.train()
   resumed = _rows(tmp_path / "b")
-  assert [r["step"] for r in resumed] == [1, 2, 3, 4] and stable(resumed) == stable(full)
+  assert [r["step"] for r in resumed] == [1, 2, 3] and stable(resumed) == stable(full)
   # the same steps on GC (whether step 2 timed GC cleanly depends on what the resumed process had to compile)
   assert t.memory.state.warmup_steps == 2
 
