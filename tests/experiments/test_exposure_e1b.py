@@ -270,6 +270,8 @@ def test_e1b_under_lora_runs_from_the_committed_config_to_its_json(tmp_path, mon
   # the real run's command (configs/exposure_e1b_smollm2.yaml, lora.rank=16 and the LoRA json), on the tiny decoder
   # and tiny rollouts: collection, calibration and the held-out pass through the adapters' error channels, every
   # arm's sweep and the files; the regime thresholds lowered so the run goes past its checks to the end
+  # (rollouts 0-1 calibrate on their 8 minibatches, rollout 2's 4 held out; one bisection: the sweep's doubling and
+  # bisection are checked in the tiny study's test above)
   import repo
   from experiments.exposure import e1b_arms, main
   from trainer_util import TINY
@@ -279,10 +281,10 @@ def test_e1b_under_lora_runs_from_the_committed_config_to_its_json(tmp_path, mon
   argv = ["--config", "configs/exposure_e1b_smollm2.yaml", "lora.rank=16", f"bench_exposure.e1b.json={data}",
           "model.path=null", *tiny, "task.prompt_format=template", "rollout.num_prompts=3", "rollout.num_generations=4",
           "rollout.max_prompt_len=6", "rollout.max_new_tokens=5", "train.minibatch_size=6", "optimizer.lr=0.01",
-          "memory.group_size=8", "memory.budget_ratio=1.5", "memory.budget_probes=2", "bench_exposure.rollout_steps=4",
+          "memory.group_size=8", "memory.budget_ratio=1.5", "memory.budget_probes=2", "bench_exposure.rollout_steps=3",
           "bench_exposure.calib_minibatches=8", "bench_exposure.bootstrap=20",
           "bench_exposure.criteria.regime_clipfrac_min=0", "bench_exposure.criteria.regime_length_ratio_min=1",
-          "bench_exposure.e1b.binds_share=0.01", "--out", str(tmp_path / "run")]
+          "bench_exposure.e1b.binds_share=0.01", "bench_exposure.e1b.refine=1", "--out", str(tmp_path / "run")]
   monkeypatch.chdir(repo.ROOT)  # the config by the command's own relative path
   monkeypatch.setattr("sys.argv", ["experiments.exposure.main", *argv])
   main.main(argv)
