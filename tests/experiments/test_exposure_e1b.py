@@ -1,6 +1,7 @@
 """Issue 47's E1b (experiments/exposure/e1b_criteria.py) on tiny synthetic sweeps: the tolerance rule, the doubling
 sweep, reading an arm where it first crosses (undefined where it never does), the criteria and the decision."""
 
+import functools
 import json
 import os
 
@@ -140,19 +141,16 @@ def test_the_markdown_carries_the_regime_and_the_verdicts(tmp_path):
   assert md[-1].startswith("Decision: static_clip carries the gain")
 
 
-def _study(tmp_path, **e1b):
-  """A Study on the tiny decoder without a trainer: rollout 0 calibrates (2 row sets x 2 passes), rollouts 1-2 are
-  held out; advantages scaled per row set so ||g|| falls on both sides of the clip c = 1."""
+@functools.cache
+def _calibrated():
+  """The tiny decoder's records, hooks and hilore calibrated on rollout 0: built once, each study only reads them."""
   import dataclasses
   import sys
-  import time
-  import types
 
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
   import manager_util
 
   from experiments.exposure import study as exposure_study
-  from experiments.common.config import ExposureBenchConfig
   from hilore_jax import config, model
   from hilore_jax.memory import calibration
   from hilore_jax.memory.config import MemoryConfig
@@ -176,11 +174,24 @@ def _study(tmp_path, **e1b):
   mc = MemoryConfig(policy="hilore", budget_ratio=1.5, group_size=8, calib_batches=4, calib_sets=2,
                     budget_probes=2, buckets=3, risk_metric="clipped", lowp_kinds=tuple(model.decoder.WEIGHT_READS))
   cfg = dataclasses.replace(config.Config(), memory=mc)
-  be = ExposureBenchConfig(bootstrap=40, e1b=E1bSettings(json=str(tmp_path / "data" / "e1b.json"), **e1b),
-                           criteria=E1Criteria(regime_length_ratio_min=1.0))  # completions of 3..7 tokens
   units = calibration.lowp_units(2, mc.lowp_kinds)
   cal, held = records[:4], records[4:]
   calib_mm, measured = exposure_study.calibrated(mc, hooks, cal, units)
+  return cfg, hooks, records, cal, held, units, calib_mm, measured
+
+
+def _study(tmp_path, **e1b):
+  """A Study on the tiny decoder without a trainer: rollout 0 calibrates (2 row sets x 2 passes), rollouts 1-2 are
+  held out; advantages scaled per row set so ||g|| falls on both sides of the clip c = 1."""
+  import time
+  import types
+
+  from experiments.exposure import study as exposure_study
+  from experiments.common.config import ExposureBenchConfig
+
+  cfg, hooks, records, cal, held, units, calib_mm, measured = _calibrated()
+  be = ExposureBenchConfig(bootstrap=40, e1b=E1bSettings(json=str(tmp_path / "data" / "e1b.json"), **e1b),
+                           criteria=E1Criteria(regime_length_ratio_min=1.0))  # completions of 3..7 tokens
   trainer = types.SimpleNamespace(state={}, ref_params={})
   return exposure_study.Study(cfg, be, str(tmp_path), trainer, None, hooks, records, cal, held, units, calib_mm,
                               measured, str(tmp_path / "records"), time.perf_counter())
@@ -270,6 +281,8 @@ def test_e1b_under_lora_runs_from_the_committed_config_to_its_json(tmp_path, mon
   # the real run's command (configs/exposure_e1b_smollm2.yaml, lora.rank=16 and the LoRA json), on the tiny decoder
   # and tiny rollouts: collection, calibration and the held-out pass through the adapters' error channels, every
   # arm's sweep and the files; the regime thresholds lowered so the run goes past its checks to the end
+  # (rollouts 0-1 calibrate on their 8 minibatches, rollout 2's 4 held out; one bisection: the sweep's doubling and
+  # bisection are checked in the tiny study's test above)
   import repo
   from experiments.exposure import e1b_arms, main
   from trainer_util import TINY
@@ -279,10 +292,10 @@ def test_e1b_under_lora_runs_from_the_committed_config_to_its_json(tmp_path, mon
   argv = ["--config", "configs/exposure_e1b_smollm2.yaml", "lora.rank=16", f"bench_exposure.e1b.json={data}",
           "model.path=null", *tiny, "task.prompt_format=template", "rollout.num_prompts=3", "rollout.num_generations=4",
           "rollout.max_prompt_len=6", "rollout.max_new_tokens=5", "train.minibatch_size=6", "optimizer.lr=0.01",
-          "memory.group_size=8", "memory.budget_ratio=1.5", "memory.budget_probes=2", "bench_exposure.rollout_steps=4",
+          "memory.group_size=8", "memory.budget_ratio=1.5", "memory.budget_probes=2", "bench_exposure.rollout_steps=3",
           "bench_exposure.calib_minibatches=8", "bench_exposure.bootstrap=20",
           "bench_exposure.criteria.regime_clipfrac_min=0", "bench_exposure.criteria.regime_length_ratio_min=1",
-          "bench_exposure.e1b.binds_share=0.01", "--out", str(tmp_path / "run")]
+          "bench_exposure.e1b.binds_share=0.01", "bench_exposure.e1b.refine=1", "--out", str(tmp_path / "run")]
   monkeypatch.chdir(repo.ROOT)  # the config by the command's own relative path
   monkeypatch.setattr("sys.argv", ["experiments.exposure.main", *argv])
   main.main(argv)

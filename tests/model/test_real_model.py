@@ -124,7 +124,8 @@ def test_logits_match_transformers(hf_model, batch, logits_f32):
 
 def test_greedy_decoding_matches_transformers_generate(f32, hf_model, prompter, batch):
   ids, mask = batch
-  n = 24
+  # 16 new tokens: 15 cached decode steps per left-padded prompt, the same paths as 24 for 3 s less CPU
+  n = 16
   cfg, params = f32
   sc = SamplingConfig(max_new_tokens=n, greedy=True)
   out = jax.device_get(hilore_jax.generate(cfg, params, jnp.asarray(ids), jnp.asarray(mask), jax.random.PRNGKey(0),
