@@ -66,12 +66,13 @@ def assert_packed_equals_unpacked(params, batch, packed_batch, micros, spec) -> 
 
 
 def run(out, *overrides):
-  """(Trainer, metrics rows) of a 2-step GC run of the tiny config with overrides."""
+  """(Trainer, metrics rows) of a 1-step GC run of the tiny config with overrides."""
   from hilore_jax.loop.trainer import Trainer
 
-  # two passes over each rollout (old log-probs) and a KL term (reference log-probs): every packed pass runs; Adam's
-  # eps of 1e-3 keeps an update near-linear in its gradient, so float32 noise stays float32 noise
-  c = tiny_config(out, "train.steps=2", "grpo.num_iterations=2", "rollout.max_new_tokens=7", "grpo.beta=0.01",
+  # two passes over each rollout (old log-probs) and a KL term (reference log-probs): every packed pass runs, and the
+  # second update starts from the first's parameters, so one step compares two updates (a second step only sampled
+  # again); Adam's eps of 1e-3 keeps an update near-linear in its gradient, so float32 noise stays float32 noise
+  c = tiny_config(out, "train.steps=1", "grpo.num_iterations=2", "rollout.max_new_tokens=7", "grpo.beta=0.01",
                   "optimizer.eps=0.001", "eval.at_start=false", "eval.at_end=false", "memory.policy=gc",
                   "grpo.filter_zero_std=false", *overrides)
   t = Trainer(c)

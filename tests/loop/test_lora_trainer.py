@@ -23,8 +23,9 @@ from hilore_jax.rl import train_step
 # the adapters) and the adapters' dropout: every piece of a LoRA run's state crosses the checkpoint
 LORA = ["lora.rank=3", "lora.alpha=6", "lora.dropout=0.1", "grpo.beta=0.05", "train.steps=4", "checkpoint.every=2",
         "grpo.num_iterations=2", "train.minibatch_size=6", "grpo.filter_zero_std=false", "optimizer.lr=0.01",
-        "memory.policy=hilore", "memory.group_size=8", "memory.budget_ratio=1.02", "memory.budget_probes=2",
-        "memory.warmup=none", "optimizer.kl_control.target=0.001", "optimizer.kl_control.chunk=2"]
+        "memory.policy=hilore", "memory.group_size=8", "memory.budget_ratio=1.02", "memory.budget_probes=1",
+        "memory.warmup=none", "eval.at_start=false", "optimizer.kl_control.target=0.001",
+        "optimizer.kl_control.chunk=2"]
 
 
 def _size(tree) -> int:

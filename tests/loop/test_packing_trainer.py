@@ -127,14 +127,16 @@ def test_a_packed_run_updates_as_an_unpacked_one_on_fewer_positions(tmp_path, tm
 
 @pytest.mark.slow
 def test_hilore_plans_each_buffer_length_with_its_own_manager(tmp_path):
-  t = Trainer(tiny_config(tmp_path, "memory.policy=hilore", "memory.group_size=8", "memory.buckets=3",
-                          "memory.budget_probes=2", "memory.warmup=none", "train.steps=2", "eval.at_start=false",
+  t = Trainer(tiny_config(tmp_path, "memory.policy=hilore", "memory.group_size=8", "memory.buckets=1",
+                          "memory.budget_probes=1", "memory.warmup=none", "train.steps=1", "eval.at_start=false",
                           "eval.at_end=false", "grpo.filter_zero_std=false", "rollout.max_new_tokens=7",
                           "train.packing=true", "train.max_tokens_per_microbatch=24"))
   t.train()
   rows = metrics.read_metrics(tmp_path / "metrics.jsonl")
   used = {f"packed 1x{L}" for kind, _, L in t.packer.shapes if kind == "grad"}
-  assert used and set(t.memory.managers) == used
+  # one step packs buffers of two lengths: two managers, each set up on its own (one bucket, one probe: what each
+  # plans is not this test's)
+  assert len(used) > 1 and set(t.memory.managers) == used
   assert all("alloc/frac_H" in r and 0 < r["tokens/fill"] <= 1 for r in rows)
 
 
