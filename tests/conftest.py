@@ -71,12 +71,13 @@ def _session_cache(tmp_path_factory):
 # longest first, dealt out before the rest: with one file per worker at a time (--dist loadfile), a long file dealt
 # last leaves the other worker idle until it ends. xdist would deal files by their number of tests instead, which put
 # the long files of few tests last: pyproject's addopts turn that off (--no-loadscope-reorder)
-LONG_FILES = ("test_memory_cache.py", "test_packing.py", "test_prompt_share.py", "test_real_model.py",
-              "test_token_budget.py", "test_multiprocess.py", "test_recovery.py", "test_layers.py",
-              "test_compile_time.py", "test_packing_trainer.py", "test_exposure_e1b.py", "test_bench.py",
-              "test_calibration.py", "test_lora_trainer.py", "test_sampler_at_length.py", "test_sampler.py",
-              "test_lora.py", "test_blockwise_attention.py", "test_hilore_trainer.py", "test_op_profile.py",
-              "test_trainer.py", "test_exposure_runtime.py", "test_capacity.py", "test_step_hooks.py")
+LONG_FILES = ("test_real_model.py", "test_packing.py", "test_memory_cache.py", "test_bench.py",
+              "test_packing_trainer.py", "test_prompt_share.py", "test_exposure_e1b.py", "test_layers.py",
+              "test_compile_time.py", "test_multiprocess.py", "test_calibration.py", "test_blockwise_attention.py",
+              "test_recovery.py", "test_token_budget.py", "test_sampler_at_length.py", "test_key_blocks.py",
+              "test_lora_trainer.py", "test_units.py", "test_offpolicy.py", "test_sharding.py",
+              "test_exposure_runtime.py", "test_capacity.py", "test_lora.py", "test_lowp.py", "test_sampler.py",
+              "test_trainer.py", "test_model.py", "test_op_profile.py")
 
 
 def pytest_collection_modifyitems(items):
