@@ -78,6 +78,7 @@ def _rollout(lengths) -> Rollout:
                  np.zeros((B, N), np.float32), [""] * B, rewards)
 
 
+@pytest.mark.slow  # a trainer; the quick tier checks the fallback's rule in tests/rl/test_packing.py
 def test_rows_that_packing_would_not_shorten_run_padded(tmp_path):
   # 12 rows at the 3-token cap: two buffers of 18 and their tables (2 x (18 + 4 x 6)) compute what two padded
   # microbatches of 6 rows x 3 and theirs do: nothing to save, so the update runs the padded bucket's program and no

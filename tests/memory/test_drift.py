@@ -105,6 +105,7 @@ def test_a_plan_without_l_never_recalibrates(tiny):
   assert m.state.calibrations == 0 and m.state.calibration is None
 
 
+@pytest.mark.slow  # two set-ups and a calibration over four minibatches; the quick tier keeps the plan without L
 @pytest.mark.usefixtures("fixed_op_times")
 def test_warmup_runs_gc_until_calibration_minibatches_from_two_rollouts_are_in(tiny):
   hooks, params, batches, mc = tiny
