@@ -31,7 +31,9 @@ def set_fit(unit_err_U: np.ndarray, sets, measured_S: np.ndarray, coherence: flo
   for name, pred in (("linear", np.array([coherence * unit_err_U[s].sum() for s in sets])),
                      ("orthogonal", np.array([np.sqrt((unit_err_U[s] ** 2).sum()) for s in sets]))):
     rel = pred / np.maximum(measured_S, 1e-30) - 1
-    out[f"{name}_spearman"] = float(spearmanr(pred, measured_S).statistic) if len(sets) > 2 else float("nan")
+    # a rank correlation is undefined on fewer than 3 sets or a constant side (scipy would warn and give NaN)
+    ranked = len(sets) > 2 and np.ptp(pred) > 0 and np.ptp(measured_S) > 0
+    out[f"{name}_spearman"] = float(spearmanr(pred, measured_S).statistic) if ranked else float("nan")
     out[f"{name}_median_abs_rel_err"] = float(np.median(np.abs(rel)))
     out[f"{name}_covered"] = float(np.mean(pred >= measured_S * (1 - 1e-6)))
   return out

@@ -1,6 +1,7 @@
 """Risk calibration: measured unit and set errors, the risk model, the budget delta, and its cost at depth."""
 
 import dataclasses
+import warnings
 
 import jax
 import numpy as np
@@ -87,6 +88,11 @@ def test_coherence_and_set_fit_by_hand():
   assert fit["linear_covered"] == 1.0 and fit["sets"] == 3
   # root sums of squares .224, .361, .374: all under the measured errors
   assert fit["orthogonal_covered"] == 0.0
+  assert fit["linear_spearman"] == pytest.approx(1.0)  # predicted .25, .417, .5 rank as measured
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # a constant side has no rank correlation: NaN, and no scipy warning
+    flat = riskfit.set_fit(unit_err[0], sets, np.full(3, 0.4), 0.25 / 0.3)
+  assert np.isnan(flat["linear_spearman"]) and np.isnan(flat["orthogonal_spearman"])
   assert riskfit.random_sets(10, 3, np.random.default_rng(0))[-1] == list(range(10))
 
 
