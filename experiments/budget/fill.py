@@ -13,7 +13,9 @@ import numpy as np
 
 from hilore_jax import cli
 
-DEFAULT_ARMS = ("padded:train.max_tokens_per_microbatch=0", "buckets:", "packed:train.packing=true")
+# padded and buckets pin packing off: a config that packs (the reasoning recipe) would refuse a budget of 0
+DEFAULT_ARMS = ("padded:train.packing=false,train.max_tokens_per_microbatch=0", "buckets:train.packing=false",
+                "packed:train.packing=true")
 
 
 def fill(config_path, base: list[str], arms: list[tuple[str, tuple[str, ...]]], rollouts: int) -> dict:
