@@ -148,21 +148,24 @@ class Checkpointer:
     CheckpointError if checkpoints exist but none restores: a run never silently starts over.
     """
     failures: list[tuple[int, str]] = []
-    for step in reversed(self.steps()):
-      try:
-        state, meta = self.restore(step, abstract_for(self.restore_meta(step)))
-      except CheckpointError as e:
-        failures.append((step, str(e)))
-        continue
+    # one quiet scope over every attempt: a failed restore's other reads may finish while an older checkpoint is
+    # being tried, after that restore's own scope has ended
+    with _quiet_failed_reads():
+      for step in reversed(self.steps()):
+        try:
+          state, meta = self.restore(step, abstract_for(self.restore_meta(step)))
+        except CheckpointError as e:
+          failures.append((step, str(e)))
+          continue
+        if failures:
+          moved = self._set_aside([s for s, _ in failures])
+          log.warning("checkpoint %s in %s is unusable (%s); resuming from step %d, the newest good checkpoint%s",
+                      ", ".join(str(s) for s, _ in failures), self.directory, "; ".join(m for _, m in failures),
+                      step, f" (moved the broken ones to {moved})" if moved else "")
+        return step, state, meta
       if failures:
-        moved = self._set_aside([s for s, _ in failures])
-        log.warning("checkpoint %s in %s is unusable (%s); resuming from step %d, the newest good checkpoint%s",
-                    ", ".join(str(s) for s, _ in failures), self.directory, "; ".join(m for _, m in failures), step,
-                    f" (moved the broken ones to {moved})" if moved else "")
-      return step, state, meta
-    if failures:
-      raise CheckpointError(f"no usable checkpoint in {self.directory}: {'; '.join(m for _, m in failures)}; "
-                            f"resume with the config that wrote them, or move the directory away to start over")
+        raise CheckpointError(f"no usable checkpoint in {self.directory}: {'; '.join(m for _, m in failures)}; "
+                              f"resume with the config that wrote them, or move the directory away to start over")
     return None
 
   def _set_aside(self, steps: list[int]) -> str | None:
