@@ -55,6 +55,7 @@ def dataclasses_frozen_error():
     ("model.attention_block_k=0", r"model.attention_block_k must be a positive integer, got 0"),
     ("train.packing_min_saving=1", r"train.packing_min_saving must be in \[0, 1\), got 1"),
     ("train.packing_min_saving=-0.1", r"train.packing_min_saving must be in \[0, 1\), got -0.1"),
+    ("train.packing_granule=-64", r"train.packing_granule must be >= 0, got -64"),
 ])
 def test_bad_values_name_the_key(override, message):
   with pytest.raises(ValueError, match=message):

@@ -140,7 +140,8 @@ def microbatches(c: Config, key: str, batch: UpdateBatch, prompt_keys, n_shards:
     micros = token_budget.share(micros, prompt_keys, distinct)
   if not c.train.packing:
     return micros
-  buffers = packing.plan(batch.mask, batch.prompt_mask, packing.sizes(budget // n_shards, c.train.length_buckets),
+  buffers = packing.plan(batch.mask, batch.prompt_mask, packing.sizes(budget // n_shards, c.train.length_buckets,
+                                                                    c.train.packing_granule),
                          n_shards, prompt_keys, distinct, f"train.{key}")
   chosen = packing.choose(buffers, micros, P, c.train.packing_min_saving)
   # every row at the cap in one microbatch is the minibatch itself: the step without a budget runs it, with no

@@ -142,6 +142,10 @@ class TrainConfig:
   # split over the mesh's devices), with smaller ones of budget / 2^k, k < length_buckets, for a minibatch's rest;
   # segment ids keep the rows apart. False: the budget's length buckets (rows padded to a bucket's cap)
   packing: bool = False
+  # with packing, buffer lengths every multiple of this many positions up to the budget (one compiled shape each):
+  # a minibatch's rest takes one buffer within a granule of its tokens, where the budget / 2^k ladder takes up to
+  # length_buckets buffers, each with its own prompt table; 0: that ladder (unused without packing)
+  packing_granule: int = 0
   # a minibatch is packed only where its buffers compute at least this fraction of positions fewer than the padded
   # layout under the same budget (rows padded to a length bucket's cap; every row at the cap in one microbatch: the
   # step without a budget), which it runs otherwise: packing that removes no padding still pays for a buffer's
@@ -165,6 +169,7 @@ class TrainConfig:
     check_positive("train.max_tokens_per_logprob_pass", self.max_tokens_per_logprob_pass, allow_zero=True)
     check_positive("train.length_buckets", self.length_buckets)
     check_choice("train.shuffle", self.shuffle, SHUFFLES)
+    check_positive("train.packing_granule", self.packing_granule, allow_zero=True)
     check_range("train.packing_min_saving", self.packing_min_saving, 0, 1, high_open=True)
     if self.packing and not self.max_tokens_per_microbatch:
       raise ConfigError("train.packing=true packs rows into buffers of train.max_tokens_per_microbatch positions: "

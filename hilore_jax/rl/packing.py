@@ -27,8 +27,11 @@ from hilore_jax.rl import logprobs, prompt_share, token_budget
 from hilore_jax.rl.update_batch import Packing, UpdateBatch
 
 
-def sizes(budget: int, n: int) -> tuple[int, ...]:
-  """Buffer lengths budget / 2^k (k < n), rounded up to a multiple of 8 from 64 on, distinct, largest first."""
+def sizes(budget: int, n: int, granule: int = 0) -> tuple[int, ...]:
+  """Buffer lengths, largest first: every multiple of granule below budget and budget itself (granule > 0), else
+  budget / 2^k (k < n) rounded up to a multiple of 8 from 64 on, distinct."""
+  if granule:
+    return (budget, *range((budget - 1) // granule * granule, 0, -granule))
   return token_budget.bucket_caps(budget, n)
 
 
@@ -94,37 +97,40 @@ def _fill_one(items: list[int], size_of, length: int) -> tuple[list[int], list[i
   return taken, rest
 
 
-def _pack_rest(items: list[int], size_of, lengths: tuple[int, ...]) -> tuple[int, list[tuple[int, list[int]]]]:
+def _pack_rest(items: list[int], size_of, lengths: tuple[int, ...],
+               overhead: int) -> tuple[int, list[tuple[int, list[int]]]]:
   """(positions, buffers) for items whose total fits the largest of `lengths` (ascending): the better of one buffer
   of the smallest length that holds them all, and the largest length below their total filled first fit decreasing
-  followed by the best packing of what it leaves (a minibatch's rest after its full buffers)."""
+  followed by the best packing of what it leaves (a minibatch's rest after its full buffers); each buffer costs its
+  length plus `overhead` positions (its prompt table)."""
   if not items:
     return 0, []
   total, longest = sum(int(size_of[i]) for i in items), int(size_of[items[0]])
   fits = [n for n in lengths if n >= longest]
   whole = min(n for n in fits if n >= total)
-  best = (whole, [(whole, items)])
+  best = (whole + overhead, [(whole, items)])
   below = [n for n in fits if n < total]
   if below:
     taken, rest = _fill_one(items, size_of, below[-1])
-    n, bufs = _pack_rest(rest, size_of, lengths)
-    if n + below[-1] < best[0]:
-      best = (n + below[-1], [(below[-1], taken), *bufs])
+    n, bufs = _pack_rest(rest, size_of, lengths, overhead)
+    if n + below[-1] + overhead < best[0]:
+      best = (n + below[-1] + overhead, [(below[-1], taken), *bufs])
   return best
 
 
-def pack_lengths(sizes_R, lengths: tuple[int, ...]) -> list[tuple[int, list[int]]]:
+def pack_lengths(sizes_R, lengths: tuple[int, ...], overhead: int = 0) -> list[tuple[int, list[int]]]:
   """Items of sizes_R into buffers of the given lengths (largest first): (buffer length, its items in order) each.
 
   Longest items first, full-length buffers filled first fit while the rest exceeds one; the rest then goes to the
-  combination of buffer lengths, each filled first fit decreasing, that computes the fewest positions."""
+  combination of buffer lengths, each filled first fit decreasing, that computes the fewest positions, a buffer
+  counting `overhead` positions beyond its length (a shared prompt's table, computed once per buffer)."""
   size_of = np.asarray(sizes_R)
   items = [int(i) for i in np.argsort(-size_of, kind="stable")]
   out = []
   while sum(size_of[i] for i in items) > lengths[0]:
     taken, items = _fill_one(items, size_of, lengths[0])
     out.append((lengths[0], taken))
-  return out + _pack_rest(items, size_of, tuple(sorted(lengths)))[1]
+  return out + _pack_rest(items, size_of, tuple(sorted(lengths)), overhead)[1]
 
 
 def row_extent(mask_BN, prompt_mask_BP) -> tuple[np.ndarray, np.ndarray]:
@@ -155,7 +161,9 @@ def plan(mask_BN, prompt_mask_BP, lengths: tuple[int, ...], shards: int = 1, pro
     raise ConfigError(f"a row of {int(size_R.max())} tokens does not fit a packed buffer of {lengths[0]} positions: "
                       f"raise {setting} (now {lengths[0] * shards}{split}) to {int(size_R.max()) * shards} or more")
   by_length: dict[int, list[list[int]]] = {}
-  for length, items in pack_lengths(size_R, lengths):
+  # a buffer's table: the run's table length of prompts, each P positions (per device: the table is replicated)
+  overhead = prompt_share.table_size(max(distinct, 1), B) * P if shared else 0
+  for length, items in pack_lengths(size_R, lengths, overhead):
     by_length.setdefault(length, []).append([int(rows[i]) for i in items])
   out = []
   for length, bufs in sorted(by_length.items(), reverse=True):

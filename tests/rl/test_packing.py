@@ -97,6 +97,19 @@ def test_first_fit_decreasing_then_the_smallest_lengths_that_hold_the_rest():
     assert sum(n for n, _ in ladder) <= sum(n for n, _ in single)
 
 
+def test_a_granule_gives_every_multiple_and_one_rest_buffer():
+  # by hand: multiples of 30 below 100, and 100 itself; the ladder without a granule
+  assert packing.sizes(100, 3, granule=30) == (100, 90, 60, 30)
+  assert packing.sizes(100, 3) == (100, 56, 32)  # ceil(100 / 2^k) up to a multiple of 8 from 64 on
+  # a rest of 55: one buffer of 60 on the granule, where the ladder takes 50 + 25 (two buffers, two tables)
+  sizes = np.array([30, 20, 5])
+  assert [n for n, _ in packing.pack_lengths(sizes, packing.sizes(100, 3, granule=30))] == [60]
+  # a table of 10 positions per buffer: 50 + 10 + 25 + 10 = 95 against 100 + 10 = 110, so still split; at 20 a buffer
+  # (50 + 25 + 40 = 115 against 120) still split; at 30 (135 against 130) one buffer of 100
+  for overhead, want in ((10, [50, 25]), (20, [50, 25]), (30, [100])):
+    assert [n for n, _ in packing.pack_lengths(sizes, (100, 50, 25), overhead)] == want, overhead
+
+
 def test_buffers_are_kept_only_where_they_save_enough_positions():
   # by hand: 54 of 60 positions is exactly the 10% saving; 55 is less; 0 packs even where buffers compute more
   assert packing.worth_packing(54, 60, 0.1) and not packing.worth_packing(55, 60, 0.1)
