@@ -127,6 +127,26 @@ def test_a_packed_run_updates_as_an_unpacked_one_on_fewer_positions(tmp_path, tm
 
 
 @pytest.mark.slow
+def test_a_packed_lora_run_updates_as_an_unpacked_one(tmp_path):
+  # LoRA's adapters over a frozen base (its reference is the base itself): the packed buffers' gradients reach the
+  # adapters as the padded rows' do, and the base stays as it was
+  from hilore_jax.model import lora
+
+  lora_run = ("lora.rank=3", "lora.alpha=6")
+  off, rows_off = packed_util.run(tmp_path / "off", *lora_run)
+  on, rows_on = packed_util.run(tmp_path / "on", *lora_run, *PACKED, "train.packing_granule=8")
+  assert off.packer is None and rows_on[-1]["budget/packed_frac"] > 0
+  for a, b in zip(stable(rows_off), stable(rows_on)):
+    for k in ("loss", "grad_norm", "entropy", "kl", "clipfrac"):
+      np.testing.assert_allclose(b[k], a[k], rtol=2e-4, atol=1e-6, err_msg=k)
+    assert b["tokens/computed"] < a["tokens/computed"]
+  adapters = lambda t: jax.tree.leaves(lora.trainable(t.state["params"]))
+  for x, y in zip(adapters(on), adapters(off)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
+  assert all(L % 8 == 0 or L == 24 for kind, _, L in on.packer.shapes if kind == "grad"), on.packer.shapes
+
+
+@pytest.mark.slow
 def test_hilore_plans_each_buffer_length_with_its_own_manager(tmp_path):
   t = Trainer(tiny_config(tmp_path, "memory.policy=hilore", "memory.group_size=8", "memory.buckets=1",
                           "memory.budget_probes=1", "memory.warmup=none", "train.steps=1", "eval.at_start=false",
