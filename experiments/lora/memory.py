@@ -1,4 +1,5 @@
-"""python -m experiments.lora.memory --config configs/smollm2-135m-reason-lora.yaml --out runs/lora_memory
+"""python -m experiments.lora.memory --config configs/smollm2-135m-reason-lora.yaml --out runs/lora_memory \
+    model.attention=xla
     [--shapes smollm2-135m,qwen2.5-1.5b] [--beta 0.04]
 
 LoRA against full fine-tuning, compile-only (abstract params: nothing is allocated or run), per model shape: the
