@@ -1,28 +1,28 @@
-"""Counting a traced program's size, for the tests that hold it flat in depth."""
+"""Walking a traced program: its size, for the tests that hold it flat in depth, and what its ops are."""
 
 
-def eqn_count(jaxpr) -> int:
-  """Equations in a jaxpr, counting those of every sub-jaxpr (scan, remat, custom_vjp bodies)."""
-  n = 0
+def eqns(jaxpr):
+  """Every equation of a jaxpr, those of every sub-jaxpr (scan, remat, custom_vjp bodies) included."""
   for e in jaxpr.eqns:
-    n += 1
+    yield e
     for v in e.params.values():
       for sub in (v if isinstance(v, (list, tuple)) else (v,)):
         inner = getattr(sub, "jaxpr", sub)
         if hasattr(inner, "eqns"):
-          n += eqn_count(inner)
-  return n
+          yield from eqns(inner)
+
+
+def eqn_count(jaxpr) -> int:
+  """Equations in a jaxpr, counting those of every sub-jaxpr."""
+  return sum(1 for _ in eqns(jaxpr))
 
 
 def scan_lengths(jaxpr) -> list[int]:
   """The trip count of every scan in a jaxpr and its sub-jaxprs (a lax.map is a scan too)."""
-  out = []
-  for e in jaxpr.eqns:
-    if e.primitive.name == "scan":
-      out.append(e.params["length"])
-    for v in e.params.values():
-      for sub in (v if isinstance(v, (list, tuple)) else (v,)):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          out += scan_lengths(inner)
-  return out
+  return [e.params["length"] for e in eqns(jaxpr) if e.primitive.name == "scan"]
+
+
+def reduce_sums(jaxpr) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+  """(operand shape, axes) of every reduce_sum in a jaxpr and its sub-jaxprs."""
+  return [(tuple(e.invars[0].aval.shape), tuple(e.params["axes"])) for e in eqns(jaxpr)
+          if e.primitive.name == "reduce_sum"]

@@ -28,10 +28,14 @@ def rms_norm(x_BTD: jax.Array, w_D: jax.Array, eps: float) -> jax.Array:
   """RMSNorm in float32, cast back before the weight (as transformers does)."""
   x32 = x_BTD.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  # the weight applied over [positions, D]: on a packed buffer's [1, L, D] XLA:CPU reduced its gradient over the
-  # middle axis of three, ~20x slower than over the leading axes of a padded [B, T, D] (issue 45)
-  y_ND = y.astype(x_BTD.dtype).reshape(-1, x_BTD.shape[-1])
-  return (w_D.astype(x_BTD.dtype) * y_ND).reshape(x_BTD.shape)
+  return over_positions(jnp.multiply, y.astype(x_BTD.dtype), w_D.astype(x_BTD.dtype))
+
+
+def over_positions(op, x, p):
+  """op(x, p) for a parameter p of x's trailing shape, applied over x as [positions, *p.shape]: p's gradient then
+  sums over one leading axis (on a packed buffer's [1, L, D] XLA:CPU summed over the middle axis of three, ~20x
+  slower than over a padded [B, T, D]'s leading axes; issue 45)."""
+  return op(x.reshape(-1, *p.shape), p).reshape(x.shape)
 
 
 class LayerCtx(NamedTuple):
@@ -75,10 +79,7 @@ def fused_kernel(cfg: ModelConfig, ctx: LayerCtx, k_BSKH: jax.Array) -> tuple:
 
 def _proj(x, w, b, spec):
   y = jnp.einsum(spec, x, w.astype(x.dtype))
-  if b is None:
-    return y
-  lead = y.shape[:y.ndim - b.ndim]  # the bias added over [positions, ...] (its gradient's reduction: rms_norm's why)
-  return (y.reshape(-1, *b.shape) + b.astype(x.dtype)).reshape(*lead, *b.shape)
+  return y if b is None else over_positions(jnp.add, y, b.astype(x.dtype))
 
 
 # the projections reading each input unit, in lora.TARGETS' order: a layer computes them together (an L input is

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import pytest
+from jaxpr_util import reduce_sums
 
 from hilore_jax import model
 from hilore_jax.model import lora, ops
@@ -68,17 +69,6 @@ def test_layer_modes_return_what_they_say(tiny_cfg):
   assert jnp.allclose(y_c, y, atol=1e-6) and jnp.array_equal(ck[:, :T], k) and not jnp.any(ck[:, T:])
 
 
-def _reduce_sums(jaxpr) -> list:
-  """(operand shape, axes) of every reduce_sum in a jaxpr, nested ones included."""
-  out = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "reduce_sum":
-      out.append((tuple(eqn.invars[0].aval.shape), tuple(eqn.params["axes"])))
-    for sub in jax.core.jaxprs_in_params(eqn.params):
-      out.extend(_reduce_sums(sub))
-  return out
-
-
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_norm_and_bias_gradients_reduce_over_positions_as_one_axis(with_bias):
   # by hand: x = [3, 4] -> mean square 12.5, y = x / sqrt(12.5 + eps); weight (2, 0.5)
@@ -94,7 +84,7 @@ def test_norm_and_bias_gradients_reduce_over_positions_as_one_axis(with_bias):
   else:
     fn = lambda w: jnp.sum(ops.rms_norm(x_1LD, w, 1e-6) ** 2)
     arg = jnp.ones(5)
-  sums = _reduce_sums(jax.make_jaxpr(jax.grad(fn))(arg).jaxpr)
+  sums = reduce_sums(jax.make_jaxpr(jax.grad(fn))(arg).jaxpr)
   kept = lambda shape, axes: tuple(n for i, n in enumerate(shape) if i not in axes)
   to_grad = [(shape, axes) for shape, axes in sums if 7 in shape and kept(shape, axes) == arg.shape]
   assert to_grad == [((7, *arg.shape), (0,))], sums
