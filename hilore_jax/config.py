@@ -24,9 +24,10 @@ from hilore_jax.optim.config import OptimizerConfig
 from hilore_jax.rl.config import EvalConfig, GRPOConfig, ReplayConfig, RolloutConfig, TrainConfig
 from hilore_jax.tasks.config import TaskConfig
 
-_KERNEL_FIELDS = ("attention", "attention_block_q", "attention_block_k")  # how attention runs, not the shape
+# how attention and the layer stack run, not the shape
+_KERNEL_FIELDS = ("attention", "attention_block_q", "attention_block_k", "scan_layers")
 _ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig)
-                     if f.name not in ("dtype", "param_dtype", "lora", "scan_layers") + _KERNEL_FIELDS)
+                     if f.name not in ("dtype", "param_dtype", "lora") + _KERNEL_FIELDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,7 @@ class ModelSection:
   attention: str = "xla"  # xla | dot_product_attention (jax.nn's fused kernel: cuDNN on GPU) | blockwise (any backend)
   attention_block_q: int = ModelConfig.attention_block_q  # blockwise's block sizes (ModelConfig holds the defaults)
   attention_block_k: int = ModelConfig.attention_block_k
+  scan_layers: bool = ModelConfig.scan_layers  # false: every layer a plain call (a control: the loop form's cost)
   arch: tuple[tuple[str, Any], ...] = ()  # HF-named fields (hidden_size, ...), given flat under model.
 
   def __post_init__(self):

@@ -16,12 +16,13 @@ def test_yaml_and_overrides(tmp_path):
   path.write_text("model:\n  hidden_size: 40\n  num_attention_heads: 4\ntrain:\n  steps: 5\n"
                   "task:\n  arithmetic:\n    ops: ['+', '-']\n")
   c = cli.load_config(str(path), ["train.steps=20", "out_dir=/tmp/run", "grpo.eps_high=0.28", "model.dtype=bfloat16",
-                                  "model.attention=blockwise", "model.attention_block_q=16"])
+                                  "model.attention=blockwise", "model.attention_block_q=16",
+                                  "model.scan_layers=false"])
   assert c.train.steps == 20 and c.out_dir == "/tmp/run" and c.grpo.eps_high == 0.28
   assert c.task.arithmetic.ops == ("+", "-")
   mc = c.model.shape_config()
   assert mc.hidden_size == 40 and mc.dtype == "bfloat16"
-  assert (mc.attention, mc.attention_block_q, mc.attention_block_k) == ("blockwise", 16, 256)
+  assert (mc.attention, mc.attention_block_q, mc.attention_block_k, mc.scan_layers) == ("blockwise", 16, 256, False)
   with pytest.raises(dataclasses_frozen_error()):
     c.train.steps = 3
 
@@ -40,7 +41,7 @@ def dataclasses_frozen_error():
     ("memory.budget_ratio=0.9", r"budget_ratio must be >= 1.0"),
     ("memory.mip_gap=1.5", r"memory.mip_gap must be in \[0, 1\)"),
     ("memory.plan_runs=-1", r"memory.plan_runs must be an integer >= 0 \(0: any number of runs\), got -1"),
-    ("model.scan_layers=true", r"unknown config key 'model.scan_layers'"),
+    ("model.scan_layers=2", r"model.scan_layers must be true or false, got 2"),
     ("rollout.num_generations=1", r"num_generations must be > 1"),
     ("train.steps=ten", r"train.steps must be an integer"),
     ("model.num_key_value_heads=3", r"num_attention_heads .* multiple of num_key_value_heads"),
