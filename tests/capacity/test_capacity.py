@@ -8,6 +8,8 @@ import os
 import jax
 import pytest
 
+import repo
+
 from hilore_jax import model
 from hilore_jax.capacity import measure as C
 from hilore_jax.capacity import report as capacity_report, run as capacity_run
@@ -176,3 +178,39 @@ def test_packed_microbatches_are_priced_as_one_buffer_per_device(tmp_path):
       peak[packed, attention] = m.measure(mcfg, "gc", None, 1, 128)["peak_bytes"]
   assert peak[True, "blockwise"] < 0.7 * peak[False, "blockwise"]  # measured 0.48
   assert peak[True, "xla"] > 3 * peak[True, "blockwise"]  # measured 13.7
+
+
+def _table_script():
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("capacity_table", os.path.join(repo.ROOT, "scripts",
+                                                                                "capacity_table.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_grid_table_merges_pieces_once_each_in_grid_order(tmp_path):
+  table = _table_script()
+  row = lambda shape, method, ratio, gib, longest, devices=1: {
+      "shape": shape, "devices": devices, "attention": "xla", "method": method, "budget_ratio": ratio,
+      "budget_gib": gib, "longest_completion": longest, "capped": False, "points_compiled": 1}
+  settings = {"prompt_len": 8, "rows": 2, "grid": 8, "dtype": "bfloat16", "param_dtype": "float32", "beta": 0.04}
+  pieces = {"qwen2.5-0.5b/pieces/1-xla-sac.json": [row("qwen2.5-0.5b", "gc", None, 24.0, 72),
+                                                   row("qwen2.5-0.5b", "sac", 1.1, 24.0, 64)],
+            "qwen2.5-0.5b/pieces/1-xla-nogc.json": [row("qwen2.5-0.5b", "gc", None, 24.0, 72),
+                                                    row("qwen2.5-0.5b", "nogc", None, 24.0, 8)],
+            "smollm2-135m/pieces/8-xla-nogc.json": [row("smollm2-135m", "gc", None, 24.0, 40, devices=8)]}
+  for path, rows in pieces.items():
+    (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / path).write_text(json.dumps({"settings": settings, "rows": rows, "growth": []}))
+  got = [(r["shape"], r["devices"], r["method"]) for r in table.merged(str(tmp_path))["rows"]]
+  # GC's series, in both 0.5B pieces, once; SmolLM2 first (the grid's order), then GC, No-GC, the budgeted methods
+  assert got == [("smollm2-135m", 8, "gc"), ("qwen2.5-0.5b", 1, "gc"), ("qwen2.5-0.5b", 1, "nogc"),
+                 ("qwen2.5-0.5b", 1, "sac")]
+  left = table.missing(str(tmp_path))
+  assert "qwen2.5-0.5b x1 xla sac" not in left and "qwen2.5-0.5b x1 xla hilore" in left
+  assert len(left) == 4 * 2 * 2 * 5 - 3
+  (tmp_path / "smollm2-135m/pieces/8-xla-nogc.json").write_text(json.dumps(
+      {"settings": {**settings, "rows": 4}, "rows": [], "growth": []}))
+  with pytest.raises(ValueError, match=r"8-xla-nogc.json: its settings differ"):
+    table.merged(str(tmp_path))
