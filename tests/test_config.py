@@ -40,6 +40,7 @@ def dataclasses_frozen_error():
     ("memory.exposure.kll=false", r"unknown config key 'memory.exposure.kll'"),
     ("memory.budget_ratio=0.9", r"budget_ratio must be >= 1.0"),
     ("memory.mip_gap=1.5", r"memory.mip_gap must be in \[0, 1\)"),
+    ("memory.mip_time_limit_s=-1", r"memory.mip_time_limit_s must be a number of seconds >= 0 \(0: no limit\), got -1"),
     ("memory.plan_runs=-1", r"memory.plan_runs must be an integer >= 0 \(0: any number of runs\), got -1"),
     ("model.scan_layers=2", r"model.scan_layers must be true or false, got 2"),
     ("rollout.num_generations=1", r"num_generations must be > 1"),

@@ -7,9 +7,12 @@ layer long (a loop of one, which XLA inlines: on XLA:CPU it kept more than the s
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Sequence
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 H, L, R, O = "H", "L", "R", "O"
 
@@ -43,6 +46,7 @@ class Allocation:
   time_s: float  # recompute + encode/decode (+ transfer) time
   risk: float
   picks: tuple[int, ...] = ()  # the option index chosen in each group
+  proven: bool = True  # exact only: False where the solver's time limit ended it before the gap was proven
 
 
 def per_unit(units: Sequence[UnitCost]) -> list[list[Option]]:
@@ -157,11 +161,12 @@ def _greedy_picks(groups, budget_bytes: int, risk_budget: float) -> list[int]:
 
 
 def exact(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: float,
-          mip_gap: float = 1e-4, runs: int = 0) -> Allocation:
+          mip_gap: float = 1e-4, runs: int = 0, time_limit_s: float = 0.0) -> Allocation:
   """Optimal allocation (within a proven relative gap, HiGHS' default 1e-4) by a mixed-integer program
   (scipy.optimize.milp): one binary per group and option. runs > 0: the run shape, at most `runs` runs of
   consecutive groups with one choice, each at least two long (a change variable c_k >= x[k, o] - x[k-1, o] for
-  every choice o, sum of c <= runs - 1, c_k + c_{k+1} <= 1, no change at either end)."""
+  every choice o, sum of c <= runs - 1, c_k + c_{k+1} <= 1, no change at either end). time_limit_s > 0: where
+  HiGHS has not proven the gap by then, the faster of its best plan so far and greedy's (proven=False)."""
   from scipy import sparse
   from scipy.optimize import Bounds, LinearConstraint, milp
 
@@ -185,15 +190,34 @@ def exact(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: fl
                  LinearConstraint(pad(one), 1, 1)]
   if changes:
     constraints += _run_constraints(groups, start, runs)
+  options = {"mip_rel_gap": mip_gap, **({"time_limit": float(time_limit_s)} if time_limit_s > 0 else {})}
   res = milp(np.concatenate([cost / max(cost.max(), 1e-30), np.zeros(changes)]),
              integrality=np.concatenate([np.ones(n), np.zeros(changes)]),
-             bounds=Bounds(np.zeros(n + changes), np.ones(n + changes)), constraints=constraints,
-             options={"mip_rel_gap": mip_gap})
-  if not res.success:
+             bounds=Bounds(np.zeros(n + changes), np.ones(n + changes)), constraints=constraints, options=options)
+  # status 1: the time (or iteration) limit, with HiGHS' incumbent in res.x where it found one
+  if not res.success and not (res.status == 1 and time_limit_s > 0):
     raise RuntimeError(f"MILP failed: {res.message}")
-  x = np.round(res.x[:n]).astype(int)
-  picks = [int(np.argmax(x[s:s + k])) for s, k in zip(start, sizes)]
-  return _summary(groups, picks)
+  found = None
+  if res.x is not None:
+    x = np.round(res.x[:n]).astype(int)
+    found = _summary(groups, [int(np.argmax(x[s:s + k])) for s, k in zip(start, sizes)])
+  if res.success:
+    return found
+  return _unproven(groups, budget_bytes, risk_budget, runs, found, time_limit_s)
+
+
+def _unproven(groups, budget_bytes: int, risk_budget: float, runs: int, found: Allocation | None,
+              time_limit_s: float) -> Allocation:
+  """At the MILP's time limit: the faster of its incumbent (if any, and feasible) and greedy's plan, marked
+  unproven; both are feasible plans of the run shape, neither proven optimal."""
+  fast = greedy(groups, budget_bytes, risk_budget, runs)
+  ok = found is not None and found.bytes <= budget_bytes and found.risk <= risk_budget + 1e-12 and (
+      runs <= 0 or shaped(groups, found.picks, runs))
+  best = found if ok and found.time_s <= fast.time_s else fast
+  log.warning("the exact allocator stopped at its time limit (%.3g s, memory.mip_time_limit_s) before proving its "
+              "gap: using %s plan (%.4g s against greedy's %.4g s)", time_limit_s,
+              "the solver's best" if best is found else "greedy's", best.time_s, fast.time_s)
+  return dataclasses.replace(best, proven=False)
 
 
 def _run_constraints(groups, start, runs: int) -> list:

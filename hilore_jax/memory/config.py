@@ -132,6 +132,9 @@ class MemoryConfig:
   # exact: the relative optimality gap HiGHS must prove (0: proven optimal). Below ~0.5% some two-budget plans took
   # minutes to prove (measured: 217 s at 0.1%, 0.7 s at 0.5%, the same plan time to 0.06%)
   mip_gap: float = 0.005
+  # exact: the MILP's wall-clock limit in seconds (0: none). At the limit the plan is the faster of HiGHS' best so
+  # far and greedy's, logged as unproven. Without one, Qwen2.5-1.5B's 8-device plan ran 30+ min and 13-22 GB
+  mip_time_limit_s: float = 60.0
   # a solved method's plan has at most this many runs of consecutive layers with one policy (0: any): each run
   # compiles once, as a layer scan, so compile time and the compiler's memory stay flat in depth (docs/hilore.md)
   plan_runs: int = 4
@@ -197,6 +200,10 @@ class MemoryConfig:
     check_positive("memory.verify_steps", self.verify_steps, allow_zero=True)
     if not 0.0 <= self.mip_gap < 1.0:
       raise ConfigError(f"memory.mip_gap must be in [0, 1) (a relative optimality gap), got {self.mip_gap}")
+    if isinstance(self.mip_time_limit_s, bool) or not isinstance(self.mip_time_limit_s, (int, float)) or not (
+        0.0 <= self.mip_time_limit_s < float("inf")):
+      raise ConfigError(f"memory.mip_time_limit_s must be a number of seconds >= 0 (0: no limit), got "
+                        f"{self.mip_time_limit_s!r}")
     check_budget_ratio("memory.budget_ratio", self.budget_ratio)
     if self.budget_bytes is not None:
       check_positive("memory.budget_bytes", self.budget_bytes)

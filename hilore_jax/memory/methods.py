@@ -154,14 +154,16 @@ def _layer_groups(unit_list: tuple, op_items: tuple, risk_items: tuple, allow_l:
 
 def plan(method: str, unit_list: Sequence[Unit], op_s: dict, extra_bytes: int, *, risk_of: dict | None = None,
          delta: float = 0.0, fmt: str = "int8", allow_o: bool = False, sensitivity: dict | None = None,
-         group_size: int = 64, solver: str = "exact", mip_gap: float = 1e-4, max_runs: int = 0) -> Plan:
+         group_size: int = 64, solver: str = "exact", mip_gap: float = 1e-4, max_runs: int = 0,
+         mip_time_limit_s: float = 0.0) -> Plan:
   """The method's plan for `extra_bytes` of activation memory on top of full checkpointing.
 
   risk_of: predicted relative gradient error of each (layer, kind) as L (hilore: at this bucket's exposure;
   hilore_static: static), summed over a plan's L units against the budget delta. sensitivity: measured error per
   (layer, kind) (greedy_bits). solver: exact (the MILP, every solved method, to a proven relative gap mip_gap)
-  or greedy (the run-time fast path). max_runs > 0: a solved method's plan has at most that many runs of consecutive
-  layers with one policy (each compiles once, as a layer scan: allocator.exact's run constraint).
+  or greedy (the run-time fast path); mip_time_limit_s > 0 bounds the MILP's seconds (allocator.exact). max_runs > 0:
+  a solved method's plan has at most that many runs of consecutive layers with one policy (each compiles once, as a
+  layer scan: allocator.exact's run constraint).
   """
   if method not in METHODS:
     raise ValueError(f"unknown memory.policy {method!r}; choose one of {list(METHODS)}")
@@ -180,7 +182,7 @@ def plan(method: str, unit_list: Sequence[Unit], op_s: dict, extra_bytes: int, *
                         method.endswith("_gc"))
   risk_of = {} if method == "optimal_hr" else (risk_of or {})
   groups = layer_groups(unit_list, op_s, risk_of, allow_l=method != "optimal_hr", allow_o=allow_o)
-  found = (allocator.exact(groups, extra_bytes, delta, mip_gap, max_runs) if solver == "exact" else
+  found = (allocator.exact(groups, extra_bytes, delta, mip_gap, max_runs, mip_time_limit_s) if solver == "exact" else
            allocator.greedy(groups, extra_bytes, delta, max_runs))
   return _plan(found.choice, unit_list, op_s, risk_of, fmt)
 

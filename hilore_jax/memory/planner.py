@@ -146,7 +146,7 @@ def solve(pl: Planner, ps: PlannerState, bucket: int, allowance: int, solver: st
   risk_of, sens = risks(pl, ps, bucket) if method == pl.method and not zero_risk else ({}, {})
   kw = dict(risk_of=risk_of, delta=(cal.delta if cal else 0.0) if delta is None else delta, fmt=mc.lowp_format,
             allow_o=mc.offload, sensitivity=sens, group_size=mc.group_size, solver=solver or mc.solver,
-            mip_gap=mc.mip_gap, max_runs=0 if relaxed else mc.plan_runs)
+            mip_gap=mc.mip_gap, max_runs=0 if relaxed else mc.plan_runs, mip_time_limit_s=mc.mip_time_limit_s)
   key = (ps.shape, method, tuple(sorted(risk_of.items())), max(allowance, 0), kw["delta"], kw["solver"],
          kw["max_runs"])
   if key in ps.plans:

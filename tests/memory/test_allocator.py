@@ -153,3 +153,35 @@ def test_the_run_shape_has_no_run_of_one_layer():
   got = allocator.exact(groups, 3500, 1.0, runs=4)  # two layers H+L, five L: two runs
   assert allocator.shaped(groups, got.picks, 4) and allocator.num_runs(groups, got.picks) > 1
   assert allocator.shaped(groups, [0, 0, 1, 1, 1, 0, 0], 3) and not allocator.shaped(groups, [0, 1, 1, 0, 0, 0, 0], 4)
+
+
+def _greedy_misses():
+  """Greedy takes a (the best seconds per byte) and then nothing fits; the optimum is b + c: 6 s left against 9."""
+  units = [UnitCost("a", 6, None, 6.0), UnitCost("b", 5, None, 4.5), UnitCost("c", 5, None, 4.5)]
+  return allocator.per_unit(units), 10
+
+
+def test_exact_time_limit_falls_back_to_greedy_without_an_incumbent():
+  groups, budget = _greedy_misses()
+  assert allocator.greedy(groups, budget, 0.0).time_s == pytest.approx(9.0)
+  full = allocator.exact(groups, budget, 0.0)
+  assert (full.choice, full.time_s, full.proven) == ((R, H, H), pytest.approx(6.0), True)
+  # HiGHS checks its clock before presolve: a limit of 1e-9 s stops it with no plan, every time
+  capped = allocator.exact(groups, budget, 0.0, time_limit_s=1e-9)
+  assert (capped.choice, capped.time_s, capped.proven) == ((H, R, R), pytest.approx(9.0), False)
+
+
+@pytest.mark.parametrize("incumbent,expected", [((1, 0, 0, 1, 0, 1), (R, H, H)),  # 6 s, better than greedy's 9
+                                                ((1, 0, 0, 1, 1, 0), (H, R, R)),  # R H R: 10.5 s, greedy's
+                                                ((0, 1, 0, 1, 1, 0), (H, R, R))])  # H H R: 11 bytes, greedy's
+def test_exact_time_limit_keeps_the_faster_feasible_of_incumbent_and_greedy(monkeypatch, incumbent, expected):
+  import scipy.optimize
+  from scipy.optimize import OptimizeResult
+
+  groups, budget = _greedy_misses()  # options per group: (R, H); x is [a_R, a_H, b_R, b_H, c_R, c_H]
+  stopped = OptimizeResult(status=1, success=False, message="Time limit reached.", x=np.array(incumbent, float))
+  monkeypatch.setattr(scipy.optimize, "milp", lambda *a, **k: stopped)
+  got = allocator.exact(groups, budget, 0.0, time_limit_s=5.0)
+  assert got.choice == expected and not got.proven
+  with pytest.raises(RuntimeError, match="MILP failed"):  # without a limit, status 1 is not the limit's doing
+    allocator.exact(groups, budget, 0.0)

@@ -153,5 +153,8 @@ def test_hilore_static_and_hilore_compress_within_the_risk_budget(tiny_cfg):
     assert methods.active_constraint(method, us, extra, free, plan_at(1.0)) == "memory"
     greedy = methods.plan(method, us, ops, extra, risk_of=risk, delta=2.5e-6, group_size=8, solver="greedy")
     assert greedy.time_s >= plan.time_s - 1e-9 and greedy.risk <= 2.5e-6  # the exact solver is never slower
+    # the MILP's time limit reaches the solver: at 1e-9 s HiGHS has no plan, and greedy's is taken
+    capped = methods.plan(method, us, ops, extra, risk_of=risk, delta=2.5e-6, group_size=8, mip_time_limit_s=1e-9)
+    assert capped.choice == greedy.choice and capped.choice != plan.choice  # greedy misses the optimum here
   with pytest.raises(ValueError, match="unknown memory.policy"):
     methods.plan("magic", us, {}, 0)
