@@ -25,7 +25,7 @@ from hilore_jax.rl.config import EvalConfig, GRPOConfig, ReplayConfig, RolloutCo
 from hilore_jax.tasks.config import TaskConfig
 
 # how attention and the layer stack run, not the shape
-_KERNEL_FIELDS = ("attention", "attention_block_q", "attention_block_k", "scan_layers")
+_KERNEL_FIELDS = ("attention", "attention_block_q", "attention_block_k", "scan_layers", "mlp_chunk_len")
 _ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig)
                      if f.name not in ("dtype", "param_dtype", "lora") + _KERNEL_FIELDS)
 
@@ -42,6 +42,7 @@ class ModelSection:
   attention_block_q: int = ModelConfig.attention_block_q  # blockwise's block sizes (ModelConfig holds the defaults)
   attention_block_k: int = ModelConfig.attention_block_k
   scan_layers: bool = ModelConfig.scan_layers  # false: every layer a plain call (a control: the loop form's cost)
+  mlp_chunk_len: int = ModelConfig.mlp_chunk_len  # a recomputed MLP's chunk of the sequence in backward (0: whole)
   arch: tuple[tuple[str, Any], ...] = ()  # HF-named fields (hidden_size, ...), given flat under model.
 
   def __post_init__(self):

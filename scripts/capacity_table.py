@@ -13,6 +13,7 @@ import sys
 sys.path.insert(0, os.getcwd())  # the checkout it runs from, as `python -m` would
 
 from hilore_jax.capacity import report  # noqa: E402
+from hilore_jax.capacity.measure import with_legacy  # noqa: E402
 
 SHAPES = ("smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b")  # scripts/capacity_grid.sh's order
 METHODS = ("nogc", "hilore", "optimal_hr", "sac", "gc_int8")
@@ -29,9 +30,10 @@ def merged(root: str) -> dict:
   for path in sorted(glob.glob(os.path.join(root, "*", "pieces", "*.json"))):
     with open(path) as f:
       piece = json.load(f)
-    if settings is not None and piece["settings"] != settings:
-      raise ValueError(f"{path}: its settings differ from the other pieces' ({piece['settings']} vs {settings})")
-    settings = piece["settings"]
+    recorded = with_legacy(piece["settings"])  # a field added since a piece was written: the value it ran at
+    if settings is not None and recorded != settings:
+      raise ValueError(f"{path}: its settings differ from the other pieces' ({recorded} vs {settings})")
+    settings = recorded
     for r in piece["rows"]:
       key = (r["shape"], r["devices"], r["attention"], r["method"], r["budget_ratio"], r["budget_gib"])
       if key not in seen:

@@ -17,12 +17,13 @@ def test_yaml_and_overrides(tmp_path):
                   "task:\n  arithmetic:\n    ops: ['+', '-']\n")
   c = cli.load_config(str(path), ["train.steps=20", "out_dir=/tmp/run", "grpo.eps_high=0.28", "model.dtype=bfloat16",
                                   "model.attention=blockwise", "model.attention_block_q=16",
-                                  "model.scan_layers=false"])
+                                  "model.scan_layers=false", "model.mlp_chunk_len=96"])
   assert c.train.steps == 20 and c.out_dir == "/tmp/run" and c.grpo.eps_high == 0.28
   assert c.task.arithmetic.ops == ("+", "-")
   mc = c.model.shape_config()
   assert mc.hidden_size == 40 and mc.dtype == "bfloat16"
   assert (mc.attention, mc.attention_block_q, mc.attention_block_k, mc.scan_layers) == ("blockwise", 16, 256, False)
+  assert mc.mlp_chunk_len == 96
   with pytest.raises(dataclasses_frozen_error()):
     c.train.steps = 3
 
@@ -43,6 +44,7 @@ def dataclasses_frozen_error():
     ("memory.mip_time_limit_s=-1", r"memory.mip_time_limit_s must be a number of seconds >= 0 \(0: no limit\), got -1"),
     ("memory.plan_runs=-1", r"memory.plan_runs must be an integer >= 0 \(0: any number of runs\), got -1"),
     ("model.scan_layers=2", r"model.scan_layers must be true or false, got 2"),
+    ("model.mlp_chunk_len=-3", r"model.mlp_chunk_len must be an integer >= 0 \(0: the MLP never chunked\), got -3"),
     ("rollout.num_generations=1", r"num_generations must be > 1"),
     ("train.steps=ten", r"train.steps must be an integer"),
     ("model.num_key_value_heads=3", r"num_attention_heads .* multiple of num_key_value_heads"),

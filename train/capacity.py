@@ -1,6 +1,6 @@
 """python -m train.capacity --out DIR [--shapes smollm2-135m,qwen2.5-1.5b] [--methods gc,hilore] [--budgets-gib 24,80]
     [--devices 1,8] [--attention xla,blockwise] [--growth-methods gc] [--lora RANK]
-    [--packed] [--microbatch-rows 8]
+    [--packed] [--microbatch-rows 8] [--mlp-chunk-len 512]
 
 The longest completion whose whole GRPO step (gradient and update programs, old and reference log-prob passes)
 compiles within each per-device budget, compile-only (hilore_jax/capacity/measure.py; docs/capacity.md). Every
@@ -59,7 +59,9 @@ def body(args):
     raise ConfigError("JAX started before train.capacity could force its CPU devices")
   runtime.enable_compilation_cache()
   settings = capacity.Settings(grid=args.grid, max_completion=args.max_completion, lora_rank=args.lora,
-                               packed=args.packed, microbatch_rows=args.microbatch_rows)
+                               packed=args.packed, microbatch_rows=args.microbatch_rows,
+                               mlp_chunk_len=capacity.Settings.mlp_chunk_len if args.mlp_chunk_len is None
+                               else args.mlp_chunk_len)
   capacity_run.run(args.out, shapes, methods, budgets, devices, attention, growth, settings, cli.progress)
   cli.print_files(args.out, "capacity.md")
 
@@ -85,7 +87,10 @@ def main(argv=None):
                        "to end in one buffer per device, each group's prompt once (train.packing)"),
 
                cli.arg("--microbatch-rows", type=int, help="rows per microbatch of the group's 8 (fewer: "
-                       "the token budget's lever, the same step in more microbatches)")])
+                       "the token budget's lever, the same step in more microbatches)"),
+               cli.arg("--mlp-chunk-len", type=int, help="model.mlp_chunk_len: a recomputed MLP's backward over "
+                       "chunks of this many positions (0: whole; default: the model's, 512; docs/capacity.md's grid "
+                       "was measured at 0)")])
 
 
 if __name__ == "__main__":

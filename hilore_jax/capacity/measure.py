@@ -68,14 +68,27 @@ class Settings:
   # the rows' completions end to end in packed buffers (rl/packing.py: one buffer row of rows x T / devices
   # positions per device), each group's prompt once in a table; False: rows padded to prompt + T, every row its own
   packed: bool = False
+  # model.mlp_chunk_len: a recomputed MLP's backward over chunks of the sequence of this many positions (0: whole)
+  mlp_chunk_len: int = 512
 
   def __post_init__(self):
     if self.microbatch_rows is not None and (self.microbatch_rows <= 0 or self.rows % self.microbatch_rows):
       raise ConfigError(f"--microbatch-rows must divide the {self.rows} rows of a group, got {self.microbatch_rows}")
+    if self.mlp_chunk_len < 0:
+      raise ConfigError(f"--mlp-chunk-len must be >= 0 (0: the MLP never chunked), got {self.mlp_chunk_len}")
 
   def programs(self) -> dict:
     """The fields the compiled programs depend on (the point cache's settings): not the search's grid or cap."""
     return {k: v for k, v in vars(self).items() if k not in ("grid", "max_completion")}
+
+
+# settings fields added since a cache or result was written, with the value those files measured under
+LEGACY = {"mlp_chunk_len": 0}
+
+
+def with_legacy(settings: dict) -> dict:
+  """Recorded settings with every field added since filled in as the programs then ran (LEGACY)."""
+  return {**LEGACY, **settings}
 
 
 def shape_names() -> list[str]:
@@ -89,7 +102,7 @@ def load_shape(name: str, settings: Settings = Settings()) -> model.ModelConfig:
     raise ConfigError(f"unknown shape {name!r}: known shapes are {', '.join(shape_names())} (or a config.json path)")
   with open(path) as f:
     d = json.load(f)
-  cfg = from_hf_dict(d, settings.dtype, settings.param_dtype)
+  cfg = from_hf_dict(d, settings.dtype, settings.param_dtype).replace(mlp_chunk_len=settings.mlp_chunk_len)
   return cfg.replace(lora=LoraSpec(settings.lora_rank, 2.0 * settings.lora_rank)) if settings.lora_rank else cfg
 
 

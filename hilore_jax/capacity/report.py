@@ -32,7 +32,9 @@ def markdown(result: dict) -> str:
            + (f"LoRA rank {s['lora_rank']} on all seven projections of a frozen {s['param_dtype']} base (AdamW "
               f"state of the adapters alone, the base is the KL reference)" if s.get("lora_rank") else
               f"{s['param_dtype']} params and AdamW state") + f", KL beta {s['beta']}" +
-           ("" if s.get("lora_rank") else " (reference weights resident)") + "; completion "
+           ("" if s.get("lora_rank") else " (reference weights resident)") +
+           (f", a recomputed MLP in chunks of {s['mlp_chunk_len']} positions" if s.get("mlp_chunk_len") else
+            ", the MLP never chunked") + "; completion "
            f"lengths searched on a {s['grid']}-token grid. A cell is the longest completion in tokens (>= at the "
            "cap: the shape's max_position_embeddings - prompt), 0 when none fits.", ""]
   rows = result.get("rows", [])

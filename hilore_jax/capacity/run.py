@@ -38,7 +38,8 @@ class Grid:
     os.makedirs(out_dir, exist_ok=True)
     self.out_dir, self.settings, self.progress = out_dir, settings, progress
     self.measurer = measurer or C.Measurer(settings)
-    self.cache = search.PointCache(os.path.join(out_dir, "capacity_cache.json"), settings.programs())
+    self.cache = search.PointCache(os.path.join(out_dir, "capacity_cache.json"), settings.programs(),
+                                   lambda recorded: C.with_legacy(recorded))
     self.compiled = 0
 
   def point(self, shape: str, method: str, ratio, attention: str, devices: int, completion: int) -> dict:

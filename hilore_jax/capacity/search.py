@@ -10,6 +10,7 @@ gives way to bisection, and without a failing point yet it doubles. No JAX here:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from typing import Callable
@@ -89,21 +90,28 @@ def longest(peak_of: Callable[[int], int], budget: int, grid: int, cap: int, sta
 
 
 class PointCache:
-  """Compiled points on disk, one JSON object: "settings" (what the programs depend on beyond the key; another
-  value empties the cache) and "points" {key: record}; written atomically after every new point."""
+  """Compiled points on disk, one JSON object: "settings" (what the programs depend on beyond the key) and "points"
+  {key: record}; written atomically after every new point. A file of other settings is moved aside before the first
+  write, not overwritten (PATH less .json, then .<its settings' digest>.json); `upgrade` fills in settings fields
+  added since a file was written."""
 
-  def __init__(self, path: str, settings: dict):
-    self.path, self.settings, self.points = path, settings, {}
+  def __init__(self, path: str, settings: dict, upgrade: Callable[[dict], dict] = lambda s: s):
+    self.path, self.settings, self.points, self._other = path, settings, {}, None
     if os.path.exists(path):
       with open(path) as f:
         data = json.load(f)
-      if data.get("settings") == settings:
+      if upgrade(data.get("settings") or {}) == settings:
         self.points = data.get("points", {})
+      else:
+        self._other = hashlib.sha256(json.dumps(data.get("settings"), sort_keys=True).encode()).hexdigest()[:12]
 
   def get(self, key: str) -> dict | None:
     return self.points.get(key)
 
   def put(self, key: str, record: dict):
+    if self._other and os.path.exists(self.path):
+      os.replace(self.path, f"{self.path[:-5] if self.path.endswith('.json') else self.path}.{self._other}.json")
+    self._other = None
     self.points[key] = record
     tmp = self.path + ".tmp"
     with open(tmp, "w") as f:

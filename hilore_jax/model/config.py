@@ -95,6 +95,9 @@ class ModelConfig:
   # memory follow the number of runs, not depth); False: every layer a plain call, so XLA's cost analysis, which
   # counts a loop body once, counts each layer (the roofline projection's counts)
   scan_layers: bool = True
+  # a layer whose policy recomputes its MLP runs the MLP over chunks of at most this many positions, each
+  # rematerialised alone, so its backward holds [B, chunk, F] intermediates, not [B, T, F] (0: never chunked)
+  mlp_chunk_len: int = 512
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -117,6 +120,9 @@ class ModelConfig:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+    if isinstance(self.mlp_chunk_len, bool) or not isinstance(self.mlp_chunk_len, int) or self.mlp_chunk_len < 0:
+      raise ValueError(f"model.mlp_chunk_len must be an integer >= 0 (0: the MLP never chunked), got "
+                       f"{self.mlp_chunk_len!r}")
     if not isinstance(self.scan_layers, bool):
       raise ValueError(f"model.scan_layers must be true or false, got {self.scan_layers!r}")
     if self.model_type not in ("qwen2", "llama"):

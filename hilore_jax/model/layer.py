@@ -102,6 +102,47 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BTD: jax.Array, ctx: LayerCtx, mo
   elif isinstance(mode, Train) and mode.prefix_kv is not None:
     t[U.K], t[U.V] = (jnp.concatenate([pre.astype(own.dtype), own], axis=1) for pre, own in zip(mode.prefix_kv, extra))
   t[U.ATTN_CTX] = ops.attention(cfg, p, t, ctx, r)
-  for name, fn in ops.AFTER_ATTENTION:
+  chunks = mlp_chunks(cfg, mode, x_BTD.shape[1])
+  for name, fn in ops.AFTER_ATTENTION[:len(ops.AFTER_ATTENTION) - (len(ops.MLP_OPS) if chunks > 1 else 0)]:
     t[name] = fn(cfg, p, t, ctx, r)
+  if chunks > 1:
+    t[U.MLP_OUT] = _chunked_mlp(cfg, p, t[U.MLP_NORM], ctx, mode, chunks)
   return t[U.MLP_INPUT] + t[U.MLP_OUT], (taps if taps is not None else extra)
+
+
+# what a chunked MLP recomputes inside its chunks: none of these may be kept (H, L or O) by the layer's policy
+_MLP_INSIDE = frozenset({U.MLP_GATE, U.MLP_UP, U.MLP_SILU, U.MLP_DOWN_IN, U.MLP_OUT, U.LORA_XA})
+
+
+def mlp_chunks(cfg: ModelConfig, mode: Mode, T: int) -> int:
+  """Chunks of the sequence the layer's MLP runs in (1: whole). Only a Train layer whose policy recomputes the MLP
+  (cfg.mlp_chunk_len > 0 and T longer): its backward then holds the MLP's [T, F] intermediates a chunk at a time."""
+  policy = mode.policy if isinstance(mode, Train) else None
+  if not cfg.mlp_chunk_len or T <= cfg.mlp_chunk_len or policy is None or not policy.remat:
+    return 1
+  # an L mlp_norm is read by the projections' backward from its code: made inside a chunk, it would never be kept
+  if _MLP_INSIDE & (set(policy.save) | set(policy.lowp) | set(policy.offload)) or U.MLP_NORM in policy.lowp:
+    return 1
+  return -(-T // cfg.mlp_chunk_len)
+
+
+def _chunked_mlp(cfg: ModelConfig, p: dict, x_BTD: jax.Array, ctx: LayerCtx, mode: Train, chunks: int) -> jax.Array:
+  """The MLP's output [B, T, D] from its normed input, over `chunks` slices of the sequence, each rematerialised on
+  its own: the backward reruns one chunk's gate/up and holds its [B, T / chunks, F] intermediates, not the whole
+  sequence's. Scanned, that is the difference: inside a layer loop's body XLA:CPU kept six [T, F] intermediates of
+  the MLP's backward where the same layer unrolled kept three (docs/benchmarks.md#compile-time)."""
+  B, T, D = x_BTD.shape
+  size = -(-T // chunks)
+  x_CBSD = jnp.pad(x_BTD, ((0, 0), (0, chunks * size - T), (0, 0))).reshape(B, chunks, size, D).swapaxes(0, 1)
+
+  def one(_, xs):
+    c, x_BSD = xs
+    # a chunk's own LoRA dropout draws (the same key in every chunk would repeat one mask along the sequence)
+    pc = {**p, lora.KEY: lora.fold_dropout(p[lora.KEY], c)} if lora.KEY in p else p
+    r, t = LayerReads(mode, x_BSD.dtype), {U.MLP_NORM: x_BSD}
+    for name, fn in ops.MLP_OPS:
+      t[name] = fn(cfg, pc, t, ctx, r)
+    return None, t[U.MLP_OUT]
+
+  _, out_CBSD = jax.lax.scan(jax.checkpoint(one), None, (jnp.arange(chunks), x_CBSD))
+  return out_CBSD.swapaxes(0, 1).reshape(B, chunks * size, -1)[:, :T]

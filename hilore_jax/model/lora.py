@@ -208,6 +208,15 @@ def with_dropout(params: dict, key: jax.Array) -> dict:
   return {**params, "layers": layers}
 
 
+def fold_dropout(adapters: dict, i) -> dict:
+  """A layer's adapters with their dropout key (if any) folded with i: independent draws for a part of the layer's
+  tokens (a chunk of the sequence, model/layer.py)."""
+  if DROPOUT_KEY not in adapters:
+    return adapters
+  key = jax.random.fold_in(jax.random.wrap_key_data(adapters[DROPOUT_KEY]), i)
+  return {**adapters, DROPOUT_KEY: jax.random.key_data(key)}
+
+
 def _dropout(x, rate: float, key_data, salt: int):
   if not rate or key_data is None:
     return x

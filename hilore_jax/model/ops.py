@@ -241,8 +241,8 @@ def attention(c: ModelConfig, p: dict, t: dict, ctx, r: Reads = EXACT):
 
 # the ops around the attention, each with the tensor it produces, in order: the layer and the decode step run these
 BEFORE_ATTENTION = ((U.ATTN_NORM, attn_norm_op), (U.Q, q_proj), (U.K, k_proj), (U.V, v_proj))
-AFTER_ATTENTION = ((U.MLP_INPUT, o_proj), (U.MLP_NORM, mlp_norm_op), (U.MLP_GATE, gate_proj), (U.MLP_UP, up_proj),
-                   (U.MLP_DOWN_IN, act), (U.MLP_OUT, down_proj))
+MLP_OPS = ((U.MLP_GATE, gate_proj), (U.MLP_UP, up_proj), (U.MLP_DOWN_IN, act), (U.MLP_OUT, down_proj))
+AFTER_ATTENTION = ((U.MLP_INPUT, o_proj), (U.MLP_NORM, mlp_norm_op)) + MLP_OPS
 
 
 # The units read in backward by their projections' weight gradients alone (lowp.apply's VJP of x @ W at the kept x:

@@ -77,6 +77,28 @@ def test_the_compiled_search_stops_at_the_boundary(tiny):
   assert pts[T] <= budget < pts[T + SETTINGS.grid]
 
 
+def test_a_cache_of_other_settings_is_moved_aside_and_an_older_one_read_as_it_ran(tmp_path):
+  path = str(tmp_path / "capacity_cache.json")
+  older = {k: v for k, v in SETTINGS.programs().items() if k != "mlp_chunk_len"}  # written before the field
+  with open(path, "w") as f:
+    json.dump({"settings": older, "points": {"p|T=8": {"device_bytes": 1}}}, f)
+  unchunked = dataclasses.replace(SETTINGS, mlp_chunk_len=0).programs()
+  assert search.PointCache(path, unchunked, C.with_legacy).points == {"p|T=8": {"device_bytes": 1}}
+  assert search.PointCache(path, unchunked).points == {}  # without the upgrade the settings differ
+  chunked = search.PointCache(path, SETTINGS.programs(), C.with_legacy)  # 512: other programs
+  assert chunked.points == {}
+  chunked.put("p|T=16", {"device_bytes": 2})
+  (aside,) = [f for f in os.listdir(tmp_path) if f != "capacity_cache.json"]
+  with open(tmp_path / aside) as f:
+    assert json.load(f)["points"] == {"p|T=8": {"device_bytes": 1}}  # kept, not overwritten
+  assert search.PointCache(path, SETTINGS.programs()).points == {"p|T=16": {"device_bytes": 2}}
+
+
+def test_the_settings_chunk_the_mlp_of_every_shape():
+  assert C.load_shape("smollm2-135m", dataclasses.replace(SETTINGS, mlp_chunk_len=7)).mlp_chunk_len == 7
+  assert C.load_shape("smollm2-135m", dataclasses.replace(SETTINGS, mlp_chunk_len=0)).mlp_chunk_len == 0
+
+
 def test_a_rerun_compiles_nothing(tiny):
   shape, out, budget_gib, result = tiny
   grid = capacity_run.Grid(out, SETTINGS, progress=lambda s: None, measurer=object())  # measure() would fail
@@ -214,3 +236,12 @@ def test_grid_table_merges_pieces_once_each_in_grid_order(tmp_path):
       {"settings": {**settings, "rows": 4}, "rows": [], "growth": []}))
   with pytest.raises(ValueError, match=r"8-xla-nogc.json: its settings differ"):
     table.merged(str(tmp_path))
+  # a field added since: a piece without it ran at its LEGACY value (the MLP unchunked), so it merges with 0 only
+  for chunk, same in ((0, True), (512, False)):
+    (tmp_path / "smollm2-135m/pieces/8-xla-nogc.json").write_text(json.dumps(
+        {"settings": {**settings, "mlp_chunk_len": chunk}, "rows": [], "growth": []}))
+    if same:
+      assert table.merged(str(tmp_path))["settings"]["mlp_chunk_len"] == 0
+    else:
+      with pytest.raises(ValueError, match=r"its settings differ"):
+        table.merged(str(tmp_path))

@@ -4,11 +4,12 @@ import builders
 import jax
 import jax.numpy as jnp
 import pytest
-from jaxpr_util import eqn_count
+from jaxpr_util import eqn_count, scan_lengths
 from tolerance import assert_trees_close
 
 from hilore_jax import model
 from hilore_jax.model import LayerPolicy
+from hilore_jax.model.layer import Train, mlp_chunks
 
 KEEP_L = LayerPolicy(remat=True, save=(model.V,), lowp=(model.MLP_NORM,), group_size=8)
 SAVE = LayerPolicy(remat=True, save=(model.MLP_GATE, model.Q))
@@ -117,3 +118,29 @@ def test_a_scanned_plan_compiles_to_what_it_keeps_unrolled():
   peak = lambda m: m.temp_size_in_bytes + m.output_size_in_bytes
   pols = (keep,) + (model.FULL_REMAT,) * 4 + (keep,) * 3
   assert peak(memory(pols, True)) <= 1.07 * peak(memory(pols, False))
+
+
+def test_the_mlp_runs_in_chunks_only_where_the_policy_recomputes_it():
+  cfg = _cfg(mlp_chunk_len=2)
+  assert mlp_chunks(cfg, Train(model.FULL_REMAT), 7) == 4  # ceil(7 / 2): the last chunk padded
+  assert mlp_chunks(cfg, Train(LayerPolicy(remat=True, save=(model.V, model.MLP_NORM))), 7) == 4
+  assert mlp_chunks(cfg, Train(model.FULL_REMAT), 2) == 1  # no longer than one chunk
+  assert mlp_chunks(cfg.replace(mlp_chunk_len=0), Train(model.FULL_REMAT), 7) == 1  # off
+  for policy in (model.NO_REMAT, SAVE, KEEP_L, LayerPolicy(remat=True, lowp=(model.MLP_DOWN_IN,))):
+    assert mlp_chunks(cfg, Train(policy), 7) == 1, policy  # keeps the MLP's own tensors, or its input as a code
+  with pytest.raises(ValueError, match=r"model.mlp_chunk_len must be an integer >= 0"):
+    _cfg(mlp_chunk_len=-1)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_a_chunked_mlp_gives_the_same_gradients(scan):
+  cfg = _cfg(scan_layers=scan)
+  p = model.stacked(_params(cfg))
+  loss = lambda c: lambda q: jnp.sum(model.forward(c, q, IDS, layer_policies=PLAN) ** 2)
+  chunked = cfg.replace(mlp_chunk_len=2)
+  # PLAN's three FULL_REMAT layers chunk (7 positions: 4 chunks of 2, one padded), KEEP_L and SAVE do not: a chunk
+  # loop in each (unrolled) or in each of the two FULL_REMAT runs' bodies (scanned); none with chunking off
+  assert scan_lengths(jax.make_jaxpr(loss(chunked))(p).jaxpr).count(4) == (2 if scan else 3)
+  assert 4 not in scan_lengths(jax.make_jaxpr(loss(cfg.replace(mlp_chunk_len=0)))(p).jaxpr)
+  want = jax.jit(jax.grad(loss(cfg.replace(mlp_chunk_len=0))))(p)
+  assert_trees_close(jax.jit(jax.grad(loss(chunked)))(p), want, ulps=256)  # float32 sums in another order
