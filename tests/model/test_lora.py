@@ -128,6 +128,23 @@ def test_dropout_acts_in_the_gradient_program_only(tiny_cfg):
   assert_close(logp, s_exact["token_logp"], ulps=64)
 
 
+def test_a_chunked_mlp_keeps_the_adapters_gradients_and_draws_each_chunks_own_dropout(tiny_cfg):
+  cfg = _lora_cfg(tiny_cfg, targets=("q", "up", "down"))
+  params = _trained(cfg, model.init_params(cfg, jax.random.PRNGKey(0)))
+  ids = jnp.array([[3, 5, 7, 11, 13, 17, 19], [2, 4, 6, 8, 10, 12, 14]])
+  gc = model.uniform(cfg.num_hidden_layers, model.FULL_REMAT)
+  grad = lambda c: jax.jit(jax.grad(lambda q: jnp.sum(model.forward(c, q, ids, layer_policies=gc) ** 2)))(params)
+  # 7 positions in chunks of 3 (the last padded): the adapters' gradients as the whole sequence's
+  assert_trees_close(lora.trainable(grad(cfg.replace(mlp_chunk_len=3))),
+                     lora.trainable(grad(cfg.replace(mlp_chunk_len=0))), ulps=256)
+  adapters = lora.with_dropout(model.stacked(params), jax.random.PRNGKey(4))["layers"][lora.KEY]
+  first = lora.layer_adapters(cfg, {lora.KEY: jax.tree.map(lambda x: x[0], adapters)})
+  keys = [np.asarray(lora.fold_dropout(first, i)[lora.DROPOUT_KEY]) for i in range(3)]
+  assert all(not np.array_equal(a, b) for a, b in ((keys[0], keys[1]), (keys[1], keys[2]), (keys[0], keys[2])))
+  assert not np.array_equal(keys[0], np.asarray(first[lora.DROPOUT_KEY]))
+  assert lora.fold_dropout({"up": {}}, 1) == {"up": {}}  # no dropout key: as it is
+
+
 def test_the_merged_sampler_matches_the_unmerged_forward(tiny_cfg):
   from hilore_jax.tasks import Example, prompts
   from hilore_jax.tasks.config import TaskConfig
