@@ -12,6 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
+from hilore_jax import runtime
+
 log = logging.getLogger(__name__)
 
 H, L, R, O = "H", "L", "R", "O"
@@ -194,6 +196,9 @@ def exact(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: fl
   res = milp(np.concatenate([cost / max(cost.max(), 1e-30), np.zeros(changes)]),
              integrality=np.concatenate([np.ones(n), np.zeros(changes)]),
              bounds=Bounds(np.zeros(n + changes), np.ones(n + changes)), constraints=constraints, options=options)
+  # HiGHS's working set, freed, stays in malloc's arenas and adds up over solves: 30 layers x 32,850 options took a
+  # process from 0.56 to 12.9 GiB resident, 0.3 GiB after the trim (docs/capacity.md)
+  runtime.release_host_memory()
   # status 1: the time (or iteration) limit, with HiGHS' incumbent in res.x where it found one
   if not res.success and not (res.status == 1 and time_limit_s > 0):
     raise RuntimeError(f"MILP failed: {res.message}")

@@ -130,7 +130,7 @@ def _chunked_mlp(cfg: ModelConfig, p: dict, x_BTD: jax.Array, ctx: LayerCtx, mod
   """The MLP's output [B, T, D] from its normed input, over `chunks` slices of the sequence, each rematerialised on
   its own: the backward reruns one chunk's gate/up and holds its [B, T / chunks, F] intermediates, not the whole
   sequence's. Scanned, that is the difference: inside a layer loop's body XLA:CPU kept six [T, F] intermediates of
-  the MLP's backward where the same layer unrolled kept three (docs/benchmarks.md#compile-time)."""
+  the MLP's backward where the same layer unrolled kept three (docs/benchmarks.md#the-mlp-in-chunks-of-the-sequence)."""
   B, T, D = x_BTD.shape
   size = -(-T // chunks)
   x_CBSD = jnp.pad(x_BTD, ((0, 0), (0, chunks * size - T), (0, 0))).reshape(B, chunks, size, D).swapaxes(0, 1)

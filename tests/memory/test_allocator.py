@@ -185,3 +185,14 @@ def test_exact_time_limit_keeps_the_faster_feasible_of_incumbent_and_greedy(monk
   assert got.choice == expected and not got.proven
   with pytest.raises(RuntimeError, match="MILP failed"):  # without a limit, status 1 is not the limit's doing
     allocator.exact(groups, budget, 0.0)
+
+
+def test_exact_gives_the_solvers_freed_heap_back(monkeypatch):
+  from hilore_jax import runtime
+
+  calls = []
+  monkeypatch.setattr(runtime, "release_host_memory", lambda: calls.append(1))
+  groups, budget = _greedy_misses()
+  allocator.exact(groups, budget, 0.0)
+  allocator.exact(groups, budget, 0.0, time_limit_s=1e-9)
+  assert len(calls) == 2  # after every solve, proven or stopped at its limit
