@@ -31,7 +31,7 @@ from hilore_jax.errors import ConfigError
 from hilore_jax.memory.config import MemoryConfig
 from hilore_jax.memory.state import Calibration
 from hilore_jax.model import units as U
-from hilore_jax.model.config import LoraSpec, from_hf_dict
+from hilore_jax.model.config import LoraSpec, ModelConfig, from_hf_dict
 from hilore_jax.rl import train_step
 from hilore_jax.rl.config import GRPOConfig
 from hilore_jax.rl.update_batch import Packing, UpdateBatch
@@ -69,7 +69,7 @@ class Settings:
   # positions per device), each group's prompt once in a table; False: rows padded to prompt + T, every row its own
   packed: bool = False
   # model.mlp_chunk_len: a recomputed MLP's backward over chunks of the sequence of this many positions (0: whole)
-  mlp_chunk_len: int = 512
+  mlp_chunk_len: int = ModelConfig.mlp_chunk_len
 
   def __post_init__(self):
     if self.microbatch_rows is not None and (self.microbatch_rows <= 0 or self.rows % self.microbatch_rows):

@@ -39,7 +39,7 @@ class Grid:
     self.out_dir, self.settings, self.progress = out_dir, settings, progress
     self.measurer = measurer or C.Measurer(settings)
     self.cache = search.PointCache(os.path.join(out_dir, "capacity_cache.json"), settings.programs(),
-                                   lambda recorded: C.with_legacy(recorded))
+                                   C.with_legacy)
     self.compiled = 0
 
   def point(self, shape: str, method: str, ratio, attention: str, devices: int, completion: int) -> dict:
