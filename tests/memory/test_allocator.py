@@ -1,3 +1,4 @@
+import dataclasses
 import itertools
 
 import numpy as np
@@ -109,7 +110,7 @@ def _brute_runs(groups, budget, delta, runs):
   best = None
   for picks in itertools.product(*[range(len(g)) for g in groups]):
     a = allocator._summary(groups, picks)
-    if (a.bytes <= budget and a.risk <= delta + 1e-12 and allocator.shaped(groups, picks, runs)
+    if (a.bytes <= budget and a.risk <= delta + 1e-12 and (runs <= 0 or allocator.shaped(groups, picks, runs))
         and (best is None or a.time_s < best.time_s - 1e-12)):
       best = a
   return best
@@ -196,3 +197,48 @@ def test_exact_gives_the_solvers_freed_heap_back(monkeypatch):
   allocator.exact(groups, budget, 0.0)
   allocator.exact(groups, budget, 0.0, time_limit_s=1e-9)
   assert len(calls) == 2  # after every solve, proven or stopped at its limit
+
+
+def _same_layers(rng, layers: int, options: int):
+  """Every layer the same random options (risk-free plans, an uncalibrated hilore), the first a full recompute (no
+  bytes, no risk, the most seconds): only how many layers take each option matters."""
+  opts = [allocator.Option((R,), 0, 3.0)] + [
+      allocator.Option((f"c{i}",), int(rng.integers(1, 2000)), float(rng.uniform(0.0, 3.0)),
+                       float(rng.uniform(0.0, 0.01)) if rng.random() < 0.5 else 0.0) for i in range(1, options)]
+  return [list(opts) for _ in range(layers)]
+
+
+def test_identical_layers_solve_to_the_optimum_of_the_run_shape():
+  rng = np.random.default_rng(7)
+  bound = 0
+  for _ in range(10):
+    groups = _same_layers(rng, 6, 4)
+    assert allocator.identical(groups)
+    budget, delta = int(rng.integers(1000, 8000)), float(rng.uniform(0.0, 0.03))
+    for runs in (0, 1, 2, 3):
+      best = _brute_runs(groups, budget, delta, runs)
+      got = allocator.exact(groups, budget, delta, runs=runs)
+      assert got.bytes <= budget and got.risk <= delta + 1e-12 and got.proven
+      assert got.time_s == pytest.approx(best.time_s)
+      if runs:
+        assert allocator.shaped(groups, got.picks, runs)
+      bytes_ = [groups[0][i].bytes for i in got.picks]
+      assert bytes_ == sorted(bytes_)  # one run per option used, the fewest bytes first
+      bound += runs == 1 and allocator.num_runs(groups, got.picks) == 1
+  assert bound
+
+
+def test_identical_layers_solve_by_counts_not_positions(monkeypatch):
+  import scipy.optimize
+
+  sizes, milp = [], scipy.optimize.milp
+  monkeypatch.setattr(scipy.optimize, "milp", lambda c, **kw: sizes.append(len(c)) or milp(c, **kw))
+  rng = np.random.default_rng(8)
+  groups = _same_layers(rng, 30, 300)
+  got = allocator.exact(groups, 20000, 0.02, runs=4)
+  assert sizes == [2 * 300]  # n_o and y_o per option; positional binaries would be 30 x 300 + 29
+  assert allocator.shaped(groups, got.picks, 4) and got.bytes <= 20000 and got.risk <= 0.02 + 1e-12
+  groups[3] = [dataclasses.replace(o, risk=o.risk + 1e-3) for o in groups[3]]  # one layer differs: positions again
+  assert not allocator.identical(groups)
+  allocator.exact(groups[:6], 20000, 0.02, runs=2)
+  assert sizes[-1] == 6 * 300 + 5
