@@ -20,13 +20,15 @@ GROWTH=${GROWTH:-1}  # 0: no growth piece (GC's bytes by tokens per row) in this
 # model.mlp_chunk_len of every piece: docs/capacity.md's grid was measured with the MLP unchunked (0), before the
 # trainer's default became 512; MLP_CHUNK_LEN=512 measures the default (in another OUT: a cache holds one setting)
 MLP_CHUNK_LEN=${MLP_CHUNK_LEN:-0}
+# memory.plan_runs of every piece: the grid was measured at 4, before the trainer's default became 2
+PLAN_RUNS=${PLAN_RUNS:-4}
 for devices in $DEVICES; do
   for shape in $SHAPES; do
     if [ "$GROWTH" = 1 ] && [ "$devices" = 1 ] && [ ! -f "$OUT/$shape/pieces/growth.json" ]; then  # GC's bytes at 1024/2048/4096 tokens
       mkdir -p "$OUT/$shape/pieces"
       echo "$(date +%T) piece $shape growth"
       flock "$LOCK" nice -n 15 timeout "$PIECE_TIMEOUT" python -m train.capacity --out "$OUT/$shape" --shapes "$shape" \
-        --methods gc --budgets-gib "$BUDGETS" --devices 1 --attention "${ATTENTION// /,}" --growth-methods gc --mlp-chunk-len "$MLP_CHUNK_LEN" \
+        --methods gc --budgets-gib "$BUDGETS" --devices 1 --attention "${ATTENTION// /,}" --growth-methods gc --mlp-chunk-len "$MLP_CHUNK_LEN" --plan-runs "$PLAN_RUNS" \
         >> "$OUT/$shape/pieces.log" 2>&1 && cp "$OUT/$shape/capacity.json" "$OUT/$shape/pieces/growth.json"
     fi
     for attention in $ATTENTION; do
@@ -38,7 +40,7 @@ for devices in $DEVICES; do
         echo "$(date +%T) piece $shape x$devices $attention gc,$method"
         flock "$LOCK" nice -n 15 timeout "$PIECE_TIMEOUT" python -m train.capacity --out "$dir" --shapes "$shape" \
           --methods "gc,$method" --budgets-gib "$BUDGETS" --devices "$devices" --attention "$attention" \
-          --growth-methods '' --mlp-chunk-len "$MLP_CHUNK_LEN" >> "$dir/pieces.log" 2>&1
+          --growth-methods '' --mlp-chunk-len "$MLP_CHUNK_LEN" --plan-runs "$PLAN_RUNS" >> "$dir/pieces.log" 2>&1
         rc=$?
         if [ $rc -eq 0 ]; then cp "$dir/capacity.json" "$piece"; else echo "  exit $rc (see $dir/pieces.log)"; fi
       done

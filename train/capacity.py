@@ -1,6 +1,6 @@
 """python -m train.capacity --out DIR [--shapes smollm2-135m,qwen2.5-1.5b] [--methods gc,hilore] [--budgets-gib 24,80]
     [--devices 1,8] [--attention xla,blockwise] [--growth-methods gc] [--lora RANK]
-    [--packed] [--microbatch-rows 8] [--mlp-chunk-len 512]
+    [--packed] [--microbatch-rows 8] [--mlp-chunk-len 512] [--plan-runs 2]
 
 The longest completion whose whole GRPO step (gradient and update programs, old and reference log-prob passes)
 compiles within each per-device budget, compile-only (hilore_jax/capacity/measure.py; docs/capacity.md). Every
@@ -61,7 +61,8 @@ def body(args):
   settings = capacity.Settings(grid=args.grid, max_completion=args.max_completion, lora_rank=args.lora,
                                packed=args.packed, microbatch_rows=args.microbatch_rows,
                                mlp_chunk_len=capacity.Settings.mlp_chunk_len if args.mlp_chunk_len is None
-                               else args.mlp_chunk_len)
+                               else args.mlp_chunk_len,
+                               plan_runs=capacity.Settings.plan_runs if args.plan_runs is None else args.plan_runs)
   capacity_run.run(args.out, shapes, methods, budgets, devices, attention, growth, settings, cli.progress)
   cli.print_files(args.out, "capacity.md")
 
@@ -90,7 +91,10 @@ def main(argv=None):
                        "the token budget's lever, the same step in more microbatches)"),
                cli.arg("--mlp-chunk-len", type=int, help="model.mlp_chunk_len: a recomputed MLP's backward over "
                        "chunks of this many positions (0: whole; default: the model's, 512; docs/capacity.md's grid "
-                       "was measured at 0)")])
+                       "was measured at 0)"),
+               cli.arg("--plan-runs", type=int, help="memory.plan_runs: at most this many runs of layers with one "
+                       "policy in a solved method's plan (0: any; default: the trainer's, 2; docs/capacity.md's grid "
+                       "was measured at 4)")])
 
 
 if __name__ == "__main__":

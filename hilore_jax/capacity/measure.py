@@ -70,12 +70,16 @@ class Settings:
   packed: bool = False
   # model.mlp_chunk_len: a recomputed MLP's backward over chunks of the sequence of this many positions (0: whole)
   mlp_chunk_len: int = ModelConfig.mlp_chunk_len
+  # memory.plan_runs: a solved method's plan has at most this many runs of layers with one policy (0: any)
+  plan_runs: int = MemoryConfig.plan_runs
 
   def __post_init__(self):
     if self.microbatch_rows is not None and (self.microbatch_rows <= 0 or self.rows % self.microbatch_rows):
       raise ConfigError(f"--microbatch-rows must divide the {self.rows} rows of a group, got {self.microbatch_rows}")
     if self.mlp_chunk_len < 0:
       raise ConfigError(f"--mlp-chunk-len must be >= 0 (0: the MLP never chunked), got {self.mlp_chunk_len}")
+    if self.plan_runs < 0:
+      raise ConfigError(f"--plan-runs must be >= 0 (0: any number of runs), got {self.plan_runs}")
 
   def programs(self) -> dict:
     """The fields the compiled programs depend on (the point cache's settings): not the search's grid or cap."""
@@ -83,7 +87,7 @@ class Settings:
 
 
 # settings fields added since a cache or result was written, with the value those files measured under
-LEGACY = {"mlp_chunk_len": 0}
+LEGACY = {"mlp_chunk_len": 0, "plan_runs": 4}
 
 
 def with_legacy(settings: dict) -> dict:
@@ -164,7 +168,8 @@ class Measurer:
   def config(self) -> Config:
     s = self.settings
     return Config(grpo=GRPOConfig(beta=s.beta), memory=MemoryConfig(group_size=s.group_size, buckets=1,
-                                                                     budget_probes=s.budget_probes, cache=False))
+                                                                     budget_probes=s.budget_probes, cache=False,
+                                                                     plan_runs=s.plan_runs))
 
   def engine(self, mcfg: model.ModelConfig, devices: int):
     """The engine of one (shape and kernel, devices), the last one only: every XLA:CPU executable holds mapped code,

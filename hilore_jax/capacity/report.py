@@ -25,7 +25,9 @@ def growth_check(peak: dict) -> dict:
 
 
 def markdown(result: dict) -> str:
-  s = result["settings"]
+  from hilore_jax.capacity.measure import with_legacy  # measure imports jax and the model: only where read
+
+  s = with_legacy(result["settings"])
   lines = ["# Capacity (compile-only): the longest completion whose whole GRPO step fits one device",
            "", f"Prompt {s['prompt_len']} tokens, {s['rows']} rows (one group) in microbatches of "
            f"{s.get('microbatch_rows') or s['rows']}, {s['dtype']} compute, "
@@ -34,7 +36,7 @@ def markdown(result: dict) -> str:
               f"{s['param_dtype']} params and AdamW state") + f", KL beta {s['beta']}" +
            ("" if s.get("lora_rank") else " (reference weights resident)") +
            (f", a recomputed MLP in chunks of {s['mlp_chunk_len']} positions" if s.get("mlp_chunk_len") else
-            ", the MLP never chunked") + "; completion "
+            ", the MLP never chunked") + f", solved plans of at most {s['plan_runs']} layer runs; completion "
            f"lengths searched on a {s['grid']}-token grid. A cell is the longest completion in tokens (>= at the "
            "cap: the shape's max_position_embeddings - prompt), 0 when none fits.", ""]
   rows = result.get("rows", [])

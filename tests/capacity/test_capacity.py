@@ -14,6 +14,8 @@ from hilore_jax import model
 from hilore_jax.capacity import measure as C
 from hilore_jax.capacity import report as capacity_report, run as capacity_run
 from hilore_jax.capacity import search
+from hilore_jax.errors import ConfigError
+from hilore_jax.memory.config import MemoryConfig
 from train import capacity as entry
 
 TINY = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 97, "hidden_size": 40, "intermediate_size": 72,
@@ -79,10 +81,12 @@ def test_the_compiled_search_stops_at_the_boundary(tiny):
 
 def test_a_cache_of_other_settings_is_moved_aside_and_an_older_one_read_as_it_ran(tmp_path):
   path = str(tmp_path / "capacity_cache.json")
-  older = {k: v for k, v in SETTINGS.programs().items() if k != "mlp_chunk_len"}  # written before the field
+  older = {k: v for k, v in SETTINGS.programs().items() if k not in ("mlp_chunk_len", "plan_runs")}  # before both
   with open(path, "w") as f:
     json.dump({"settings": older, "points": {"p|T=8": {"device_bytes": 1}}}, f)
-  unchunked = dataclasses.replace(SETTINGS, mlp_chunk_len=0).programs()
+  unchunked = dataclasses.replace(SETTINGS, mlp_chunk_len=0, plan_runs=4).programs()
+  assert search.PointCache(path, dataclasses.replace(SETTINGS, mlp_chunk_len=0).programs(),
+                           C.with_legacy).points == {}  # the trainer's 2 runs: other plans
   assert search.PointCache(path, unchunked, C.with_legacy).points == {"p|T=8": {"device_bytes": 1}}
   assert search.PointCache(path, unchunked).points == {}  # without the upgrade the settings differ
   chunked = search.PointCache(path, SETTINGS.programs(), C.with_legacy)  # 512: other programs
@@ -92,6 +96,13 @@ def test_a_cache_of_other_settings_is_moved_aside_and_an_older_one_read_as_it_ra
   with open(tmp_path / aside) as f:
     assert json.load(f)["points"] == {"p|T=8": {"device_bytes": 1}}  # kept, not overwritten
   assert search.PointCache(path, SETTINGS.programs()).points == {"p|T=16": {"device_bytes": 2}}
+
+
+def test_the_settings_bound_the_plans_runs():
+  assert C.Measurer(dataclasses.replace(SETTINGS, plan_runs=3)).config().memory.plan_runs == 3
+  assert C.Settings().plan_runs == MemoryConfig().plan_runs == 2
+  with pytest.raises(ConfigError, match=r"--plan-runs must be >= 0"):
+    C.Settings(plan_runs=-1)
 
 
 def test_the_settings_chunk_the_mlp_of_every_shape():
