@@ -226,7 +226,7 @@ def _exact_counts(groups, budget_bytes: int, risk_budget: float, mip_gap: float,
   how many do, so the MILP picks counts n_o (integers, sum G) and, with runs > 0, which options are used (y_o, at most
   `runs`, each by at least two groups). Positional binaries made HiGHS search every permutation of the layers: 30
   layers x 1,095 options ran 216 s and 12.9 GiB resident (docs/capacity.md). The plan: one run per option used, the
-  most bytes first (tiny_hilore's plan, 2 of 4 layers keeping: 16.2 MB compiled kept first, 17.2 MB kept last)."""
+  fewest bytes first (most bytes first, the binding bench's plans compiled over budget and kept a third as much)."""
   from scipy import sparse
   from scipy.optimize import Bounds, LinearConstraint, milp
 
@@ -257,7 +257,7 @@ def _exact_counts(groups, budget_bytes: int, risk_budget: float, mip_gap: float,
   found = None
   if res.x is not None:
     counts = np.round(res.x[:k]).astype(int)
-    order = sorted(np.flatnonzero(counts), key=lambda i: (-opts[i].bytes, opts[i].time_s, i))
+    order = sorted(np.flatnonzero(counts), key=lambda i: (opts[i].bytes, opts[i].time_s, i))
     found = _summary(groups, [int(i) for i in order for _ in range(counts[i])])
   if res.success:
     return found

@@ -223,7 +223,7 @@ def test_identical_layers_solve_to_the_optimum_of_the_run_shape():
       if runs:
         assert allocator.shaped(groups, got.picks, runs)
       bytes_ = [groups[0][i].bytes for i in got.picks]
-      assert bytes_ == sorted(bytes_, reverse=True)  # one run per option used, the most bytes first
+      assert bytes_ == sorted(bytes_)  # one run per option used, the fewest bytes first
       bound += runs == 1 and allocator.num_runs(groups, got.picks) == 1
   assert bound
 
