@@ -243,8 +243,7 @@ def _exact_counts(groups, budget_bytes: int, risk_budget: float, mip_gap: float,
                  LinearConstraint(pad(np.ones(k)), G, G)]
   if used:
     eye = sparse.identity(k, format="csr")
-    shortest = 2 if G >= 2 else 1  # no run one group long
-    constraints += [LinearConstraint(sparse.hstack([eye, -shortest * eye]).tocsr(), 0.0, np.inf),
+    constraints += [LinearConstraint(sparse.hstack([eye, -2 * eye]).tocsr(), 0.0, np.inf),  # no run one group long
                     LinearConstraint(sparse.hstack([eye, -G * eye]).tocsr(), -np.inf, 0.0),
                     LinearConstraint(np.concatenate([np.zeros(k), np.ones(k)])[None], -np.inf, runs)]
   options = {"mip_rel_gap": mip_gap, **({"time_limit": float(time_limit_s)} if time_limit_s > 0 else {})}
@@ -257,6 +256,8 @@ def _exact_counts(groups, budget_bytes: int, risk_budget: float, mip_gap: float,
   found = None
   if res.x is not None:
     counts = np.round(res.x[:k]).astype(int)
+    if counts.sum() != G:
+      raise RuntimeError(f"MILP failed: its counts cover {counts.sum()} of {G} groups")
     order = sorted(np.flatnonzero(counts), key=lambda i: (opts[i].bytes, opts[i].time_s, i))
     found = _summary(groups, [int(i) for i in order for _ in range(counts[i])])
   if res.success:

@@ -137,7 +137,7 @@ class MemoryConfig:
   mip_time_limit_s: float = 60.0
   # a solved method's plan has at most this many runs of consecutive layers with one policy (0: any): each run
   # compiles once, as a layer scan, so compile time and the compiler's memory stay flat in depth (docs/hilore.md).
-  # Each run adds about a second of XLA:CPU compile at SmolLM2's width; two cost 0.1% predicted against any number
+  # Each run adds about a second of XLA:CPU compile at SmolLM2's width; where layers are identical two cost nothing
   plan_runs: int = 2
   offload: bool = False  # allow O (offload to host memory); GPU/TPU only
   budget_probes: int = 4  # compiles per bucket to fit the plan's byte allowance to the compiled peak
