@@ -171,7 +171,7 @@ def exact(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: fl
   HiGHS has not proven the gap by then, the faster of its best plan so far and greedy's (proven=False). Groups that
   are all the same (`identical`) are solved by how many take each option (_exact_counts), the same optimum."""
   from scipy import sparse
-  from scipy.optimize import Bounds, LinearConstraint, milp
+  from scipy.optimize import LinearConstraint
 
   _start(groups, budget_bytes)  # raises on an infeasible budget
   if identical(groups):
@@ -195,16 +195,9 @@ def exact(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: fl
                  LinearConstraint(pad(one), 1, 1)]
   if changes:
     constraints += _run_constraints(groups, start, runs)
-  options = {"mip_rel_gap": mip_gap, **({"time_limit": float(time_limit_s)} if time_limit_s > 0 else {})}
-  res = milp(np.concatenate([cost / max(cost.max(), 1e-30), np.zeros(changes)]),
-             integrality=np.concatenate([np.ones(n), np.zeros(changes)]),
-             bounds=Bounds(np.zeros(n + changes), np.ones(n + changes)), constraints=constraints, options=options)
-  # HiGHS's working set, freed, stays in malloc's arenas and adds up over solves: 30 layers x 32,850 options took a
-  # process from 0.56 to 12.9 GiB resident, 0.3 GiB after the trim (docs/capacity.md)
-  runtime.release_host_memory()
-  # status 1: the time (or iteration) limit, with HiGHS' incumbent in res.x where it found one
-  if not res.success and not (res.status == 1 and time_limit_s > 0):
-    raise RuntimeError(f"MILP failed: {res.message}")
+  res = _milp(np.concatenate([cost / max(cost.max(), 1e-30), np.zeros(changes)]),
+              np.concatenate([np.ones(n), np.zeros(changes)]), np.ones(n + changes), constraints, mip_gap,
+              time_limit_s)
   found = None
   if res.x is not None:
     x = np.round(res.x[:n]).astype(int)
@@ -212,6 +205,23 @@ def exact(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: fl
   if res.success:
     return found
   return _unproven(groups, budget_bytes, risk_budget, runs, found, time_limit_s)
+
+
+def _milp(cost, integrality, upper, constraints, mip_gap: float, time_limit_s: float):
+  """HiGHS (scipy.optimize.milp) over variables in [0, upper], to a proven relative gap within an optional time
+  limit: its result, an error unless it proved the gap or stopped at the limit (status 1, its incumbent, if any, in
+  res.x)."""
+  from scipy.optimize import Bounds, milp
+
+  options = {"mip_rel_gap": mip_gap, **({"time_limit": float(time_limit_s)} if time_limit_s > 0 else {})}
+  res = milp(cost, integrality=integrality, bounds=Bounds(np.zeros(len(cost)), upper), constraints=constraints,
+             options=options)
+  # HiGHS's working set, freed, stays in malloc's arenas and adds up over solves: 30 layers x 32,850 options took a
+  # process from 0.56 to 12.9 GiB resident, 0.3 GiB after the trim (docs/capacity.md)
+  runtime.release_host_memory()
+  if not res.success and not (res.status == 1 and time_limit_s > 0):
+    raise RuntimeError(f"MILP failed: {res.message}")
+  return res
 
 
 def identical(groups: Sequence[Sequence[Option]]) -> bool:
@@ -228,7 +238,7 @@ def _exact_counts(groups, budget_bytes: int, risk_budget: float, mip_gap: float,
   layers x 1,095 options ran 216 s and 12.9 GiB resident (docs/capacity.md). The plan: one run per option used, the
   fewest bytes first (most bytes first, the binding bench's plans compiled over budget and kept a third as much)."""
   from scipy import sparse
-  from scipy.optimize import Bounds, LinearConstraint, milp
+  from scipy.optimize import LinearConstraint
 
   opts, G = list(groups[0]), len(groups)
   k = len(opts)
@@ -246,13 +256,8 @@ def _exact_counts(groups, budget_bytes: int, risk_budget: float, mip_gap: float,
     constraints += [LinearConstraint(sparse.hstack([eye, -2 * eye]).tocsr(), 0.0, np.inf),  # no run one group long
                     LinearConstraint(sparse.hstack([eye, -G * eye]).tocsr(), -np.inf, 0.0),
                     LinearConstraint(np.concatenate([np.zeros(k), np.ones(k)])[None], -np.inf, runs)]
-  options = {"mip_rel_gap": mip_gap, **({"time_limit": float(time_limit_s)} if time_limit_s > 0 else {})}
-  res = milp(np.concatenate([cost / max(cost.max(), 1e-30), np.zeros(used)]), integrality=np.ones(k + used),
-             bounds=Bounds(np.zeros(k + used), np.concatenate([np.full(k, G), np.ones(used)])),
-             constraints=constraints, options=options)
-  runtime.release_host_memory()
-  if not res.success and not (res.status == 1 and time_limit_s > 0):
-    raise RuntimeError(f"MILP failed: {res.message}")
+  res = _milp(np.concatenate([cost / max(cost.max(), 1e-30), np.zeros(used)]), np.ones(k + used),
+              np.concatenate([np.full(k, G), np.ones(used)]), constraints, mip_gap, time_limit_s)
   found = None
   if res.x is not None:
     counts = np.round(res.x[:k]).astype(int)
