@@ -169,13 +169,16 @@ def exact(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: fl
   consecutive groups with one choice, each at least two long (a change variable c_k >= x[k, o] - x[k-1, o] for
   every choice o, sum of c <= runs - 1, c_k + c_{k+1} <= 1, no change at either end). time_limit_s > 0: where
   HiGHS has not proven the gap by then, the faster of its best plan so far and greedy's (proven=False). Groups that
-  are all the same (`identical`) are solved by how many take each option (_exact_counts), the same optimum."""
+  are all the same (`identical`) are solved by how many take each option (_exact_counts), the same optimum; other
+  groups under at most two runs by trying every plan of that shape (_exact_two_runs: the optimum, no gap)."""
   from scipy import sparse
   from scipy.optimize import LinearConstraint
 
   _start(groups, budget_bytes)  # raises on an infeasible budget
   if identical(groups):
     return _exact_counts(groups, budget_bytes, risk_budget, mip_gap, runs, time_limit_s)
+  if 1 <= runs <= 2 and len(groups) > 1:
+    return _exact_two_runs(groups, budget_bytes, risk_budget, runs)
   sizes = [len(g) for g in groups]
   n = sum(sizes)
   opts = [o for g in groups for o in g]
@@ -268,6 +271,49 @@ def _exact_counts(groups, budget_bytes: int, risk_budget: float, mip_gap: float,
   if res.success:
     return found
   return _unproven(groups, budget_bytes, risk_budget, runs, found, time_limit_s)
+
+
+def _exact_two_runs(groups, budget_bytes: int, risk_budget: float, runs: int, block: int = 256) -> Allocation:
+  """exact() under at most two runs, by trying every such plan: one choice for all groups, or choice a on groups
+  [0, m) and b on [m, G) for every split m with both runs at least two long; vectorised over (a, b) pairs in blocks
+  of a, from per-choice prefix sums of bytes, seconds and risk (a choice missing from a group's options, pruned
+  there, cannot cover it). O(G K^2) for K choices, exact, and no solver: per-layer risks (a calibrated plan) made
+  the MILP take 15-60 s a solve at 30 layers x ~230 options (docs/hilore.md)."""
+  G = len(groups)
+  choices = list(dict.fromkeys(o.choice for g in groups for o in g))
+  col = {c: j for j, c in enumerate(choices)}
+  K = len(choices)
+  # bytes, seconds, risk of each group under each choice, and a 4th row: 1 where the choice is not among its options
+  per = np.zeros((4, G, K))
+  per[3] = 1.0
+  for gi, g in enumerate(groups):
+    for o in g:
+      per[:, gi, col[o.choice]] = (o.bytes, o.time_s, o.risk, 0.0)
+  pre = np.concatenate([np.zeros((4, 1, K)), np.cumsum(per, axis=1)], axis=1)  # [4, G + 1, K]
+  total = pre[:, G]
+  budget_r = risk_budget + 1e-12
+  fits = lambda v: (v[0] <= budget_bytes) & (v[2] <= budget_r) & (v[3] < 0.5)  # noqa: E731
+  # one run: every group the same choice
+  one = np.where(fits(total), total[1], np.inf)
+  best_t = float(one.min())
+  best = (0, int(np.argmin(one))) if np.isfinite(best_t) else None
+  for m in range(2, G - 1) if runs >= 2 else ():
+    head, tail = pre[:, m], total - pre[:, m]  # [4, K] each: choice a on [0, m), choice b on [m, G)
+    for lo in range(0, K, block):
+      pair = head[:, lo:lo + block, None] + tail[:, None, :]  # [4, block, K]
+      t_ab = np.where(fits(pair), pair[1], np.inf)
+      flat = int(np.argmin(t_ab))
+      if t_ab.flat[flat] < best_t - 1e-15:
+        best_t, best = float(t_ab.flat[flat]), (m, lo + flat // K, flat % K)
+  if best is None:
+    raise RuntimeError("MILP failed: no plan of at most two runs fits both budgets")
+  if best[0] == 0:
+    pick = [best[1]] * G
+  else:
+    m, a, b = best
+    pick = [a] * m + [b] * (G - m)
+  index = [{o.choice: i for i, o in enumerate(g)} for g in groups]
+  return _summary(groups, [index[gi][choices[c]] for gi, c in enumerate(pick)])
 
 
 def _unproven(groups, budget_bytes: int, risk_budget: float, runs: int, found: Allocation | None,

@@ -240,5 +240,29 @@ def test_identical_layers_solve_by_counts_not_positions(monkeypatch):
   assert allocator.shaped(groups, got.picks, 4) and got.bytes <= 20000 and got.risk <= 0.02 + 1e-12
   groups[3] = [dataclasses.replace(o, risk=o.risk + 1e-3) for o in groups[3]]  # one layer differs: positions again
   assert not allocator.identical(groups)
-  allocator.exact(groups[:6], 20000, 0.02, runs=2)
+  allocator.exact(groups[:6], 20000, 0.02, runs=3)
   assert sizes[-1] == 6 * 300 + 5
+
+
+def test_two_runs_are_solved_by_trying_every_such_plan(monkeypatch):
+  import scipy.optimize
+
+  rng = np.random.default_rng(9)
+  calls = []
+  milp = scipy.optimize.milp
+  monkeypatch.setattr(scipy.optimize, "milp", lambda *a, **kw: calls.append(1) or milp(*a, **kw))
+  bound = 0
+  for _ in range(12):
+    groups = _layer_groups(rng, 7)  # per-layer risks: not identical
+    groups[4] = groups[4][:3]  # a choice pruned from one layer: no run may cover it there
+    budget, delta = int(rng.integers(600, 6000)), float(rng.uniform(0.0, 0.03))
+    for runs in (1, 2):
+      best = _brute_runs(groups, budget, delta, runs)
+      got = allocator.exact(groups, budget, delta, runs=runs)
+      small = allocator._exact_two_runs(groups, budget, delta, runs, block=1)  # (a, b) pairs one a at a time
+      assert got.time_s == pytest.approx(best.time_s) and small.time_s == pytest.approx(best.time_s)
+      assert allocator.shaped(groups, got.picks, runs) and got.bytes <= budget and got.risk <= delta + 1e-12
+      bound += allocator.num_runs(groups, got.picks) == 2
+  assert calls == [] and bound  # no MILP; two-run plans were optimal somewhere
+  allocator.exact(groups, 6000, 0.03, runs=3)
+  assert calls  # three runs: the MILP
