@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from hilore_jax import runtime
+from hilore_jax.memory import solvers
 
 log = logging.getLogger(__name__)
 
@@ -169,16 +169,18 @@ def exact(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: fl
   consecutive groups with one choice, each at least two long (a change variable c_k >= x[k, o] - x[k-1, o] for
   every choice o, sum of c <= runs - 1, c_k + c_{k+1} <= 1, no change at either end). time_limit_s > 0: where
   HiGHS has not proven the gap by then, the faster of its best plan so far and greedy's (proven=False). Groups that
-  are all the same (`identical`) are solved by how many take each option (_exact_counts), the same optimum; other
-  groups under at most two runs by trying every plan of that shape (_exact_two_runs: the optimum, no gap)."""
+  are all the same (`solvers.identical`) are solved by how many take each option (solvers.counts), the same
+  optimum; other groups under at most two runs by trying every plan of that shape (solvers.two_runs: no gap)."""
   from scipy import sparse
   from scipy.optimize import LinearConstraint
 
   _start(groups, budget_bytes)  # raises on an infeasible budget
-  if identical(groups):
-    return _exact_counts(groups, budget_bytes, risk_budget, mip_gap, runs, time_limit_s)
+  if solvers.identical(groups):
+    picks, proven = solvers.counts(groups, budget_bytes, risk_budget, mip_gap, runs, time_limit_s)
+    found = None if picks is None else _summary(groups, picks)
+    return found if proven else _unproven(groups, budget_bytes, risk_budget, runs, found, time_limit_s)
   if 1 <= runs <= 2 and len(groups) > 1:
-    return _exact_two_runs(groups, budget_bytes, risk_budget, runs)
+    return _summary(groups, solvers.two_runs(groups, budget_bytes, risk_budget, runs))
   sizes = [len(g) for g in groups]
   n = sum(sizes)
   opts = [o for g in groups for o in g]
@@ -198,9 +200,9 @@ def exact(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: fl
                  LinearConstraint(pad(one), 1, 1)]
   if changes:
     constraints += _run_constraints(groups, start, runs)
-  res = _milp(np.concatenate([cost / max(cost.max(), 1e-30), np.zeros(changes)]),
-              np.concatenate([np.ones(n), np.zeros(changes)]), np.ones(n + changes), constraints, mip_gap,
-              time_limit_s)
+  res = solvers.milp(np.concatenate([cost / max(cost.max(), 1e-30), np.zeros(changes)]),
+                     np.concatenate([np.ones(n), np.zeros(changes)]), np.ones(n + changes), constraints, mip_gap,
+                     time_limit_s)
   found = None
   if res.x is not None:
     x = np.round(res.x[:n]).astype(int)
@@ -208,112 +210,6 @@ def exact(groups: Sequence[Sequence[Option]], budget_bytes: int, risk_budget: fl
   if res.success:
     return found
   return _unproven(groups, budget_bytes, risk_budget, runs, found, time_limit_s)
-
-
-def _milp(cost, integrality, upper, constraints, mip_gap: float, time_limit_s: float):
-  """HiGHS (scipy.optimize.milp) over variables in [0, upper], to a proven relative gap within an optional time
-  limit: its result, an error unless it proved the gap or stopped at the limit (status 1, its incumbent, if any, in
-  res.x)."""
-  from scipy.optimize import Bounds, milp
-
-  options = {"mip_rel_gap": mip_gap, **({"time_limit": float(time_limit_s)} if time_limit_s > 0 else {})}
-  res = milp(cost, integrality=integrality, bounds=Bounds(np.zeros(len(cost)), upper), constraints=constraints,
-             options=options)
-  # HiGHS's working set, freed, stays in malloc's arenas and adds up over solves: 30 layers x 32,850 options took a
-  # process from 0.56 to 12.9 GiB resident, 0.3 GiB after the trim (docs/capacity.md)
-  runtime.release_host_memory()
-  if not res.success and not (res.status == 1 and time_limit_s > 0):
-    raise RuntimeError(f"MILP failed: {res.message}")
-  return res
-
-
-def identical(groups: Sequence[Sequence[Option]]) -> bool:
-  """Whether every group has the same options (equal choices, bytes, seconds and risks): layers of one shape whose
-  L units carry equal risks, as every risk-free plan's and an uncalibrated one's."""
-  return len(groups) > 1 and all(tuple(g) == tuple(groups[0]) for g in groups[1:])
-
-
-def _exact_counts(groups, budget_bytes: int, risk_budget: float, mip_gap: float, runs: int,
-                  time_limit_s: float) -> Allocation:
-  """exact() where every group is the same: which groups take an option does not change bytes, seconds or risk, only
-  how many do, so the MILP picks counts n_o (integers, sum G) and, with runs > 0, which options are used (y_o, at most
-  `runs`, each by at least two groups). Positional binaries made HiGHS search every permutation of the layers: 30
-  layers x 1,095 options ran 216 s and 12.9 GiB resident (docs/capacity.md). The plan: one run per option used, the
-  fewest bytes first (most bytes first, the binding bench's plans compiled over budget and kept a third as much)."""
-  from scipy import sparse
-  from scipy.optimize import LinearConstraint
-
-  opts, G = list(groups[0]), len(groups)
-  k = len(opts)
-  cost = np.array([o.time_s for o in opts])
-  mem = np.array([o.bytes for o in opts], float)
-  risk = np.array([o.risk for o in opts])
-  mscale, rscale = max(np.abs(mem).max(), 1.0), max(risk.max(), 1e-30)
-  used = k if runs > 0 else 0  # y_o: option o is some run's
-  pad = lambda row: np.concatenate([row, np.zeros(used)])[None]
-  constraints = [LinearConstraint(pad(mem / mscale), -np.inf, budget_bytes / mscale),
-                 LinearConstraint(pad(risk / rscale), -np.inf, (risk_budget + 1e-12) / rscale),
-                 LinearConstraint(pad(np.ones(k)), G, G)]
-  if used:
-    eye = sparse.identity(k, format="csr")
-    constraints += [LinearConstraint(sparse.hstack([eye, -2 * eye]).tocsr(), 0.0, np.inf),  # no run one group long
-                    LinearConstraint(sparse.hstack([eye, -G * eye]).tocsr(), -np.inf, 0.0),
-                    LinearConstraint(np.concatenate([np.zeros(k), np.ones(k)])[None], -np.inf, runs)]
-  res = _milp(np.concatenate([cost / max(cost.max(), 1e-30), np.zeros(used)]), np.ones(k + used),
-              np.concatenate([np.full(k, G), np.ones(used)]), constraints, mip_gap, time_limit_s)
-  found = None
-  if res.x is not None:
-    counts = np.round(res.x[:k]).astype(int)
-    if counts.sum() != G:
-      raise RuntimeError(f"MILP failed: its counts cover {counts.sum()} of {G} groups")
-    order = sorted(np.flatnonzero(counts), key=lambda i: (opts[i].bytes, opts[i].time_s, i))
-    found = _summary(groups, [int(i) for i in order for _ in range(counts[i])])
-  if res.success:
-    return found
-  return _unproven(groups, budget_bytes, risk_budget, runs, found, time_limit_s)
-
-
-def _exact_two_runs(groups, budget_bytes: int, risk_budget: float, runs: int, block: int = 256) -> Allocation:
-  """exact() under at most two runs, by trying every such plan: one choice for all groups, or choice a on groups
-  [0, m) and b on [m, G) for every split m with both runs at least two long; vectorised over (a, b) pairs in blocks
-  of a, from per-choice prefix sums of bytes, seconds and risk (a choice missing from a group's options, pruned
-  there, cannot cover it). O(G K^2) for K choices, exact, and no solver: per-layer risks (a calibrated plan) made
-  the MILP take 15-60 s a solve at 30 layers x ~230 options (docs/hilore.md)."""
-  G = len(groups)
-  choices = list(dict.fromkeys(o.choice for g in groups for o in g))
-  col = {c: j for j, c in enumerate(choices)}
-  K = len(choices)
-  # bytes, seconds, risk of each group under each choice, and a 4th row: 1 where the choice is not among its options
-  per = np.zeros((4, G, K))
-  per[3] = 1.0
-  for gi, g in enumerate(groups):
-    for o in g:
-      per[:, gi, col[o.choice]] = (o.bytes, o.time_s, o.risk, 0.0)
-  pre = np.concatenate([np.zeros((4, 1, K)), np.cumsum(per, axis=1)], axis=1)  # [4, G + 1, K]
-  total = pre[:, G]
-  budget_r = risk_budget + 1e-12
-  fits = lambda v: (v[0] <= budget_bytes) & (v[2] <= budget_r) & (v[3] < 0.5)  # noqa: E731
-  # one run: every group the same choice
-  one = np.where(fits(total), total[1], np.inf)
-  best_t = float(one.min())
-  best = (0, int(np.argmin(one))) if np.isfinite(best_t) else None
-  for m in range(2, G - 1) if runs >= 2 else ():
-    head, tail = pre[:, m], total - pre[:, m]  # [4, K] each: choice a on [0, m), choice b on [m, G)
-    for lo in range(0, K, block):
-      pair = head[:, lo:lo + block, None] + tail[:, None, :]  # [4, block, K]
-      t_ab = np.where(fits(pair), pair[1], np.inf)
-      flat = int(np.argmin(t_ab))
-      if t_ab.flat[flat] < best_t - 1e-15:
-        best_t, best = float(t_ab.flat[flat]), (m, lo + flat // K, flat % K)
-  if best is None:
-    raise RuntimeError("MILP failed: no plan of at most two runs fits both budgets")
-  if best[0] == 0:
-    pick = [best[1]] * G
-  else:
-    m, a, b = best
-    pick = [a] * m + [b] * (G - m)
-  index = [{o.choice: i for i, o in enumerate(g)} for g in groups]
-  return _summary(groups, [index[gi][choices[c]] for gi, c in enumerate(pick)])
 
 
 def _unproven(groups, budget_bytes: int, risk_budget: float, runs: int, found: Allocation | None,

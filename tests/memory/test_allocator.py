@@ -4,7 +4,7 @@ import itertools
 import numpy as np
 import pytest
 
-from hilore_jax.memory import allocator
+from hilore_jax.memory import allocator, solvers
 from hilore_jax.memory.allocator import H, L, R, UnitCost
 
 
@@ -213,7 +213,7 @@ def test_identical_layers_solve_to_the_optimum_of_the_run_shape():
   bound = 0
   for _ in range(10):
     groups = _same_layers(rng, 6, 4)
-    assert allocator.identical(groups)
+    assert solvers.identical(groups)
     budget, delta = int(rng.integers(1000, 8000)), float(rng.uniform(0.0, 0.03))
     for runs in (0, 1, 2, 3):
       best = _brute_runs(groups, budget, delta, runs)
@@ -239,7 +239,7 @@ def test_identical_layers_solve_by_counts_not_positions(monkeypatch):
   assert sizes == [2 * 300]  # n_o and y_o per option; positional binaries would be 30 x 300 + 29
   assert allocator.shaped(groups, got.picks, 4) and got.bytes <= 20000 and got.risk <= 0.02 + 1e-12
   groups[3] = [dataclasses.replace(o, risk=o.risk + 1e-3) for o in groups[3]]  # one layer differs: positions again
-  assert not allocator.identical(groups)
+  assert not solvers.identical(groups)
   allocator.exact(groups[:6], 20000, 0.02, runs=3)
   assert sizes[-1] == 6 * 300 + 5
 
@@ -259,7 +259,7 @@ def test_two_runs_are_solved_by_trying_every_such_plan(monkeypatch):
     for runs in (1, 2):
       best = _brute_runs(groups, budget, delta, runs)
       got = allocator.exact(groups, budget, delta, runs=runs)
-      small = allocator._exact_two_runs(groups, budget, delta, runs, block=1)  # (a, b) pairs one a at a time
+      small = allocator._summary(groups, solvers.two_runs(groups, budget, delta, runs, block=1))  # one a at a time
       assert got.time_s == pytest.approx(best.time_s) and small.time_s == pytest.approx(best.time_s)
       assert allocator.shaped(groups, got.picks, runs) and got.bytes <= budget and got.risk <= delta + 1e-12
       bound += allocator.num_runs(groups, got.picks) == 2
