@@ -92,18 +92,28 @@ def two_runs(groups, budget_bytes: int, risk_budget: float, runs: int, block: in
   total = pre[:, G]
   budget_r = risk_budget + 1e-12
   fits = lambda v: (v[0] <= budget_bytes) & (v[2] <= budget_r) & (v[3] < 0.5)  # noqa: E731
-  # one run: every group the same choice
-  one = np.where(fits(total), total[1], np.inf)
-  best_t = float(one.min())
-  best = (0, int(np.argmin(one))) if np.isfinite(best_t) else None
+  best, best_key = None, (np.inf, np.inf, np.inf)
+
+  def consider(v, where):
+    """v [4, ...] over candidate plans, where(flat index) -> the plan: keep the fastest, at equal seconds (free codecs
+    tie H with L) the fewest bytes, then the least risk."""
+    nonlocal best, best_key
+    t = np.where(fits(v), v[1], np.inf).ravel()
+    if not np.isfinite(t.min()):
+      return
+    ties = np.flatnonzero(t <= t.min() + 1e-12 * max(1.0, abs(t.min())))
+    j = ties[np.lexsort((v[2].ravel()[ties], v[0].ravel()[ties]))[0]]
+    key = (t[j], v[0].ravel()[j], v[2].ravel()[j])
+    if key[0] < best_key[0] - 1e-12 * max(1.0, abs(key[0])) or (
+        abs(key[0] - best_key[0]) <= 1e-12 * max(1.0, abs(key[0])) and key[1:] < best_key[1:]):
+      best, best_key = where(int(j)), key
+
+  consider(total, lambda j: (0, j))  # one run: every group the same choice
   for m in range(2, G - 1) if runs >= 2 else ():
     head, tail = pre[:, m], total - pre[:, m]  # [4, K] each: choice a on [0, m), choice b on [m, G)
     for lo in range(0, K, block):
       pair = head[:, lo:lo + block, None] + tail[:, None, :]  # [4, block, K]
-      t_ab = np.where(fits(pair), pair[1], np.inf)
-      flat = int(np.argmin(t_ab))
-      if t_ab.flat[flat] < best_t - 1e-15:
-        best_t, best = float(t_ab.flat[flat]), (m, lo + flat // K, flat % K)
+      consider(pair, lambda j, m=m, lo=lo: (m, lo + j // K, j % K))
   if best is None:
     raise RuntimeError("MILP failed: no plan of at most two runs fits both budgets")
   if best[0] == 0:

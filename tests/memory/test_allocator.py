@@ -266,3 +266,12 @@ def test_two_runs_are_solved_by_trying_every_such_plan(monkeypatch):
   assert calls == [] and bound  # no MILP; two-run plans were optimal somewhere
   allocator.exact(groups, 6000, 0.03, runs=3)
   assert calls  # three runs: the MILP
+
+
+def test_two_runs_break_ties_by_fewest_bytes_then_least_risk():
+  opts = lambda r: [allocator.Option((R,), 0, 2.0), allocator.Option((H,), 700, 0.0),  # noqa: E731
+                    allocator.Option((L,), 300, 0.0, r), allocator.Option(("L2",), 300, 0.0, 2 * r)]
+  groups = [opts(0.001 * (1 + i)) for i in range(5)]  # free codecs: H and L equally fast, L fewer bytes
+  got = allocator.exact(groups, 10_000, 1.0, runs=2)
+  assert got.time_s == 0.0 and got.choice == (L,) * 5
+  assert allocator.exact(groups, 10_000, 0.0, runs=2).choice == (H,) * 5  # no risk allowed: H at the same seconds
