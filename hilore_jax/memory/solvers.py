@@ -88,7 +88,9 @@ def two_runs(groups, budget_bytes: int, risk_budget: float, runs: int, block: in
   for gi, g in enumerate(groups):
     for o in g:
       per[:, gi, col[o.choice]] = (o.bytes, o.time_s, o.risk, 0.0)
-  pre = np.concatenate([np.zeros((4, 1, K)), np.cumsum(per, axis=1)], axis=1)  # [4, G + 1, K]
+  pre = np.concatenate([np.zeros((4, 1, K)), np.cumsum(per, axis=1)], axis=1)  # [4, G + 1, K]: groups [0, m)
+  # groups [m, G) summed on their own: total - pre loses a small tail's risk beside a large head's
+  suf = np.concatenate([np.cumsum(per[:, ::-1], axis=1)[:, ::-1], np.zeros((4, 1, K))], axis=1)
   total = pre[:, G]
   budget_r = risk_budget + 1e-12
   fits = lambda v: (v[0] <= budget_bytes) & (v[2] <= budget_r) & (v[3] < 0.5)  # noqa: E731
@@ -110,7 +112,7 @@ def two_runs(groups, budget_bytes: int, risk_budget: float, runs: int, block: in
 
   consider(total, lambda j: (0, j))  # one run: every group the same choice
   for m in range(2, G - 1) if runs >= 2 else ():
-    head, tail = pre[:, m], total - pre[:, m]  # [4, K] each: choice a on [0, m), choice b on [m, G)
+    head, tail = pre[:, m], suf[:, m]  # [4, K] each: choice a on [0, m), choice b on [m, G)
     for lo in range(0, K, block):
       pair = head[:, lo:lo + block, None] + tail[:, None, :]  # [4, block, K]
       consider(pair, lambda j, m=m, lo=lo: (m, lo + j // K, j % K))
