@@ -143,12 +143,22 @@ def layer_groups(unit_list, op_s, risk_of: dict, allow_l: bool, allow_o: bool) -
 
 @functools.lru_cache(maxsize=32)
 def _layer_groups(unit_list: tuple, op_items: tuple, risk_items: tuple, allow_l: bool, allow_o: bool):
-  op_s, risk_of, groups = dict(op_items), dict(risk_items), []
+  op_s, risk_of, layers = dict(op_items), dict(risk_items), []
   for idx in layers_of(unit_list):
     layer_units = [unit_list[i] for i in idx]
+    risk = {u.kind: risk_of.get((u.layer, u.kind), 0.0) for u in layer_units}
     cands = costmodel.candidates(layer_units, op_s, allow_l, allow_o)
-    groups.append(tuple(costmodel.layer_options(cands, {u.kind: risk_of.get((u.layer, u.kind), 0.0)
-                                                        for u in layer_units})))
+    layers.append((cands, risk, costmodel.layer_options(cands, risk)))
+  # a choice any layer keeps stays in every layer: a run of layers shares one choice, and one pruned from a layer
+  # (dominated at that layer's risks) could not carry a run through it; where every layer keeps the same choices
+  # (equal risks) nothing is added
+  kept = {o.choice for *_, opts in layers for o in opts}
+  groups = []
+  for cands, risk, opts in layers:
+    have = {o.choice: o for o in opts}
+    groups.append(tuple(have.get(c.choice) or allocator.Option(c.choice, c.bytes, c.time_s,
+                                                               float(sum(risk.get(k, 0.0) for k in c.lowp)))
+                        for c in cands if c.choice in kept))
   return tuple(groups)  # shared by every caller: immutable
 
 

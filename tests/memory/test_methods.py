@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from hilore_jax import model
-from hilore_jax.memory import methods
+from hilore_jax.memory import costmodel, methods
 from hilore_jax.memory import profile as units
 from hilore_jax.memory.allocator import H, L, R
 from hilore_jax.model import codec
@@ -158,3 +158,22 @@ def test_hilore_static_and_hilore_compress_within_the_risk_budget(tiny_cfg):
     assert capped.choice == greedy.choice and capped.choice != plan.choice  # greedy misses the optimum here
   with pytest.raises(ValueError, match="unknown memory.policy"):
     methods.plan("magic", us, {}, 0)
+
+
+def test_every_layer_keeps_the_choices_any_layer_keeps(tiny_cfg):
+  # per-kind risks that rank the L units differently in each layer: each layer's own Pareto pruning drops choices
+  # another layer keeps, and a run of layers needs one choice available in all of them
+  us, ops = _units(tiny_cfg)
+  kinds = sorted({u.kind for u in us if u.bytes_l})
+  risk = {(u.layer, u.kind): 1e-6 * (1 + (kinds.index(u.kind) * (u.layer + 1)) % 5) for u in us if u.bytes_l}
+  groups = methods.layer_groups(us, ops, risk, allow_l=True, allow_o=False)
+  per_layer = [{o.choice for o in g} for g in groups]
+  assert all(s == per_layer[0] for s in per_layer)
+  cands = [c for c in costmodel.candidates([u for u in us if u.layer == 0], ops) if c.choice in per_layer[0]]
+  own = [{o.choice for o in costmodel.layer_options(cands, {k: r for (layer, k), r in risk.items() if layer == g})}
+         for g in range(len(groups))]
+  assert any(o != per_layer[0] for o in own)  # pruned alone, the layers would differ
+  for g, group in enumerate(groups):  # an added choice carries its own layer's risk
+    for o in group:
+      assert o.risk == pytest.approx(sum(risk.get((g, k), 0.0) for k, c in zip(
+          [u.kind for u in us if u.layer == g], o.choice) if c == L))
